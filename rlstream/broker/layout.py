@@ -1,0 +1,191 @@
+"""Every subject, stream, consumer, KV bucket and object store of a run, spelled once.
+
+| subject                          | stream             | record            | producer   | consumer (durable)    | ack policy |
+|----------------------------------|--------------------|-------------------|------------|-----------------------|------------|
+| rl.<run>.prompts                 | RL_<run>_PROMPTS   | Prompt            | feeder     | producers (work queue)| explicit, after the rollout publish is acked |
+| rl.<run>.rollouts                | RL_<run>_ROLLOUTS  | RolloutGroup      | producers  | scorers               | explicit, after the scored publish is acked |
+| rl.<run>.scored                  | RL_<run>_SCORED    | ScoredGroup       | scorers    | learner               | explicit, after the checkpoint holding it is durable |
+| rl.<run>.metrics.<comp>.<id>     | RL_<run>_METRICS   | MetricEvent       | everyone   | tail, status, dashboard | none (read from a time) |
+| rl.<run>.dlq.<stage>             | RL_<run>_DLQ       | DeadLetter        | any stage  | operators             | none |
+| KV rl_<run>_state                | KV_rl_<run>_state  | policy.version, learner.step, pacing.admit, heartbeat.<comp>.<id> |
+| objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
+
+Creating the layout twice is harmless: streams and consumers are created or updated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from rlstream.config import NatsConfig
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    run: str
+
+    # subjects
+    @property
+    def prompts(self) -> str:
+        return f"rl.{self.run}.prompts"
+
+    @property
+    def rollouts(self) -> str:
+        return f"rl.{self.run}.rollouts"
+
+    @property
+    def scored(self) -> str:
+        return f"rl.{self.run}.scored"
+
+    def metrics(self, component: str = "*", component_id: str = "*") -> str:
+        return f"rl.{self.run}.metrics.{component}.{component_id}"
+
+    @property
+    def metrics_all(self) -> str:
+        return f"rl.{self.run}.metrics.>"
+
+    def dlq(self, stage: str = "*") -> str:
+        return f"rl.{self.run}.dlq.{stage}"
+
+    # streams
+    @property
+    def prompts_stream(self) -> str:
+        return f"RL_{self.run}_PROMPTS"
+
+    @property
+    def rollouts_stream(self) -> str:
+        return f"RL_{self.run}_ROLLOUTS"
+
+    @property
+    def scored_stream(self) -> str:
+        return f"RL_{self.run}_SCORED"
+
+    @property
+    def metrics_stream(self) -> str:
+        return f"RL_{self.run}_METRICS"
+
+    @property
+    def dlq_stream(self) -> str:
+        return f"RL_{self.run}_DLQ"
+
+    # durable consumers
+    PRODUCERS = "producers"
+    SCORERS = "scorers"
+    LEARNER = "learner"
+
+    # KV and object store
+    @property
+    def state_bucket(self) -> str:
+        return f"rl_{self.run}_state"
+
+    @property
+    def weights_bucket(self) -> str:
+        return f"rl_{self.run}_weights"
+
+    def streams(self) -> dict[str, str]:
+        """stream name -> subject filter, for status and export."""
+        return {
+            self.prompts_stream: self.prompts,
+            self.rollouts_stream: self.rollouts,
+            self.scored_stream: self.scored,
+            self.metrics_stream: self.metrics_all,
+            self.dlq_stream: f"rl.{self.run}.dlq.>",
+        }
+
+    def stream_for(self, subject: str) -> str | None:
+        for stream, filt in self.streams().items():
+            if subject == filt or (filt.endswith(">") and subject.startswith(filt[:-1])):
+                return stream
+        return None
+
+    def consumers(self) -> dict[str, tuple[str, str]]:
+        """durable name -> (stream, subject)."""
+        return {
+            self.PRODUCERS: (self.prompts_stream, self.prompts),
+            self.SCORERS: (self.rollouts_stream, self.rollouts),
+            self.LEARNER: (self.scored_stream, self.scored),
+        }
+
+
+# KV keys
+POLICY_VERSION = "policy.version"
+LEARNER_STEP = "learner.step"
+PACING_ADMIT = "pacing.admit"
+WEIGHTS_LATEST = "weights.latest"
+RUN_STATUS = "run.status"
+
+
+def heartbeat_key(component: str, component_id: str) -> str:
+    return f"heartbeat.{component}.{component_id}"
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError as exc:
+        # Exists with a different config: bring it to ours (what can be updated).
+        if getattr(exc, "err_code", None) in (10058, 10065) or "already in use" in str(exc):
+            await js.update_stream(cfg)
+        else:
+            raise
+
+
+async def ensure_layout(js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *, ack_wait_s: float | None = None) -> Layout:
+    """Create (or update) the run's streams, durable consumers, KV bucket and object store."""
+    cfg = nats_cfg or NatsConfig()
+    lay = Layout(run)
+    replicas = cfg.replicas
+    retention_s = cfg.retention_days * DAY_S
+    max_msg = cfg.max_payload_mb * 1024 * 1024
+    common = dict(storage=StorageType.FILE, num_replicas=replicas, duplicate_window=120.0, max_msg_size=max_msg)
+    await _ensure_stream(js, StreamConfig(name=lay.prompts_stream, subjects=[lay.prompts], retention=RetentionPolicy.WORK_QUEUE, **common))
+    for name, subject in ((lay.rollouts_stream, lay.rollouts), (lay.scored_stream, lay.scored)):
+        await _ensure_stream(js, StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
+    await _ensure_stream(js, StreamConfig(
+        name=lay.metrics_stream, subjects=[lay.metrics_all], retention=RetentionPolicy.LIMITS,
+        max_age=retention_s, discard=DiscardPolicy.OLD, **common))
+    await _ensure_stream(js, StreamConfig(
+        name=lay.dlq_stream, subjects=[f"rl.{run}.dlq.>"], retention=RetentionPolicy.LIMITS, max_age=retention_s * 4, **common))
+    wait = ack_wait_s or cfg.ack_wait_s
+    for durable, (stream, subject) in lay.consumers().items():
+        cc = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            filter_subject=subject,
+            ack_wait=wait,
+            # We count deliveries ourselves and dead-letter at max_deliver; the server limit
+            # is one more so a record is never silently parked.
+            max_deliver=-1,
+            max_ack_pending=-1,
+            max_waiting=512,
+        )
+        await js.add_consumer(stream, cc)
+    try:
+        await js.key_value(lay.state_bucket)
+    except NotFoundError:
+        await js.create_key_value(KeyValueConfig(bucket=lay.state_bucket, history=1, storage=StorageType.FILE, replicas=replicas))
+    try:
+        await js.object_store(lay.weights_bucket)
+    except NotFoundError:
+        await js.create_object_store(lay.weights_bucket, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas))
+    return lay

@@ -1,0 +1,220 @@
+"""The ``rlstream`` command line: thin entry points over the components.
+
+Each component module exposes ``async def main(cfg, nats_url, component_id, **kw) -> int``;
+this file only parses arguments, loads the config and calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlstream import __version__
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLSTREAM_LOG", "INFO").upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("nats", "asyncio", "httpx", "urllib3", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+def _load(args: argparse.Namespace):
+    from rlstream.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, getattr(args, "set", None) or [])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _nats_url(args: argparse.Namespace, cfg) -> str:
+    url = getattr(args, "nats", None) or (cfg.nats.url if cfg is not None else None) or os.environ.get("RLSTREAM_NATS_URL")
+    if not url:
+        print("error: no NATS URL: pass --nats, set nats.url in the config or RLSTREAM_NATS_URL", file=sys.stderr)
+        raise SystemExit(2)
+    return url
+
+
+def _call(module: str, func: str = "main"):
+    return getattr(importlib.import_module(module), func)
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def cmd_validate(args) -> int:
+    cfg = _load(args)
+    print(f"ok: {args.config} is a valid {cfg.training_mode} config (run {cfg.run!r})")
+    return 0
+
+
+def cmd_broker(args) -> int:
+    from rlstream.broker.server import run_foreground
+
+    return run_foreground(args.port, args.store, args.host)
+
+
+def _component(module: str, default_id: str):
+    def run(args) -> int:
+        cfg = _load(args)
+        url = _nats_url(args, cfg)
+        main = _call(module)
+        extra = {}
+        if getattr(args, "run_dir", None):
+            extra["run_dir"] = Path(args.run_dir)
+        if getattr(args, "resume", False):
+            extra["resume"] = True
+        if getattr(args, "max_steps", None):
+            extra["max_steps"] = args.max_steps
+        return asyncio.run(main(cfg, url, args.id or default_id, **extra)) or 0
+
+    return run
+
+
+def cmd_run(args) -> int:
+    return _call("rlstream.run")(args)
+
+
+def cmd_reward_server(args) -> int:
+    return _call("rlstream.scorers.reward_server", "cli")(args)
+
+
+def cmd_observe(name: str):
+    def run(args) -> int:
+        return _call(f"rlstream.observe.{name}", "cli")(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlstream", description="Asynchronous streaming post-training over NATS JetStream.")
+    p.add_argument("--version", action="version", version=f"rlstream {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(sp):
+        sp.add_argument("config", help="YAML config file")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config value")
+
+    def with_nats(sp):
+        sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL)")
+
+    sp = sub.add_parser("validate", help="check a config; exit 0 or name the bad field")
+    with_config(sp)
+    sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("run", help="everything on one machine (embedded nats-server unless nats.url is set)")
+    with_config(sp)
+    sp.add_argument("--run-dir", help="run directory (default runs/<run>)")
+    sp.add_argument("--max-steps", type=int, help="stop after this many learner steps")
+    sp.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    sp.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = sub.add_parser("broker", help="the embedded nats-server in the foreground")
+    sp.add_argument("--port", type=int, default=4222)
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--store", default="nats-store", help="JetStream store directory")
+    sp.set_defaults(fn=cmd_broker)
+
+    components = {
+        "feed": ("rlstream.producers.feeder", "feeder", "publish the prompt dataset to the prompts stream"),
+        "producer": ("rlstream.producers.loop", "producer-0", "generate rollout groups from prompts"),
+        "scorer": ("rlstream.scorers.loop", "scorer-0", "score rollout groups"),
+        "learner": ("rlstream.learner.loop", "learner", "train on scored groups (or an offline dataset)"),
+    }
+    for name, (module, default_id, help_text) in components.items():
+        sp = sub.add_parser(name, help=help_text)
+        with_config(sp)
+        with_nats(sp)
+        sp.add_argument("--id", help=f"component id (default {default_id})")
+        if name == "learner":
+            sp.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<run>)")
+            sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
+            sp.add_argument("--max-steps", type=int)
+        sp.set_defaults(fn=_component(module, default_id))
+
+    sp = sub.add_parser("reward-server", help="serve a reward model over HTTP")
+    sp.add_argument("--model", required=True, help="Hugging Face model directory")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--token", help="bearer token (required when not bound to loopback)")
+    sp.add_argument("--max-batch", type=int, default=64)
+    sp.set_defaults(fn=cmd_reward_server)
+
+    sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")
+    sp.add_argument("subject")
+    with_nats(sp)
+    sp.add_argument("--json", action="store_true", help="one JSON object per line")
+    sp.add_argument("--from-seq", type=int, help="start at this stream sequence")
+    sp.add_argument("--since", help="start at this time (ISO 8601, or seconds ago like 300s)")
+    sp.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE", help="keep records whose field equals value")
+    sp.add_argument("--tokenizer", help="tokenizer directory, to show token text")
+    sp.add_argument("--count", type=int, help="stop after this many records")
+    sp.add_argument("--timeout", type=float, help="stop after this many idle seconds")
+    sp.set_defaults(fn=cmd_observe("tail"))
+
+    sp = sub.add_parser("status", help="streams, consumers, components alive, policy version, lag")
+    sp.add_argument("--run", required=True)
+    with_nats(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_observe("status"))
+
+    sp = sub.add_parser("export", help="write a range of a stream to a file")
+    sp.add_argument("--run", required=True)
+    sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
+    with_nats(sp)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--from-seq", type=int)
+    sp.add_argument("--to-seq", type=int)
+    sp.add_argument("--since")
+    sp.add_argument("--until")
+    sp.set_defaults(fn=cmd_observe("export"))
+
+    sp = sub.add_parser("import", help="publish an exported file into a run")
+    sp.add_argument("file")
+    sp.add_argument("--run", required=True)
+    with_nats(sp)
+    sp.set_defaults(fn=cmd_observe("export_import"))
+
+    sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups; compare losses")
+    sp.add_argument("run_dir")
+    with_nats(sp)
+    sp.add_argument("--from-step", type=int, required=True, help="checkpoint step to start from")
+    sp.add_argument("--steps", type=int, default=4)
+    sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_observe("replay"))
+
+    sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
+    sp.add_argument("--run", required=True)
+    with_nats(sp)
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8265)
+    sp.set_defaults(fn=cmd_observe("dashboard"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.fn(args) or 0
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("rlstream."):
+            print(f"error: `rlstream {args.command}` is not available in this build ({exc.name} missing)", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,498 @@
+"""One validated config for every component and every training mode.
+
+The seed keys users already write (``training_mode``, ``model_checkpoint_path``,
+``data_source``, ``reward_function``, ``algorithm_params``) are accepted as they are.
+``training_mode`` selects the class of ``algorithm_params`` (a discriminated union), so
+each mode holds only its own knobs. Unknown keys are rejected. Errors name the field,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO"]
+RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO")
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message names the field, the value and what is allowed."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---- algorithms ------------------------------------------------------------------------
+
+
+class SFTParams(Strict):
+    type: Literal["SFT"] = "SFT"
+    packing: bool = False
+    """Concatenate examples into full-length rows (no padding)."""
+    loss_aggregation: LossAggregation = "token-mean"
+
+
+class DPOParams(Strict):
+    type: Literal["DPO"] = "DPO"
+    beta: float = Field(0.1, gt=0, le=10)
+    """Strength of the implicit KL to the reference (Rafailov et al. 2023)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO: assumed probability that a preference label is flipped."""
+    online_pairs: bool = False
+    """Build pairs from scored groups (best vs worst sample) instead of an offline dataset."""
+
+
+class RLParams(Strict):
+    """Knobs every RL mode shares: group sampling, off-policy correction, KL to reference."""
+
+    group_size: int = Field(8, ge=1, le=1024)
+    """Samples generated per prompt."""
+    kl_coefficient: float = Field(0.0, ge=0)
+    """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
+    max_staleness: int = Field(1, ge=0, le=1000)
+    """Most policy versions a sample may lag the learner; older samples are dropped. 0 = synchronous."""
+    off_policy_correction: Literal["tis", "mask", "decoupled", "none"] = "tis"
+    """tis: truncated importance weight behaviour->current; mask: drop tokens whose weight
+    leaves [1/cap, cap]; decoupled: PPO ratio against the proximal (current) policy times a
+    truncated behaviour weight; none: the behaviour log-probs are the old policy."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Cap of the truncated importance weight."""
+    loss_aggregation: LossAggregation = "token-mean"
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo", "gae"] = "group_relative"
+    epochs_per_batch: int = Field(1, ge=1, le=16)
+    """Optimizer passes over each batch (PPO epochs)."""
+
+
+class PPOParams(RLParams):
+    type: Literal["RL_PPO"] = "RL_PPO"
+    group_size: int = Field(1, ge=1, le=1024)
+    advantage_type: Literal["gae"] = "gae"
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    value_clip_range: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    value_lr: float | None = Field(None, gt=0)
+    """Learning rate of the value head; defaults to the learner's."""
+
+
+class GRPOParams(RLParams):
+    type: Literal["RL_GRPO"] = "RL_GRPO"
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    kl_coefficient: float = Field(0.04, ge=0)
+
+
+class DAPOParams(RLParams):
+    type: Literal["RL_DAPO"] = "RL_DAPO"
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (zero advantage) and keep filling the batch."""
+    overlong_filtering: bool = False
+    """Mask the loss of truncated samples (finish_reason == 'length')."""
+    overlong_max_length: int | None = Field(None, ge=1)
+    """Overlong reward shaping: length with the full penalty (default: the producer's max_new_tokens)."""
+    overlong_buffer: int | None = Field(None, ge=0)
+    """Overlong reward shaping: soft-penalty window before max length (default: max length / 5)."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    loss_aggregation: LossAggregation = "token-mean"
+
+    @model_validator(mode="after")
+    def _clip_order(self):
+        if self.overlong_max_length is not None and self.overlong_buffer is not None and self.overlong_buffer > self.overlong_max_length:
+            raise ValueError(f"overlong_buffer ({self.overlong_buffer}) must not exceed overlong_max_length ({self.overlong_max_length})")
+        return self
+
+
+class GSPOParams(RLParams):
+    type: Literal["RL_GSPO"] = "RL_GSPO"
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_low: float = Field(3e-4, gt=0, lt=1)
+    clip_high: float = Field(4e-4, gt=0)
+    loss_aggregation: LossAggregation = "seq-mean-token-mean"
+
+
+AlgorithmParams = Annotated[
+    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams],
+    Field(discriminator="type"),
+]
+
+
+# ---- data, rewards, components ---------------------------------------------------------
+
+
+class DataSource(Strict):
+    type: Literal["on_policy", "off_policy"] = "on_policy"
+    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
+    path: str | None = None
+    """jsonl, parquet, or a Hugging Face ``datasets`` directory saved with save_to_disk."""
+    split: str = "train"
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    completion_column: str = "completion"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    sampling_endpoint: str | None = None
+    """An OpenAI-compatible server (``.../v1/completions``); selects the openai backend."""
+    epochs: int = Field(1, ge=1)
+    shuffle_seed: int | None = 0
+    limit: int | None = Field(None, ge=1)
+    """Use at most this many rows."""
+
+
+class RewardTerm(Strict):
+    """One named reward component and its weight in the total."""
+
+    name: str | None = None
+    rule: Literal["exact_match", "math", "format", "length_penalty", "overlong"] | None = None
+    function: str | None = None
+    """Import path ``package.module:function`` with TRL's signature."""
+    weight: float = 1.0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.rule is None) == (self.function is None):
+            raise ValueError("give exactly one of 'rule' or 'function'")
+        if self.function is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.function):
+            raise ValueError(f"function {self.function!r} must look like 'package.module:function'")
+        if self.name is None:
+            self.name = self.rule or self.function.rsplit(":", 1)[1]
+        return self
+
+
+class RewardFunction(Strict):
+    type: Literal["rule_based", "model_based", "python"] = "rule_based"
+    terms: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(rule="math")])
+    endpoint: str | None = None
+    """model_based: POST {"prompts": [...], "completions": [...]} -> {"scores": [...]}."""
+    token: SecretStr | None = None
+    timeout_s: float = Field(30.0, gt=0)
+    retries: int = Field(3, ge=0)
+    answer_column: str = "answer"
+
+    @model_validator(mode="after")
+    def _endpoint(self):
+        if self.type == "model_based" and not self.endpoint:
+            raise ValueError("reward_function.type 'model_based' needs an endpoint")
+        return self
+
+
+class NatsTLS(Strict):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    hostname: str | None = None
+
+
+class NatsConfig(Strict):
+    url: str | None = None
+    """nats://host:port (comma-separated for a cluster). Absent: an embedded server."""
+    user: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = None
+    creds_file: str | None = None
+    tls: NatsTLS | None = None
+    replicas: int = Field(1, ge=1, le=5)
+    """Stream replicas: 1 embedded, 3 in a cluster."""
+    max_deliver: int = Field(5, ge=1)
+    """Deliveries before a record goes to the dead-letter stream."""
+    ack_wait_s: float = Field(60.0, gt=0)
+    max_payload_mb: int = Field(8, ge=1, le=64)
+    retention_days: float = Field(7.0, gt=0)
+    """How long rollouts and scored groups are kept for replay."""
+
+
+class ProducerConfig(Strict):
+    backend: Literal["hf", "vllm", "openai"] = "hf"
+    count: int = Field(1, ge=0, le=256)
+    batch_prompts: int = Field(8, ge=1)
+    """Prompts generated together (times group_size sequences)."""
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    stop: list[str] = Field(default_factory=list)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    """Extra vllm.LLM / AsyncEngineArgs keyword arguments."""
+    endpoint: str | None = None
+    model_name: str | None = None
+    """Model name to request from an OpenAI-compatible server."""
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class ScorerConfig(Strict):
+    count: int = Field(1, ge=0, le=256)
+    batch_groups: int = Field(16, ge=1)
+    processes: int = Field(1, ge=0)
+    """Worker processes for CPU-heavy rules (math-verify); 0 = in a thread."""
+
+
+class BufferConfig(Strict):
+    max_groups: int = Field(64, ge=1)
+    """Scored groups that may wait for the learner; producers pause beyond it."""
+
+
+class CheckpointConfig(Strict):
+    interval: int = Field(50, ge=1)
+    """Steps between checkpoints."""
+    keep_last: int = Field(3, ge=1)
+    max_age_days: float | None = Field(7.0, gt=0)
+    """Checkpoints older than this are deleted (the latest is always kept)."""
+    save_optimizer: bool = True
+
+
+class LearnerConfig(Strict):
+    engine: Literal["torch", "deepspeed"] = "torch"
+    deepspeed: dict[str, Any] | str | None = None
+    """A DeepSpeed JSON, inline or as a path; batch, accumulation, clipping and precision must agree."""
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    betas: tuple[float, float] = (0.9, 0.999)
+    batch_groups: int = Field(8, ge=1)
+    """Groups per optimizer step (RL) / examples per step (SFT, DPO)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward pass."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
+    max_steps: int = Field(100, ge=1)
+    publish_every: int = Field(1, ge=1)
+    weights_transport: Literal["object_store", "shared_path"] = "object_store"
+    shared_path: str | None = None
+    keep_versions: int = Field(2, ge=1)
+    reference_model_path: str | None = None
+    """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
+    max_seq_len: int = Field(1024, ge=8)
+    seed: int = 0
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _shared(self):
+        if self.weights_transport == "shared_path" and not self.shared_path:
+            raise ValueError("weights_transport 'shared_path' needs learner.shared_path")
+        return self
+
+    def deepspeed_config(self, world_size: int = 1) -> dict[str, Any]:
+        """The DeepSpeed dict with batch, accumulation, clipping and precision from this config.
+
+        Values the user wrote are kept when they agree (``"auto"`` is filled in); a value that
+        disagrees is an error, so the two can never silently differ.
+        """
+        ds = self.deepspeed
+        if isinstance(ds, str):
+            ds = json.loads(Path(ds).read_text())
+        ds = dict(ds or {})
+        micro = self.micro_batch_size
+        derived = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_clipping": self.max_grad_norm or 0.0,
+        }
+        for key, want in derived.items():
+            have = ds.get(key, "auto")
+            if have not in ("auto", None) and have != want:
+                raise ConfigError(f"learner.deepspeed.{key} = {have!r} disagrees with the rlstream config ({want!r}); remove it or set it to 'auto'")
+            ds[key] = want
+        for key in ("train_batch_size", "gradient_accumulation_steps"):
+            if ds.get(key) == "auto":
+                ds.pop(key)
+        bf16 = ds.get("bf16", {}).get("enabled", "auto") if isinstance(ds.get("bf16"), dict) else "auto"
+        want_bf16 = self.dtype == "bfloat16"
+        if bf16 not in ("auto", None) and bool(bf16) != want_bf16:
+            raise ConfigError(f"learner.deepspeed.bf16.enabled = {bf16!r} disagrees with learner.dtype = {self.dtype!r}")
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": want_bf16}
+        ds.setdefault("zero_optimization", {"stage": 0})
+        return ds
+
+
+class MetricsConfig(Strict):
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
+    interval_s: float = Field(2.0, gt=0)
+
+
+# ---- the whole config --------------------------------------------------------------------
+
+
+class Config(Strict):
+    """The rlstream config. One YAML file drives every component."""
+
+    run: str = Field("run", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Run id; names the streams (``rl.<run>.*``)."""
+    training_mode: TrainingMode
+    model_checkpoint_path: str
+    tokenizer_path: str | None = None
+    data_source: DataSource = Field(default_factory=DataSource)
+    reward_function: RewardFunction = Field(default_factory=RewardFunction)
+    algorithm_params: AlgorithmParams
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    scorer: ScorerConfig = Field(default_factory=ScorerConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_selects_params(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "training_mode" in data:
+            params = data.get("algorithm_params") or {}
+            if isinstance(params, dict):
+                data = {**data, "algorithm_params": {**params, "type": data["training_mode"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        mode = self.training_mode
+        if mode in RL_MODES and self.data_source.type != "on_policy":
+            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy', got {self.data_source.type!r}")
+        if mode == "SFT" and self.data_source.type == "on_policy":
+            raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
+        if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
+            raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
+        if self.data_source.sampling_endpoint and self.producer.backend != "openai":
+            self.producer.backend = "openai"
+        if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
+            raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
+        if self.learner.engine == "deepspeed":
+            try:
+                self.learner.deepspeed_config()
+            except (ConfigError, OSError, json.JSONDecodeError) as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def is_rl(self) -> bool:
+        return self.training_mode in RL_MODES
+
+    @property
+    def group_size(self) -> int:
+        return getattr(self.algorithm_params, "group_size", 1)
+
+    @property
+    def max_staleness(self) -> int:
+        return getattr(self.algorithm_params, "max_staleness", 0)
+
+    def resolved(self) -> dict[str, Any]:
+        """The full config with defaults filled in and secrets masked (for config.resolved.json)."""
+        return self.model_dump(mode="json")
+
+
+# ---- loading, overrides, error messages --------------------------------------------------
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(value)
+    return data
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
+    if len(loc) >= 2 and loc[0] == "algorithm_params" and loc[1] in ("SFT", "DPO") + RL_MODES:
+        loc = [loc[0]] + loc[2:]
+    field = ".".join(loc) or "<config>"
+    value = err.get("input")
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return f"{field}: unknown key (value {value!r}); check the spelling or remove it"
+    if kind == "missing":
+        return f"{field}: required, missing"
+    if kind == "literal_error":
+        return f"{field}: {value!r} is not allowed; allowed: {ctx.get('expected')}"
+    if kind == "union_tag_invalid":
+        return f"training_mode: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
+    if kind == "string_pattern_mismatch":
+        return f"{field}: {value!r} must match {ctx.get('pattern')}"
+    msg = err["msg"]
+    if kind.startswith(("greater", "less")) or "parsing" in kind or kind.endswith("_type"):
+        return f"{field}: {value!r} is not allowed; {msg[0].lower() + msg[1:]}"
+    return f"{field}: {msg} (value {value!r})" if loc else msg
+
+
+def parse_config(data: dict[str, Any]) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"<config>: expected a mapping of keys, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = list(dict.fromkeys(_describe(e) for e in exc.errors(include_url=False)))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    data = apply_overrides(data, overrides or [])
+    cfg = parse_config(data)
+    return _resolve_relative_paths(cfg, path.parent)
+
+
+def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
+    """Relative model/data paths in a config file are relative to that file."""
+
+    def fix(p: str | None) -> str | None:
+        if p is None or "://" in p or Path(p).is_absolute():
+            return p
+        candidate = (base / p).resolve()
+        return str(candidate) if candidate.exists() or not Path(p).exists() else str(Path(p).resolve())
+
+    cfg.model_checkpoint_path = fix(cfg.model_checkpoint_path)
+    cfg.tokenizer_path = fix(cfg.tokenizer_path)
+    cfg.data_source.path = fix(cfg.data_source.path)
+    cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
+    if isinstance(cfg.learner.deepspeed, str):
+        cfg.learner.deepspeed = fix(cfg.learner.deepspeed)
+    return cfg
+
+
+def dump_resolved(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.resolved(), indent=2, sort_keys=True) + "\n")
+

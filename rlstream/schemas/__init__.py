@@ -1,0 +1,24 @@
+"""Records that cross the broker, their MessagePack codec and validation."""
+
+from rlstream.schemas.codec import DEFAULT_LIMITS, Limits, RecordError
+from rlstream.schemas.records import (
+    RECORDS,
+    DeadLetter,
+    MetricEvent,
+    PreferencePair,
+    Prompt,
+    Record,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    SFTExample,
+    WeightsAnnouncement,
+    decode_any,
+    new_id,
+)
+
+__all__ = [
+    "DEFAULT_LIMITS", "Limits", "RecordError", "RECORDS", "DeadLetter", "MetricEvent",
+    "PreferencePair", "Prompt", "Record", "RolloutGroup", "Sample", "ScoredGroup",
+    "SFTExample", "WeightsAnnouncement", "decode_any", "new_id",
+]

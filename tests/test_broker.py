@@ -1,0 +1,182 @@
+"""Broker behaviour against a real nats-server: layout, de-dup, redelivery, DLQ, KV, objects."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from rlstream.broker import Consumer, Layout, Outgoing, Publisher, RunState, connect, ensure_layout, get_object, put_object
+from rlstream.broker.layout import POLICY_VERSION
+from rlstream.config import NatsConfig
+from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, Sample
+
+
+@pytest.fixture
+async def js(nats_server):
+    nc = await connect(url=nats_server.url, name="test")
+    yield nc.jetstream()
+    await nc.close()
+
+
+def prompt(i: int) -> Prompt:
+    return Prompt(id=f"p{i}", text=f"prompt {i}", columns={"answer": str(i)}, index=i)
+
+
+async def test_layout_twice_is_harmless(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    await Publisher(js).publish(lay.prompts, prompt(0).encode(), "p0")
+    again = await ensure_layout(js, run_id)
+    assert again == lay
+    info = await js.stream_info(lay.prompts_stream)
+    assert info.state.messages == 1  # re-creating kept the data
+    assert str(getattr(info.config.retention, "value", info.config.retention)) == "workqueue"
+    for durable in (Layout.PRODUCERS, Layout.SCORERS, Layout.LEARNER):
+        stream, _ = lay.consumers()[durable]
+        assert (await js.consumer_info(stream, durable)).config.durable_name == durable
+
+
+async def test_publish_is_deduplicated_by_record_id(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    items = [Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(20)]
+    first = await pub.publish_many(items)
+    second = await pub.publish_many(items)
+    assert not any(a.duplicate for a in first)
+    assert all(a.duplicate for a in second)
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 20
+
+
+async def test_malformed_record_goes_to_dlq_and_consumer_keeps_going(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    await pub.publish(lay.prompts, prompt(1).encode(), "p1")
+    await pub.publish(lay.prompts, b"\x93not a record")
+    bad = prompt(2).to_wire()
+    bad["epoch"] = "zero"
+    import msgpack
+
+    await pub.publish(lay.prompts, msgpack.packb(bad))
+    await pub.publish(lay.prompts, prompt(3).encode(), "p3")
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    got = await consumer.fetch(10, timeout=2)
+    assert [d.record.id for d in got] == ["p1", "p3"]
+    for d in got:
+        await d.ack()
+    assert consumer.dead_lettered == 2
+    dlq = await js.pull_subscribe(lay.dlq("producer"), durable=None, stream=lay.dlq_stream)
+    letters = [DeadLetter.decode(m.data) for m in await dlq.fetch(2, timeout=2)]
+    assert letters[0].data == b"\x93not a record" and "not valid MessagePack" in letters[0].reason
+    assert letters[1].stage == "producer" and "epoch: expected int, got str" in letters[1].reason
+    # work queue is empty: bad records were removed, good ones acked
+    await asyncio.sleep(0.2)
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+
+
+async def test_processing_failures_dead_letter_after_max_deliver(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    await Publisher(js).publish(lay.prompts, prompt(7).encode(), "p7")
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer", max_deliver=3, backoff_s=(0.1,)).start()
+    tries = []
+    for _ in range(20):
+        for d in await consumer.fetch(1, timeout=1):
+            tries.append(d.deliveries)
+            await consumer.fail(d, "reward endpoint refused")
+        if consumer.dead_lettered:
+            break
+    assert tries == [1, 2, 3]
+    dlq = await js.pull_subscribe(lay.dlq("producer"), durable=None, stream=lay.dlq_stream)
+    letter = DeadLetter.decode((await dlq.fetch(1, timeout=2))[0].data)
+    assert letter.record_id == "p7" and letter.deliveries == 3 and "reward endpoint refused" in letter.reason
+    assert Prompt.decode(letter.data).id == "p7"
+
+
+async def test_unacked_records_of_a_killed_consumer_are_redelivered(nats_server, run_id, tmp_path):
+    nc = await connect(url=nats_server.url)
+    js = nc.jetstream()
+    lay = await ensure_layout(js, run_id, ack_wait_s=1.5)
+    await Publisher(js).publish_many([Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(6)])
+    script = textwrap.dedent(f"""
+        import asyncio, sys, time
+        from rlstream.broker import connect, Consumer, Layout
+        from rlstream.schemas import Prompt
+        async def main():
+            nc = await connect(url={nats_server.url!r})
+            c = await Consumer(nc.jetstream(), Layout({run_id!r}), "producers", Prompt, stage="producer").start()
+            got = await c.fetch(4, timeout=5)
+            print(",".join(d.record.id for d in got), flush=True)
+            time.sleep(60)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    taken = proc.stdout.readline().strip().split(",")
+    assert len(taken) == 4
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    seen = {}
+    for _ in range(20):
+        for d in await consumer.fetch(10, timeout=1):
+            seen[d.record.id] = d.deliveries
+            await d.ack()
+        if len(seen) == 6:
+            break
+    assert sorted(seen) == [f"p{i}" for i in range(6)]
+    assert all(seen[i] == 2 for i in taken)  # the killed consumer's records came a second time
+    await nc.close()
+
+
+async def test_kv_watch_sees_version_bumps(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    state = await RunState.open(js, lay)
+    watcher = await state.kv.watch(POLICY_VERSION)
+    seen = []
+
+    async def watch():
+        async for entry in watcher:
+            if entry is None:  # end of initial values
+                continue
+            seen.append(int(entry.value))
+            if len(seen) == 3:
+                return
+
+    task = asyncio.create_task(watch())
+    for v in (1, 2, 3):
+        await state.set_policy_version(v)
+    await asyncio.wait_for(task, 5)
+    assert seen == [1, 2, 3]
+    assert await state.policy_version() == 3
+    await state.heartbeat("producer", "p0", tokens_per_s=12.5)
+    beats = await state.heartbeats()
+    assert beats["producer.p0"]["tokens_per_s"] == 12.5 and beats["producer.p0"]["age_s"] < 5
+
+
+async def test_fifty_megabyte_object_round_trips_byte_exact(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    data = np.random.default_rng(0).integers(0, 256, 50 * 1024 * 1024, dtype=np.uint8).tobytes()
+    size = await put_object(js, lay.weights_bucket, "policy-v1.safetensors", data)
+    assert size == len(data)
+    back = await get_object(js, lay.weights_bucket, "policy-v1.safetensors")
+    assert back == data
+
+
+async def test_rollout_records_cross_the_broker_intact(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    g = RolloutGroup(id="g", prompt_id="p", prompt_text="x", prompt_ids=np.array([1, 2], np.int32),
+                     samples=[Sample(np.array([3, 4], np.int32), np.array([-0.1, -2.0], np.float32))], policy_version=1)
+    await Publisher(js).publish(lay.rollouts, g.encode(), g.id)
+    c = await Consumer(js, lay, Layout.SCORERS, RolloutGroup, stage="scorer").start()
+    (d,) = await c.fetch(1, timeout=2)
+    assert d.record.samples[0].logprobs.tolist() == pytest.approx([-0.1, -2.0])
+    await d.ack()
+
+
+async def test_wrong_address_gives_a_clear_error():
+    from rlstream.broker import BrokerError, free_port
+
+    with pytest.raises(BrokerError, match="cannot reach NATS"):
+        await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}"))

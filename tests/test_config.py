@@ -1,0 +1,102 @@
+"""The config: the seed format as is, per-mode knobs, errors that name the field."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rlstream.config import ConfigError, apply_overrides, load_config, parse_config
+
+SEED = {
+    "training_mode": "RL_GRPO",
+    "model_checkpoint_path": "/mnt/storage/base_model",
+    "data_source": {"type": "on_policy", "sampling_endpoint": "http://rl-lb:8000/generate"},
+    "reward_function": {"type": "model_based", "endpoint": "http://reward-service:8000/score"},
+    "algorithm_params": {"kl_coefficient": 0.05, "advantage_type": "group_relative"},
+}
+
+
+def test_seed_config_is_accepted_as_is():
+    cfg = parse_config(SEED)
+    assert cfg.training_mode == "RL_GRPO"
+    assert cfg.algorithm_params.kl_coefficient == 0.05
+    assert cfg.algorithm_params.clip_range == 0.2
+    assert cfg.producer.backend == "openai"  # a sampling endpoint selects the HTTP backend
+
+
+def test_each_mode_has_its_own_knobs():
+    base = {"model_checkpoint_path": "m", "data_source": {"type": "off_policy"}}
+    assert parse_config({**base, "training_mode": "DPO", "algorithm_params": {"beta": 0.2}}).algorithm_params.beta == 0.2
+    assert parse_config({**base, "training_mode": "SFT"}).algorithm_params.type == "SFT"
+    rl = {"model_checkpoint_path": "m"}
+    dapo = parse_config({**rl, "training_mode": "RL_DAPO", "algorithm_params": {"clip_high": 0.3}}).algorithm_params
+    assert (dapo.clip_low, dapo.clip_high, dapo.dynamic_sampling) == (0.2, 0.3, True)
+    gspo = parse_config({**rl, "training_mode": "RL_GSPO"}).algorithm_params
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    ppo = parse_config({**rl, "training_mode": "RL_PPO", "algorithm_params": {"gamma": 0.99, "lam": 0.9}}).algorithm_params
+    assert ppo.advantage_type == "gae" and ppo.clip_range == 0.2
+    with pytest.raises(ConfigError, match=r"algorithm_params\.beta: unknown key"):
+        parse_config({**rl, "training_mode": "RL_GRPO", "algorithm_params": {"beta": 0.1}})
+    with pytest.raises(ConfigError, match=r"algorithm_params\.clip_range: unknown key"):
+        parse_config({**rl, "training_mode": "RL_DAPO", "algorithm_params": {"clip_range": 0.1}})
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"training_mode": "RL_FOO"}, r"training_mode: 'RL_FOO' is not allowed; allowed: .*RL_GRPO"),
+        ({"algorithm_params": {"kl_coefficient": -1}}, r"algorithm_params\.kl_coefficient: -1 is not allowed; input should be greater than or equal to 0"),
+        ({"learner": {"lrr": 1e-5}}, r"learner\.lrr: unknown key"),
+        ({"nats": {"replicas": 9}}, r"nats\.replicas: 9 is not allowed"),
+        ({"producer": {"backend": "tgi"}}, r"producer\.backend: 'tgi' is not allowed; allowed: 'hf', 'vllm' or 'openai'"),
+        ({"reward_function": {"type": "model_based"}}, r"needs an endpoint"),
+        ({"run": "bad run!"}, r"run: 'bad run!' must match"),
+    ],
+)
+def test_errors_name_field_value_and_allowed(change, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_config({**SEED, **change})
+
+
+def test_set_overrides_and_deepspeed_consistency(tmp_path):
+    data = apply_overrides(SEED, ["learner.lr=3e-4", "algorithm_params.group_size=4", "nats.url=nats://x:1"])
+    cfg = parse_config(data)
+    assert cfg.learner.lr == 3e-4 and cfg.algorithm_params.group_size == 4 and cfg.nats.url == "nats://x:1"
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0}
+    cfg = parse_config({**SEED, "learner": {"engine": "deepspeed", "deepspeed": ds, "micro_batch_size": 4}})
+    out = cfg.learner.deepspeed_config()
+    assert out["train_micro_batch_size_per_gpu"] == 4 and out["zero_optimization"]["stage"] == 3
+    with pytest.raises(ConfigError, match=r"gradient_clipping = 5.0 disagrees"):
+        parse_config({**SEED, "learner": {"engine": "deepspeed", "deepspeed": {**ds, "gradient_clipping": 5.0}}})
+
+
+def test_secrets_are_masked_in_the_resolved_config():
+    cfg = parse_config({**SEED, "nats": {"password": "hunter2", "user": "u", "token": "tok3n"}})
+    text = str(cfg.resolved())
+    assert "hunter2" not in text and "tok3n" not in text
+    assert cfg.nats.password.get_secret_value() == "hunter2"
+
+
+def test_cli_validate(tmp_path):
+    good = tmp_path / "seed.yaml"
+    good.write_text(yaml.safe_dump(SEED))
+    r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(good)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "valid RL_GRPO config" in r.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**SEED, "algorithm_params": {"clip_range": 1.5}}))
+    r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "algorithm_params.clip_range: 1.5 is not allowed" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(good), "--set", "learner.lr=-1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "learner.lr: -1" in r.stderr
+
+
+def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "x.yaml"
+    p.write_text("training_mode: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)

@@ -1,0 +1,135 @@
+"""Record round trips, plain-msgpack readability, validation and old-version decodes."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from rlstream.schemas import (
+    DeadLetter, Limits, MetricEvent, PreferencePair, Prompt, RecordError, RolloutGroup, Sample,
+    ScoredGroup, SFTExample, WeightsAnnouncement, decode_any,
+)
+from rlstream.schemas.codec import pack_array, INT32, FLOAT32
+
+
+def make_group(g=3, n=5, version=2) -> RolloutGroup:
+    rng = np.random.default_rng(0)
+    samples = [
+        Sample(np.arange(i, i + n + i, dtype=np.int32), -rng.random(n + i).astype(np.float32), "stop" if i else "length", f"text {i}")
+        for i in range(g)
+    ]
+    return RolloutGroup(
+        id="g1", prompt_id="p1", prompt_text="Q: 1+1?", prompt_ids=np.array([5, 6, 7], np.int32), samples=samples,
+        policy_version=version, producer_id="producer-0", columns={"answer": "2"}, sampling={"temperature": 1.0},
+        run="r", timings={"generate": 0.5},
+    )
+
+
+def test_rollout_round_trip_is_exact_and_zero_copy():
+    g = make_group()
+    back = RolloutGroup.decode(g.encode())
+    assert back.id == "g1" and back.policy_version == 2 and back.columns == {"answer": "2"}
+    assert back.group_size == 3
+    for a, b in zip(g.samples, back.samples):
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        assert a.finish_reason == b.finish_reason and a.text == b.text
+    # decoded arrays are views on the payload bytes, not copies
+    assert not back.samples[0].completion_ids.flags.owndata
+    assert back.timings == {"generate": 0.5}
+
+
+def test_every_record_round_trips():
+    g = make_group()
+    records = [
+        Prompt(id="p", text="hello", columns={"answer": "4"}, messages=[{"role": "user", "content": "hi"}]),
+        g,
+        ScoredGroup(rollout=g, rewards=np.array([1, 0, 0.5], np.float32), components={"acc": np.array([1, 0, 1], np.float32)}),
+        PreferencePair(id="d", prompt_ids=np.array([1], np.int32), chosen_ids=np.array([2, 3], np.int32), rejected_ids=np.array([4], np.int32)),
+        SFTExample(id="s", prompt_ids=np.array([1, 2], np.int32), completion_ids=np.array([3], np.int32)),
+        WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10),
+        MetricEvent(component="learner", component_id="0", values={"loss/policy": 0.25}, step=3),
+        DeadLetter(stage="scorer", subject="rl.r.rollouts", reason="boom", data=b"\x00\x01"),
+    ]
+    for rec in records:
+        back = decode_any(rec.encode())
+        assert type(back) is type(rec)
+        assert back.to_plain() == rec.to_plain()
+
+
+def test_plain_msgpack_reads_a_record():
+    """Any language's msgpack library can read a record: a map of plain values, arrays as {dtype, shape, data}."""
+    g = make_group()
+    obj = msgpack.unpackb(g.encode(), raw=False)
+    assert obj["schema"] == "rollout_group" and obj["v"] == RolloutGroup.VERSION
+    assert obj["lengths"] == {"dtype": "<i4", "shape": [3], "data": np.array([5, 6, 7], "<i4").tobytes()}
+    ids = np.frombuffer(obj["completion_ids"]["data"], obj["completion_ids"]["dtype"])
+    assert ids[:5].tolist() == [0, 1, 2, 3, 4]
+    assert obj["finish_reasons"] == ["length", "stop", "stop"]
+
+
+def test_old_version_still_decodes():
+    """RolloutGroup v1 had no `timings`; Prompt v1 had no `messages`: both decode with defaults."""
+    wire = make_group().to_wire()
+    wire["v"] = 1
+    del wire["timings"]
+    back = RolloutGroup.from_wire(wire)
+    assert back.timings == {} and back.group_size == 3
+    p = Prompt(id="p", text="t").to_wire()
+    p["v"] = 1
+    del p["messages"]
+    assert Prompt.from_wire(p).messages is None
+
+
+def test_unknown_future_version_is_rejected_by_name():
+    wire = make_group().to_wire()
+    wire["v"] = 99
+    with pytest.raises(RecordError, match=r"^v: version 99"):
+        RolloutGroup.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda w: w.update(logprobs=pack_array(np.full(21, 0.5, np.float32), FLOAT32)), "logprobs"),
+        (lambda w: w.update(logprobs=pack_array(np.full(21, np.nan, np.float32), FLOAT32)), "logprobs"),
+        (lambda w: w.update(logprobs=pack_array(np.zeros(20, np.float32), FLOAT32)), "logprobs"),
+        (lambda w: w.update(completion_ids=pack_array(np.full(21, -1), INT32)), "completion_ids"),
+        (lambda w: w.update(finish_reasons=["stop"]), "finish_reasons"),
+        (lambda w: w.update(finish_reasons=["stop", "stop", "exploded"]), "finish_reasons[2]"),
+        (lambda w: w.update(policy_version="3"), "policy_version"),
+        (lambda w: w.update(policy_version=-1), "policy_version"),
+        (lambda w: w.pop("prompt_id"), "prompt_id"),
+        (lambda w: w["lengths"].update(dtype="<f8"), "lengths"),
+        (lambda w: w["completion_ids"].update(data=b"123"), "completion_ids"),
+        (lambda w: w.update(schema="prompt"), "schema"),
+    ],
+)
+def test_validation_names_the_field(mutate, field):
+    wire = make_group().to_wire()
+    mutate(wire)
+    with pytest.raises(RecordError) as info:
+        RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert info.value.field == field
+
+
+def test_vocabulary_and_size_limits():
+    g = make_group()
+    with pytest.raises(RecordError, match="outside the vocabulary of 8"):
+        RolloutGroup.decode(g.encode(), Limits(vocab_size=8))
+    with pytest.raises(RecordError, match="exceeds the limit"):
+        RolloutGroup.decode(g.encode(), Limits(max_bytes=100))
+    with pytest.raises(RecordError, match="not valid MessagePack"):
+        RolloutGroup.decode(b"\xc1garbage")
+    with pytest.raises(RecordError, match="expected a map"):
+        RolloutGroup.decode(msgpack.packb([1, 2, 3]))
+
+
+def test_scored_group_checks_reward_length():
+    g = make_group()
+    sg = ScoredGroup(rollout=g, rewards=np.array([1.0, 2.0], np.float32))
+    with pytest.raises(RecordError) as info:
+        ScoredGroup.decode(sg.encode())
+    assert info.value.field == "rewards"
+    bad = ScoredGroup(rollout=g, rewards=np.array([1.0, np.inf, 0], np.float32))
+    with pytest.raises(RecordError, match="rewards: contains NaN"):
+        ScoredGroup.decode(bad.encode())
