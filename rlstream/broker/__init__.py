@@ -7,9 +7,11 @@ from rlstream.broker.layout import Layout, ensure_layout
 from rlstream.broker.server import EmbeddedServer, free_port, nats_server_binary
 from rlstream.broker.state import RunState
 from rlstream.broker.weights import get_object, put_object
+from rlstream.broker.component import Component
+from rlstream.broker.telemetry import Reporter
 
 __all__ = [
     "connect", "BrokerError", "Consumer", "Delivery", "Outgoing", "Publisher", "dead_letter",
     "format_exception", "Layout", "ensure_layout", "EmbeddedServer", "free_port",
-    "nats_server_binary", "RunState", "get_object", "put_object",
+    "nats_server_binary", "RunState", "get_object", "put_object", "Component", "Reporter",
 ]

@@ -1,0 +1,85 @@
+"""What every long-running component shares: connection, layout, state, publisher,
+metrics reporter, and a stop event set by SIGTERM/SIGINT.
+
+    async def main(cfg, nats_url, component_id) -> int:
+        async with Component(cfg, nats_url, "producer", component_id) as comp:
+            while not comp.stop.is_set():
+                ...
+        return 0
+
+On exit the reporter stops, and the connection drains (in-flight acks and publishes
+are flushed) before closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from rlstream.broker.connection import connect
+from rlstream.broker.io import Publisher
+from rlstream.broker.layout import Layout, ensure_layout
+from rlstream.broker.state import RunState
+from rlstream.broker.telemetry import Reporter
+
+log = logging.getLogger(__name__)
+
+
+class Component:
+    def __init__(self, cfg, nats_url: str, component: str, component_id: str, *, handle_signals: bool = True):
+        self.cfg = cfg
+        self.nats_url = nats_url
+        self.component = component
+        self.component_id = component_id
+        self.handle_signals = handle_signals
+        self.stop = asyncio.Event()
+        self.nc = None
+        self.js = None
+        self.layout: Layout | None = None
+        self.state: RunState | None = None
+        self.publisher: Publisher | None = None
+        self.reporter: Reporter | None = None
+        self._reporter_task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "Component":
+        cfg = self.cfg
+        self.nc = await connect(cfg.nats, self.nats_url, name=f"{self.component}-{self.component_id}")
+        self.js = self.nc.jetstream(timeout=10.0)
+        self.layout = await ensure_layout(self.js, cfg.run, cfg.nats)
+        self.state = await RunState.open(self.js, self.layout)
+        self.publisher = Publisher(self.js)
+        port = cfg.metrics.prometheus_port
+        self.reporter = Reporter(self.nc, self.layout, self.component, self.component_id, state=self.state,
+                                 prometheus_port=port, interval_s=cfg.metrics.interval_s)
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
+        log.info("%s %s connected to %s (run %s)", self.component, self.component_id, self.nats_url, cfg.run)
+        return self
+
+    def _on_signal(self, sig) -> None:
+        log.info("%s %s: %s received, draining", self.component, self.component_id, signal.Signals(sig).name)
+        self.stop.set()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.stop.set()
+        if self._reporter_task is not None:
+            try:
+                await asyncio.wait_for(self._reporter_task, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._reporter_task.cancel()
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        if self.nc is not None and self.nc.is_connected:
+            try:
+                await asyncio.wait_for(self.nc.drain(), 10)
+            except (asyncio.TimeoutError, Exception) as err:  # drain is best effort on the way out
+                log.debug("drain: %s", err)
+                await self.nc.close()

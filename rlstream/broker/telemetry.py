@@ -1,0 +1,161 @@
+"""Metrics of one component: Prometheus ``/metrics`` and MetricEvents on the metrics subject.
+
+Keys are flat and namespaced (``producer/tokens_per_s``, ``loss/policy``). The same figure
+is a Prometheus gauge named ``rlstream_<key with / and . as _>`` with labels run, component
+and id, and a value in the MetricEvent published every ``interval_s`` on
+``rl.<run>.metrics.<component>.<id>``. The reporter also measures event-loop lag and
+process memory, reports GPU memory when CUDA is present, and writes the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import time
+from typing import Any
+
+import psutil
+
+from rlstream.broker.layout import Layout
+from rlstream.schemas import MetricEvent
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def prometheus_name(key: str) -> str:
+    return "rlstream_" + _NAME_RE.sub("_", key)
+
+
+class Reporter:
+    """Holds the latest value of each figure; publishes and serves them.
+
+    ``set`` a gauge, ``inc`` a counter (a running total), ``emit`` a one-off event (the
+    learner's per-step figures). Nothing here blocks: publishing is core NATS.
+    """
+
+    def __init__(self, nc, layout: Layout, component: str, component_id: str, *, state=None,
+                 prometheus_port: int | None = None, interval_s: float = 2.0):
+        self.nc = nc
+        self.layout = layout
+        self.component = component
+        self.component_id = component_id
+        self.state = state
+        self.interval_s = interval_s
+        self.values: dict[str, float] = {}
+        self.subject = layout.metrics(component, component_id)
+        self.prometheus_port = prometheus_port
+        self.bound_port: int | None = None
+        self._gauges: dict[str, Any] = {}
+        self._registry = None
+        self._server = None
+        self._proc = psutil.Process(os.getpid())
+        self.info: dict[str, Any] = {}
+
+    # ---- values ---------------------------------------------------------------------
+    def set(self, key: str, value: float) -> None:
+        value = float(value)
+        self.values[key] = value
+        self._prom(key, value)
+
+    def inc(self, key: str, n: float = 1.0) -> None:
+        self.set(key, self.values.get(key, 0.0) + n)
+
+    def update(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.set(k, v)
+
+    async def emit(self, values: dict[str, float], step: int = -1) -> None:
+        """Publish a MetricEvent now (and keep the values for /metrics)."""
+        self.update(values)
+        clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        event = MetricEvent(component=self.component, component_id=self.component_id, values=clean, step=step, run=self.layout.run)
+        if self.nc.is_connected:
+            await self.nc.publish(self.subject, event.encode())
+
+    # ---- prometheus -----------------------------------------------------------------
+    def _prom(self, key: str, value: float) -> None:
+        if self._registry is None:
+            return
+        gauge = self._gauges.get(key)
+        if gauge is None:
+            from prometheus_client import Gauge
+
+            gauge = Gauge(prometheus_name(key), key, ["run", "component", "id"], registry=self._registry)
+            self._gauges[key] = gauge
+        gauge.labels(self.layout.run, self.component, self.component_id).set(value)
+
+    def start_http(self) -> int | None:
+        """Serve /metrics on ``prometheus_port`` (0: any free port; taken: the next free one)."""
+        if self.prometheus_port is None:
+            return None
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._registry = CollectorRegistry()
+        for k, v in self.values.items():
+            self._prom(k, v)
+        port = self.prometheus_port
+        for attempt in range(64):
+            try:
+                self._server, _thread = start_http_server(port, addr="0.0.0.0" if os.environ.get("RLSTREAM_METRICS_PUBLIC") else "127.0.0.1", registry=self._registry)
+                self.bound_port = self._server.server_port
+                log.info("%s %s serves /metrics on port %d", self.component, self.component_id, self.bound_port)
+                self.info["metrics_port"] = self.bound_port
+                return self.bound_port
+            except OSError:
+                if port == 0:
+                    raise
+                port += 1
+        log.warning("no free port for /metrics near %d", self.prometheus_port)
+        return None
+
+    # ---- background loop --------------------------------------------------------------
+    def _system(self, lag_s: float) -> dict[str, float]:
+        out = {
+            "process/event_loop_lag_s": lag_s,
+            "process/rss_mb": self._proc.memory_info().rss / 2**20,
+            "process/cpu_percent": self._proc.cpu_percent(None),
+        }
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                out["gpu/memory_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
+                out["gpu/memory_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
+                try:
+                    out["gpu/utilization"] = float(torch.cuda.utilization())
+                except Exception:  # needs pynvml; utilization is optional
+                    pass
+        except ImportError:
+            pass
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Publish the current values and a heartbeat every ``interval_s`` until ``stop``."""
+        self.start_http()
+        lag = 0.0
+        while not stop.is_set():
+            self.update(self._system(lag))
+            try:
+                await self.emit(dict(self.values))
+                if self.state is not None:
+                    await self.state.heartbeat(self.component, self.component_id, **self.info, **{
+                        k: v for k, v in self.values.items() if k.endswith(("_per_s", "version", "step"))
+                    })
+            except Exception as exc:  # broker away for a moment: metrics wait, the work goes on
+                log.debug("metrics publish skipped: %s", exc)
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            lag = max(0.0, time.monotonic() - t0 - self.interval_s)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

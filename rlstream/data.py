@@ -1,0 +1,79 @@
+"""Reading datasets from disk: jsonl, json, parquet, or a Hugging Face ``datasets`` directory.
+
+Rows come back as plain dicts. Missing columns and empty values are reported with the
+row number and the column name, so a bad dataset fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used as configured."""
+
+
+def read_rows(path: str | Path, split: str = "train", limit: int | None = None) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(f"dataset {p} does not exist")
+    rows = list(_iter_rows(p, split))
+    if limit is not None:
+        rows = rows[:limit]
+    if not rows:
+        raise DatasetError(f"dataset {p} has no rows")
+    return rows
+
+
+def _iter_rows(p: Path, split: str) -> Iterator[dict[str, Any]]:
+    if p.is_dir():
+        from datasets import DatasetDict, load_from_disk
+
+        ds = load_from_disk(str(p))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise DatasetError(f"dataset {p} has no split {split!r} (has {sorted(ds)})")
+            ds = ds[split]
+        yield from ds
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(p).to_pylist()
+    elif p.suffix in (".jsonl", ".ndjson"):
+        with p.open() as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise DatasetError(f"{p} line {i}: not valid JSON ({exc.msg})") from None
+                    if not isinstance(row, dict):
+                        raise DatasetError(f"{p} line {i}: expected a JSON object, got {type(row).__name__}")
+                    yield row
+    elif p.suffix == ".json":
+        data = json.loads(p.read_text())
+        if not isinstance(data, list):
+            raise DatasetError(f"{p}: expected a JSON list of objects")
+        yield from data
+    else:
+        raise DatasetError(f"dataset {p}: unsupported format (use .jsonl, .json, .parquet or a datasets directory)")
+
+
+def require_columns(rows: list[dict[str, Any]], columns: list[str], path: str | Path = "dataset") -> None:
+    """Every row has every column, non-empty."""
+    for i, row in enumerate(rows):
+        for c in columns:
+            if c not in row:
+                raise DatasetError(f"{path}: row {i} has no column {c!r} (columns: {sorted(row)})")
+            v = row[c]
+            if v is None or (isinstance(v, (str, list)) and len(v) == 0):
+                raise DatasetError(f"{path}: row {i} column {c!r} is empty")
+
+
+def first_present(row: dict[str, Any], *columns: str) -> str | None:
+    for c in columns:
+        if c in row and row[c] not in (None, "", []):
+            return c
+    return None
