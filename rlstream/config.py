@@ -215,7 +215,9 @@ class NatsConfig(Strict):
 
 
 class ProducerConfig(Strict):
-    backend: Literal["hf", "vllm", "openai"] = "hf"
+    backend: Literal["hf", "vllm", "openai", "fake"] = "hf"
+    """hf: transformers generate; vllm: an in-process vLLM engine; openai: an OpenAI-compatible
+    completions server; fake: random tokens after ``fake_latency_s`` (tests and benchmarks only)."""
     count: int = Field(1, ge=0, le=256)
     batch_prompts: int = Field(8, ge=1)
     """Prompts generated together (times group_size sequences)."""
@@ -233,6 +235,18 @@ class ProducerConfig(Strict):
     model_name: str | None = None
     """Model name to request from an OpenAI-compatible server."""
     request_timeout_s: float = Field(300.0, gt=0)
+    request_retries: int = Field(3, ge=0)
+    """openai backend: retries of a failed request (with exponential backoff)."""
+    max_connections: int = Field(64, ge=1)
+    """openai backend: pooled HTTP connections (concurrent requests)."""
+    seed: int | None = None
+    """Sampling seed (hf: torch's generator; vllm/openai: per-request seed)."""
+    in_progress_s: float | None = Field(None, gt=0)
+    """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
+    fake_latency_s: float = Field(0.0, ge=0)
+    """fake backend: seconds each batch takes."""
+    fake_vocab_size: int = Field(512, ge=2)
+    """fake backend: token ids are drawn from [0, fake_vocab_size)."""
 
 
 class ScorerConfig(Strict):

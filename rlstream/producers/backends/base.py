@@ -1,0 +1,132 @@
+"""The one small interface every generation backend implements.
+
+A backend takes a batch of tokenised prompts and a :class:`SamplingSpec` and returns, per
+prompt, ``spec.n`` :class:`Completion` s (token ids, per-token behaviour log-probs, finish
+reason, text). It can load new weights between batches. ``generate`` is a coroutine: CPU-
+or GPU-bound backends run their work in a thread so the event loop keeps acking and
+reporting; network backends await their requests.
+
+Log-probs are ``log_softmax`` of the raw logits (temperature 1, no top-k/top-p), clamped
+to <= 0 (see :mod:`rlstream.producers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlstream.schemas import Prompt
+
+LOGPROBS_KIND = "raw"
+"""``RolloutGroup.sampling["logprobs"]``: log_softmax of unprocessed logits at temperature 1."""
+
+
+class ProducerError(RuntimeError):
+    """A producer or backend failure with a message that says what to fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    n: int
+    """Samples per prompt (the group size)."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "SamplingSpec":
+        p = cfg.producer
+        return cls(n=cfg.group_size, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                   top_p=p.top_p, top_k=p.top_k, stop=tuple(p.stop), seed=p.seed)
+
+    def describe(self, backend: str) -> dict[str, Any]:
+        """What goes into ``RolloutGroup.sampling``."""
+        return {
+            "backend": backend, "n": self.n, "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "stop": list(self.stop), "logprobs": LOGPROBS_KIND,
+        }
+
+
+@dataclass(slots=True)
+class Completion:
+    token_ids: np.ndarray
+    """[T] int32."""
+    logprobs: np.ndarray
+    """[T] float32, <= 0: raw log_softmax of the sampled token."""
+    finish_reason: str
+    """stop (EOS or a stop string), length (max_new_tokens) or abort."""
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSource:
+    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path)."""
+
+    version: int
+    data: bytes | None = None
+    path: str | None = None
+
+
+def clean_logprobs(values) -> np.ndarray:
+    """float32, clamped to <= 0 (rounding can give +1e-7 for a near-certain token)."""
+    out = np.asarray(values, dtype=np.float32)
+    if out.size and not np.isfinite(out).all():
+        raise ProducerError("backend returned non-finite log-probs")
+    return np.minimum(out, 0.0)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files:
+        raise ProducerError(f"no *.safetensors in {p}")
+    return files
+
+
+class Backend:
+    """Base of the backends: prompt tokenisation and the interface.
+
+    Subclasses set ``name`` and ``tokenizer`` and implement ``generate`` and ``load_weights``.
+    ``can_reload`` is False where new weights cannot reach the generator (a remote server
+    without a reload endpoint); ``reload_note`` says why, for status and heartbeats.
+    """
+
+    name: str = "base"
+    can_reload: bool = True
+    reload_note: str = ""
+    tokenizer: Any = None
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[np.ndarray, str]:
+        """Token ids and text of a prompt: ``prompt_ids`` if given, else the chat template
+        over ``messages``, else the tokenised ``text``."""
+        if len(prompt.prompt_ids):
+            text = prompt.text or (self.tokenizer.decode(prompt.prompt_ids.tolist()) if self.tokenizer is not None else "")
+            return np.asarray(prompt.prompt_ids, np.int32), text
+        if prompt.messages:
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise ProducerError(f"prompt {prompt.id} has chat messages but the tokenizer has no chat template")
+            text = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+            return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32), text
+        if not prompt.text:
+            raise ProducerError(f"prompt {prompt.id} has no text, messages or prompt_ids")
+        return np.asarray(self.tokenizer(prompt.text)["input_ids"], np.int32), prompt.text
+
+    async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    async def load_weights(self, source: WeightsSource) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""

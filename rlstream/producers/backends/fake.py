@@ -1,0 +1,53 @@
+"""A backend for tests and benchmarks only: no model, a fixed latency per batch.
+
+Each batch takes ``producer.fake_latency_s`` seconds (awaited, so many fake producers in
+one process run concurrently), then returns ``max_new_tokens`` tokens per sample drawn
+uniformly from ``[0, fake_vocab_size)``. The log-probs are the true ones of that uniform
+policy, ``-log(V)``, so records pass every validation. Weight loads are recorded, not
+applied. Use it to measure the broker and the producer loop without the cost of a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+
+from rlstream.producers.backends.base import Backend, Completion, SamplingSpec, WeightsSource
+from rlstream.schemas import Prompt
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
+    def __init__(self, latency_s: float = 0.0, vocab_size: int = 512, seed: int | None = None):
+        self.latency_s = latency_s
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.loaded_versions: list[int] = []
+
+    @classmethod
+    def from_config(cls, cfg) -> "FakeBackend":
+        p = cfg.producer
+        return cls(p.fake_latency_s, p.fake_vocab_size, p.seed)
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[np.ndarray, str]:
+        if len(prompt.prompt_ids):
+            return np.asarray(prompt.prompt_ids, np.int32), prompt.text
+        text = prompt.text or "\n".join(m["content"] for m in prompt.messages or [])
+        ids = np.frombuffer(text.encode() or b"\0", np.uint8).astype(np.int32) % self.vocab_size
+        return ids, text
+
+    async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        lp = np.full(spec.max_new_tokens, -math.log(self.vocab_size), np.float32)
+        return [
+            [Completion(self.rng.integers(0, self.vocab_size, spec.max_new_tokens, dtype=np.int32), lp.copy(), "length", "")
+             for _ in range(spec.n)]
+            for _ in prompts
+        ]
+
+    async def load_weights(self, source: WeightsSource) -> None:
+        self.loaded_versions.append(source.version)

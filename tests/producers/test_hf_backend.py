@@ -1,0 +1,81 @@
+"""HF backend: the log-probs it reports are those of a teacher-forced forward pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlstream.producers.backends.base import SamplingSpec, WeightsSource
+from rlstream.producers.backends.hf import HFBackend
+from rlstream.schemas import Prompt
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    return HFBackend(str(tiny_model_dir), seed=0)
+
+
+def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
+    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
+    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+
+
+async def test_logprobs_match_teacher_forcing(backend, tiny_model_dir):
+    # two prompts of different lengths, so the shorter one is left-padded in the batch
+    prompts = [backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0],
+               backend.encode_prompt(Prompt(id="b", text="the answer"))[0]]
+    assert len(prompts[0]) != len(prompts[1])
+    # temperature/top-k change what is drawn, not what is reported: raw log-probs at T=1
+    spec = SamplingSpec(n=3, max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.95)
+    groups = await backend.generate(prompts, spec)
+    assert [len(g) for g in groups] == [3, 3]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    for p, group in zip(prompts, groups):
+        for c in group:
+            assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            assert (c.logprobs <= 0).all()
+            assert c.finish_reason in ("stop", "length")
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == 12
+            np.testing.assert_allclose(c.logprobs, teacher_forced(model, p, c.token_ids), atol=1e-5)
+
+
+async def test_greedy_is_deterministic_and_chat_prompts_use_the_template(backend):
+    ids, text = backend.encode_prompt(Prompt(id="c", text="", messages=[{"role": "user", "content": "1 + 1?"}]))
+    assert text == "Q: 1 + 1?\nA:"  # the tiny tokenizer's chat template
+    spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.0)
+    (g1,), (g2,) = await backend.generate([ids], spec), await backend.generate([ids], spec)
+    assert np.array_equal(g1[0].token_ids, g1[1].token_ids) and np.array_equal(g1[0].token_ids, g2[0].token_ids)
+
+
+async def test_stop_string_cuts_the_completion(backend):
+    ids, _ = backend.encode_prompt(Prompt(id="d", text="Q: What is 3 + 4? A:"))
+    free = (await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=16, temperature=0.0)))[0][0]
+    # pick a character that greedy decoding produces mid-way, and stop on it
+    assert len(free.text) >= 3
+    stop = free.text[len(free.text) // 2]
+    cut = (await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=16, temperature=0.0, stop=(stop,))))[0][0]
+    assert cut.finish_reason == "stop"
+    assert stop in cut.text and stop not in backend.decode(cut.token_ids[:-1])
+    assert np.array_equal(cut.token_ids, free.token_ids[:len(cut.token_ids)])
+
+
+async def test_weight_reload_changes_logprobs_to_the_new_weights(tiny_model_dir, tmp_path):
+    import safetensors.torch
+
+    backend = HFBackend(str(tiny_model_dir), seed=1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    await backend.load_weights(WeightsSource(version=1, data=safetensors.torch.save(model.state_dict())))
+    ids, _ = backend.encode_prompt(Prompt(id="e", text="the reward"))
+    c = (await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=8)))[0][0]
+    np.testing.assert_allclose(c.logprobs, teacher_forced(model, ids, c.token_ids), atol=1e-5)
