@@ -9,6 +9,7 @@ raising :class:`RecordError` that names the field.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +52,16 @@ def packb(obj: dict[str, Any]) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Parse the outer map, enforcing the payload size limit before anything else."""
+def check_size(data: bytes, limits: Limits) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("<payload>", f"expected bytes, got {type(data).__name__}")
     if len(data) > limits.max_bytes:
         raise RecordError("<payload>", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
+
+
+def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Parse the outer map, enforcing the payload size limit before anything else."""
+    check_size(data, limits)
     try:
         obj = msgpack.unpackb(
             data,
@@ -163,19 +168,23 @@ def get_array(
 def check_token_ids(arr: np.ndarray, name: str, limits: Limits) -> None:
     if arr.size == 0:
         return
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0:
-        raise RecordError(name, f"token id {lo} is negative")
-    if limits.vocab_size is not None and hi >= limits.vocab_size:
-        raise RecordError(name, f"token id {hi} is outside the vocabulary of {limits.vocab_size}")
+    # one pass: as unsigned, a negative id is larger than any vocabulary
+    top = int(arr.view(np.uint32).max())
+    bound = limits.vocab_size if limits.vocab_size is not None else 2**31
+    if top >= bound:
+        lo = int(arr.min())
+        if lo < 0:
+            raise RecordError(name, f"token id {lo} is negative")
+        raise RecordError(name, f"token id {int(arr.max())} is outside the vocabulary of {limits.vocab_size}")
 
 
 def check_logprobs(arr: np.ndarray, name: str) -> None:
     if arr.size == 0:
         return
-    if not np.isfinite(arr).all():
+    # max() propagates NaN and finds +inf; the sum is -inf when any value is -inf
+    top, total = float(arr.max()), float(arr.sum(dtype=np.float64))
+    if not (math.isfinite(top) and math.isfinite(total)):
         raise RecordError(name, "contains NaN or infinite values")
-    top = float(arr.max())
     if top > 0.0:
         raise RecordError(name, f"log-prob {top} is positive")
 

@@ -9,6 +9,8 @@ The version history of each record is in its docstring.
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from rlstream.schemas import wire
 from rlstream.schemas.codec import (
     DEFAULT_LIMITS,
     FLOAT32,
@@ -24,6 +27,7 @@ from rlstream.schemas.codec import (
     RecordError,
     check_finite,
     check_logprobs,
+    check_size,
     check_token_ids,
     get,
     get_array,
@@ -38,6 +42,7 @@ from rlstream.schemas.codec import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+_FINISH_SET = frozenset(FINISH_REASONS)
 
 
 def new_id() -> str:
@@ -226,43 +231,57 @@ class RolloutGroup(Record):
         }
 
     @classmethod
+    def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS) -> "RolloutGroup":
+        # The hot path: msgspec checks the structure in C, numpy checks the values.
+        check_size(data, limits)
+        return cls._build(wire.decode(data, wire.RolloutWire), limits, "")
+
+    @classmethod
     def _read(cls, obj, limits, path):
-        lengths = get_array(obj, "lengths", INT32, path=path, limits=limits)
+        return cls._build(wire.convert(obj, wire.RolloutWire, path), limits, path)
+
+    @classmethod
+    def _build(cls, w: "wire.RolloutWire", limits: Limits, path: str) -> "RolloutGroup":
+        if w.schema != cls.SCHEMA:
+            raise RecordError(f"{path}schema", f"{w.schema!r}, expected {cls.SCHEMA!r}")
+        if not 1 <= w.v <= cls.VERSION:
+            raise RecordError(f"{path}v", f"version {w.v} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+        lengths = wire.array(w.lengths, INT32, f"{path}lengths", limits).tolist()
         g = len(lengths)
         if g == 0:
             raise RecordError(f"{path}lengths", "a group needs at least one sample")
         if g > limits.max_samples:
             raise RecordError(f"{path}lengths", f"{g} samples exceeds the limit of {limits.max_samples}")
-        if int(lengths.min()) < 0:
+        if min(lengths) < 0:
             raise RecordError(f"{path}lengths", "negative length")
-        total = int(lengths.sum(dtype=np.int64))
-        ids = get_array(obj, "completion_ids", INT32, path=path, limits=limits, length=total)
-        lps = get_array(obj, "logprobs", FLOAT32, path=path, limits=limits, length=total)
-        prompt_ids = get_array(obj, "prompt_ids", INT32, path=path, limits=limits)
+        ends = list(itertools.accumulate(lengths))
+        total = ends[-1]
+        ids = wire.array(w.completion_ids, INT32, f"{path}completion_ids", limits, total)
+        lps = wire.array(w.logprobs, FLOAT32, f"{path}logprobs", limits, total)
+        prompt_ids = wire.array(w.prompt_ids, INT32, f"{path}prompt_ids", limits)
         check_token_ids(prompt_ids, f"{path}prompt_ids", limits)
         check_token_ids(ids, f"{path}completion_ids", limits)
         check_logprobs(lps, f"{path}logprobs")
-        reasons = get_str_list(obj, "finish_reasons", g, path=path)
-        for i, r in enumerate(reasons):
-            if r not in FINISH_REASONS:
-                raise RecordError(f"{path}finish_reasons[{i}]", f"{r!r} is not one of {FINISH_REASONS}")
-        texts = get_str_list(obj, "texts", g, path=path)
-        bounds = np.cumsum(lengths[:-1], dtype=np.int64)
-        samples = [
-            Sample(c, lp, r, t)
-            for c, lp, r, t in zip(np.split(ids, bounds), np.split(lps, bounds), reasons, texts)
-        ]
+        reasons, texts = w.finish_reasons, w.texts
+        if len(reasons) != g:
+            raise RecordError(f"{path}finish_reasons", f"has {len(reasons)} entries, expected {g}")
+        if not _FINISH_SET.issuperset(reasons):
+            i = next(i for i, r in enumerate(reasons) if r not in _FINISH_SET)
+            raise RecordError(f"{path}finish_reasons[{i}]", f"{reasons[i]!r} is not one of {FINISH_REASONS}")
+        if len(texts) != g:
+            raise RecordError(f"{path}texts", f"has {len(texts)} entries, expected {g}")
+        if w.policy_version < 0:
+            raise RecordError(f"{path}policy_version", f"{w.policy_version} is below the minimum 0")
+        if max(len(w.id), len(w.prompt_id), len(w.prompt_text)) > limits.max_string:
+            raise RecordError(f"{path}prompt_text", f"a string exceeds {limits.max_string} chars")
+        starts = [0, *ends[:-1]]
+        samples = [Sample(ids[a:b], lps[a:b], r, t) for a, b, r, t in zip(starts, ends, reasons, texts)]
+        if not math.isfinite(w.ts):
+            raise RecordError(f"{path}ts", f"{w.ts} is not finite")
         return cls(
-            **_header(obj, path, limits),
-            prompt_id=get_str(obj, "prompt_id", path=path, limits=limits),
-            prompt_text=get_str(obj, "prompt_text", "", path=path, limits=limits),
-            prompt_ids=prompt_ids,
-            samples=samples,
-            policy_version=get_int(obj, "policy_version", path=path, lo=0),
-            producer_id=get_str(obj, "producer_id", "", path=path, limits=limits),
-            columns=_columns(obj, path),
-            sampling=get(obj, "sampling", dict, {}, path=path),
-            timings=_float_map(obj, "timings", path),
+            id=w.id, run=w.run, ts=w.ts, prompt_id=w.prompt_id, prompt_text=w.prompt_text,
+            prompt_ids=prompt_ids, samples=samples, policy_version=w.policy_version,
+            producer_id=w.producer_id, columns=w.columns, sampling=w.sampling, timings=w.timings,
         )
 
 
