@@ -49,7 +49,7 @@ def test_each_mode_has_its_own_knobs():
         ({"algorithm_params": {"kl_coefficient": -1}}, r"algorithm_params\.kl_coefficient: -1 is not allowed; input should be greater than or equal to 0"),
         ({"learner": {"lrr": 1e-5}}, r"learner\.lrr: unknown key"),
         ({"nats": {"replicas": 9}}, r"nats\.replicas: 9 is not allowed"),
-        ({"producer": {"backend": "tgi"}}, r"producer\.backend: 'tgi' is not allowed; allowed: 'hf', 'vllm' or 'openai'"),
+        ({"producer": {"backend": "tgi"}}, r"producer\.backend: 'tgi' is not allowed; allowed: 'hf', 'vllm'"),
         ({"reward_function": {"type": "model_based"}}, r"needs an endpoint"),
         ({"run": "bad run!"}, r"run: 'bad run!' must match"),
     ],
