@@ -1,0 +1,53 @@
+"""The arithmetic task: "Q: What is a + b?" with a verifiable answer.
+
+Problems are split by (a, b) so the GRPO prompts are held out from the SFT warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+MAX_OPERAND = 19
+
+
+def problems(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(pairs)
+    cut = int(len(pairs) * 0.6)
+    return pairs[:cut], pairs[cut:]
+
+
+def prompt(a: int, b: int) -> str:
+    return f"Q: What is {a} + {b}?\nA:"
+
+
+def write_datasets(out_dir: Path, seed: int = 0) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, held_out = problems(seed)
+    sft = out_dir / "sft.jsonl"
+    with sft.open("w") as f:
+        for a, b in train:
+            f.write(json.dumps({"prompt": prompt(a, b), "completion": f" {a + b}", "answer": str(a + b)}) + "\n")
+    rl = out_dir / "rl_prompts.jsonl"
+    with rl.open("w") as f:
+        for a, b in held_out:
+            f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
+    # preference pairs for the DPO example: the right sum preferred to an off-by-one
+    dpo = out_dir / "dpo.jsonl"
+    rng = random.Random(seed + 1)
+    with dpo.open("w") as f:
+        for a, b in train:
+            wrong = a + b + rng.choice([-2, -1, 1, 2])
+            f.write(json.dumps({"prompt": prompt(a, b), "chosen": f" {a + b}", "rejected": f" {wrong}"}) + "\n")
+    return {"sft": sft, "rl": rl, "dpo": dpo}
+
+
+def corpus() -> list[str]:
+    """Text for the tokenizer: the task's own vocabulary."""
+    lines = []
+    for a in range(MAX_OPERAND + 1):
+        for b in range(MAX_OPERAND + 1):
+            lines.append(f"{prompt(a, b)} {a + b}")
+    return lines * 4
