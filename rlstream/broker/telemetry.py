@@ -4,7 +4,8 @@ Keys are flat and namespaced (``producer/tokens_per_s``, ``loss/policy``). The s
 is a Prometheus gauge named ``rlstream_<key with / and . as _>`` with labels run, component
 and id, and a value in the MetricEvent published every ``interval_s`` on
 ``rl.<run>.metrics.<component>.<id>``. The reporter also measures event-loop lag and
-process memory, reports GPU memory when CUDA is present, and writes the heartbeat.
+process memory, the DLQ depth (``dlq/count``), reports GPU memory when CUDA is present, and
+writes the heartbeat (which carries ``interval_s``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class Reporter:
         self._registry = None
         self._server = None
         self._proc = psutil.Process(os.getpid())
-        self.info: dict[str, Any] = {}
+        # Heartbeats carry the interval so `rlstream status` can tell alive (age < 3 x interval).
+        self.info: dict[str, Any] = {"interval_s": interval_s}
+        self._js = None
 
     # ---- values ---------------------------------------------------------------------
     def set(self, key: str, value: float) -> None:
@@ -134,12 +137,25 @@ class Reporter:
             pass
         return out
 
+    async def _dlq_count(self) -> None:
+        """``dlq/count``: records in the run's dead-letter stream (every stage), for alerts."""
+        if self._js is None:
+            self._js = self.nc.jetstream(timeout=2.0)
+        try:
+            info = await self._js.stream_info(self.layout.dlq_stream)
+        except Exception as exc:  # optional figure: no DLQ stream yet, or the broker away for a moment
+            log.debug("dlq count skipped: %s", exc)
+            return
+        self.set("dlq/count", info.state.messages)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Publish the current values and a heartbeat every ``interval_s`` until ``stop``."""
         self.start_http()
         lag = 0.0
         while not stop.is_set():
             self.update(self._system(lag))
+            if self.nc.is_connected:
+                await self._dlq_count()
             try:
                 await self.emit(dict(self.values))
                 if self.state is not None:

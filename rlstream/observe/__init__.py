@@ -1,0 +1,104 @@
+"""Operator tools: tail, status, export/import, replay, the live dashboard.
+
+Each command module exposes ``cli(args) -> int`` (called by ``rlstream.cli``). The
+helpers here are what they share: the NATS URL, time arguments, field filters.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import sys
+from typing import Any
+
+from rlstream.broker.connection import connect
+from rlstream.config import NatsConfig
+
+_AGO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class ObserveError(Exception):
+    """A problem an operator can fix (bad argument, missing stream); printed, exit 2."""
+
+
+def nats_url(args: Any, default: str | None = None) -> str:
+    url = getattr(args, "nats", None) or default or os.environ.get("RLSTREAM_NATS_URL")
+    if not url:
+        raise ObserveError("no NATS URL: pass --nats or set RLSTREAM_NATS_URL")
+    return url
+
+
+async def open_connection(url: str, name: str):
+    return await connect(NatsConfig(), url, name=name)
+
+
+def parse_time(text: str, *, now: float | None = None) -> dt.datetime:
+    """``2025-01-31T12:00:00Z`` (ISO 8601; naive means UTC), an epoch number, or ``300s``/``5m``/``2h`` ago."""
+    now = dt.datetime.now(dt.timezone.utc).timestamp() if now is None else now
+    m = _AGO_RE.match(text)
+    if m:
+        return dt.datetime.fromtimestamp(now - float(m.group(1)) * _UNIT_S[m.group(2)], dt.timezone.utc)
+    try:
+        return dt.datetime.fromtimestamp(float(text), dt.timezone.utc)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ObserveError(f"time {text!r}: expected ISO 8601 (2025-01-31T12:00:00Z), epoch seconds, or an age like 300s / 5m / 2h") from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+
+
+def parse_where(items: list[str]) -> list[tuple[list[str], str]]:
+    out = []
+    for item in items or []:
+        if "=" not in item:
+            raise ObserveError(f"--where {item!r}: expected field.path=value")
+        key, value = item.split("=", 1)
+        out.append((key.strip().split("."), value))
+    return out
+
+
+def lookup(obj: Any, path: list[str]) -> Any:
+    """Follow a dotted path through dicts (keys) and lists (indices); ``...`` when absent."""
+    node = obj
+    for part in path:
+        if isinstance(node, dict):
+            if part not in node:
+                return ...
+            node = node[part]
+        elif isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return ...
+    return node
+
+
+def _equal(value: Any, wanted: str) -> bool:
+    if value is ...:
+        return False
+    if value is None:
+        return wanted in ("null", "None")
+    if isinstance(value, bool):
+        return wanted.lower() == str(value).lower()
+    if isinstance(value, (int, float)):
+        try:
+            return float(wanted) == float(value)
+        except ValueError:
+            return False
+    if isinstance(value, list):
+        return any(_equal(v, wanted) for v in value)
+    return str(value) == wanted
+
+
+def matches(obj: dict[str, Any], where: list[tuple[list[str], str]]) -> bool:
+    """Every filter holds: the field at the path equals the value (numbers compared as numbers;
+    a list matches when any element does)."""
+    return all(_equal(lookup(obj, path), wanted) for path, wanted in where)
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2

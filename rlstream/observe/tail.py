@@ -1,0 +1,244 @@
+"""``rlstream tail SUBJECT``: records on any subject (wildcards allowed), decoded.
+
+When the subject lies inside one of the run's streams, tail reads it through a JetStream
+ordered consumer (ephemeral, in memory, no acks: it disturbs no durable consumer), live
+from now, from ``--from-seq N`` or from ``--since T``. Otherwise (a subject spanning
+several streams, or no stream at all) it is a core NATS subscription, live only.
+
+Each payload is decoded with :func:`rlstream.schemas.decode_any`. Text mode prints a
+compact summary per record (token text when ``--tokenizer`` is given); ``--json`` prints
+one JSON object per line: ``record.to_plain()`` (arrays as lists of numbers) plus ``_subject``, ``_seq`` (stream
+sequence, null on core NATS) and ``_time`` (epoch seconds). A payload that does not decode
+is shown as such (``_error`` and ``_bytes`` in JSON) and tail goes on. ``--where a.b=v``
+keeps records whose field (a dotted path into that JSON object; list indices allowed)
+equals ``v``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+import numpy as np
+from rich.console import Console
+from rich.text import Text
+
+from rlstream.broker.errors import BrokerError
+from rlstream.observe import ObserveError, fail, matches, nats_url, open_connection, parse_time, parse_where
+from rlstream.schemas import DeadLetter, MetricEvent, Prompt, RolloutGroup, ScoredGroup, decode_any
+from rlstream.schemas.codec import plain
+
+MAX_TEXT = 160
+
+
+def decode_message(data: bytes) -> tuple[Any | None, str | None]:
+    """(record, None) or (None, why it did not decode)."""
+    try:
+        return decode_any(bytes(data)), None
+    except Exception as exc:  # tail is a viewer: any payload it cannot decode is shown, never a crash
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _unpack_arrays(value: Any) -> Any:
+    """Packed arrays (``{dtype, shape, data}``) to lists, recursively, for people and ``jq``."""
+    if isinstance(value, dict):
+        if set(value) == {"dtype", "shape", "data"} and isinstance(value["data"], (bytes, bytearray)):
+            return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"]).tolist()
+        return {k: _unpack_arrays(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpack_arrays(v) for v in value]
+    return value
+
+
+def plain_record(record: Any) -> dict[str, Any]:
+    """The record as JSON-friendly data: ``to_plain()``, with arrays as lists of numbers."""
+    return plain(_unpack_arrays(record.to_wire_view()))
+
+
+def to_json_line(subject: str, seq: int | None, when: float, record: Any | None, error: str | None, size: int) -> dict[str, Any]:
+    meta = {"_subject": subject, "_seq": seq, "_time": when}
+    if record is None:
+        return {**meta, "_error": error, "_bytes": size}
+    return {**meta, **plain_record(record)}
+
+
+def _short(text: str, n: int = MAX_TEXT) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _num(v: float) -> str:
+    return f"{v:.6g}"
+
+
+class TextPrinter:
+    def __init__(self, console: Console, tokenizer=None):
+        self.console = console
+        self.tokenizer = tokenizer
+
+    def _tokens(self, ids) -> str | None:
+        if self.tokenizer is None or len(ids) == 0:
+            return None
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def _samples(self, rollout: RolloutGroup, rewards=None) -> list[Text]:
+        lines = []
+        for i, s in enumerate(rollout.samples):
+            lp = float(s.logprobs.mean()) if len(s.logprobs) else 0.0
+            body = self._tokens(s.completion_ids) or s.text
+            parts = [("  ", ""), (f"[{i}]", "bold"), (f" {s.finish_reason:<6} {len(s.completion_ids):>4} tok  mean_lp={lp:.3f}", "")]
+            if rewards is not None:
+                parts.append((f"  reward={float(rewards[i]):.4g}", "green"))
+            parts.append((f"  {_short(body)!r}", "dim"))
+            lines.append(Text.assemble(*parts))
+        return lines
+
+    def show(self, subject: str, seq: int | None, when: float, record: Any | None, error: str | None, size: int) -> None:
+        clock = time.strftime("%H:%M:%S", time.localtime(when))
+        head = Text.assemble((f"#{seq} " if seq else "", "cyan"), (subject, "blue"), f" {clock} ")
+        lines: list[Text] = []
+        if record is None:
+            head.append("bad payload", "bold red")
+            head.append(f" ({size} bytes): {_short(error or '', 300)}")
+        elif isinstance(record, MetricEvent):
+            head.append(f"metric {record.component}/{record.component_id}", "bold")
+            if record.step >= 0:
+                head.append(f" step={record.step}")
+            values = "  ".join(f"{k}={_num(v)}" for k, v in sorted(record.values.items()))
+            lines.append(Text("  " + values))
+        elif isinstance(record, ScoredGroup):
+            r = record.rollout
+            head.append("scored_group", "bold")
+            head.append(f" id={r.id} v={r.policy_version} G={r.group_size} reward_mean={float(record.rewards.mean()):.4g} scorer={record.scorer_id}")
+            lines.append(Text(f"  prompt: {_short(r.prompt_text or self._tokens(r.prompt_ids) or '')!r}"))
+            lines += self._samples(r, record.rewards)
+            for name, vals in record.components.items():
+                lines.append(Text(f"  {name}: " + " ".join(f"{float(v):.3g}" for v in vals), "dim"))
+        elif isinstance(record, RolloutGroup):
+            head.append("rollout_group", "bold")
+            head.append(f" id={record.id} v={record.policy_version} G={record.group_size} tokens={record.num_tokens()} producer={record.producer_id}")
+            lines.append(Text(f"  prompt: {_short(record.prompt_text or self._tokens(record.prompt_ids) or '')!r}"))
+            lines += self._samples(record)
+        elif isinstance(record, Prompt):
+            head.append("prompt", "bold")
+            head.append(f" id={record.id} epoch={record.epoch} index={record.index}")
+            text = record.text or self._tokens(record.prompt_ids) or ""
+            lines.append(Text(f"  {_short(text)!r}"))
+        elif isinstance(record, DeadLetter):
+            head.append(f"dead_letter stage={record.stage}", "bold yellow")
+            head.append(f" from={record.subject} deliveries={record.deliveries} record_id={record.record_id} ({len(record.data)} bytes)")
+            lines.append(Text("  " + _short(record.reason.strip().splitlines()[0] if record.reason.strip() else "", 300), "yellow"))
+        else:
+            head.append(record.SCHEMA, "bold")
+            plain = plain_record(record)
+            lines.append(Text("  " + _short(json.dumps({k: v for k, v in plain.items() if k not in ("schema", "v")}, default=str), 400)))
+        self.console.print(head)
+        for line in lines:
+            self.console.print(line)
+
+
+def _start_config(args) -> ConsumerConfig:
+    if args.from_seq is not None and args.since:
+        raise ObserveError("pass --from-seq or --since, not both")
+    if args.from_seq is not None:
+        if args.from_seq < 1:
+            raise ObserveError("--from-seq starts at 1")
+        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=args.from_seq)
+    if args.since:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=parse_time(args.since))
+    return ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+
+
+async def _streams_for(js, subject: str) -> list[str]:
+    resp = await js._jsm._api_request(f"{js._prefix}.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=5)
+    return resp.get("streams") or []
+
+
+async def _subscribe(nc, js, subject: str, args):
+    """(subscription, stream or None). A stream-backed subject gets an ordered consumer."""
+    config = _start_config(args)
+    replay = args.from_seq is not None or bool(args.since)
+    streams = await _streams_for(js, subject)
+    if len(streams) == 1:
+        try:
+            sub = await js.subscribe(subject, stream=streams[0], ordered_consumer=True, config=config, idle_heartbeat=2.0)
+            return sub, streams[0]
+        except nats.js.errors.BadRequestError as exc:
+            # The subject is wider than the stream's (e.g. rl.<run>.> while one stream exists).
+            if replay:
+                raise ObserveError(f"{subject} is not inside stream {streams[0]} ({exc.description}); --from-seq/--since need a stream subject") from None
+    elif replay:
+        where = f"spans streams {', '.join(streams)}" if streams else "belongs to no stream"
+        raise ObserveError(f"{subject} {where}: --from-seq/--since need a subject inside one stream")
+    return await nc.subscribe(subject), None
+
+
+def _meta(msg, stream: str | None) -> tuple[int | None, float]:
+    if stream is not None:
+        md = msg.metadata
+        return md.sequence.stream, md.timestamp.timestamp()
+    return None, time.time()
+
+
+async def run_tail(args) -> int:
+    where = parse_where(args.where)
+    tokenizer = None
+    if args.tokenizer and not args.json:
+        from transformers import AutoTokenizer
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.tokenizer)
+    nc = await open_connection(nats_url(args), "rlstream-tail")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        js = nc.jetstream(timeout=10.0)
+        sub, stream = await _subscribe(nc, js, args.subject, args)
+        printer = None if args.json else TextPrinter(Console(file=sys.stdout, highlight=False, soft_wrap=True), tokenizer)
+        how = f"stream {stream} (ordered consumer)" if stream else "core NATS (live)"
+        print(f"tailing {args.subject} via {how}; Ctrl-C stops", file=sys.stderr, flush=True)
+        shown = 0
+        last = time.monotonic()
+        while not stop.is_set():
+            if args.count is not None and shown >= args.count:
+                break
+            if args.timeout is not None and time.monotonic() - last >= args.timeout:
+                break
+            try:
+                msg = await sub.next_msg(timeout=0.25)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            last = time.monotonic()
+            seq, when = _meta(msg, stream)
+            record, error = decode_message(msg.data)
+            obj = to_json_line(msg.subject, seq, when, record, error, len(msg.data))
+            if where and not matches(obj, where):
+                continue
+            shown += 1
+            if printer is None:
+                sys.stdout.write(json.dumps(obj, default=str) + "\n")
+                sys.stdout.flush()
+            else:
+                printer.show(msg.subject, seq, when, record, error, len(msg.data))
+                sys.stdout.flush()
+        await sub.unsubscribe()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await nc.close()
+    return 0
+
+
+def cli(args) -> int:
+    try:
+        return asyncio.run(run_tail(args))
+    except (ObserveError, BrokerError) as exc:
+        return fail(str(exc))

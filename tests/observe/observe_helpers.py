@@ -1,0 +1,85 @@
+"""Records and subprocess helpers shared by the operator-tool tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rlstream.config import parse_config
+from rlstream.schemas import RolloutGroup, Sample, ScoredGroup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_cfg(run: str, url: str, **sections):
+    data = {
+        "run": run,
+        "training_mode": "RL_GRPO",
+        "model_checkpoint_path": "unused",
+        "nats": {"url": url},
+        "metrics": {"prometheus_port": None, "interval_s": 0.2},
+        "algorithm_params": {"group_size": 2},
+    }
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    return parse_config(data)
+
+
+def rollout(i: int, version: int = 0, completion_ids=((5, 6, 7), (8, 9))) -> RolloutGroup:
+    samples = [
+        Sample(np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), "stop", f"text{i}-{j}")
+        for j, ids in enumerate(completion_ids)
+    ]
+    return RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"prompt {i}", prompt_ids=np.asarray([1, 2, 3], np.int32),
+                        samples=samples, policy_version=version, producer_id="p0")
+
+
+def scored(i: int, version: int = 0, rewards=(1.0, 0.0), completion_ids=((5, 6, 7), (8, 9))) -> ScoredGroup:
+    return ScoredGroup(rollout=rollout(i, version, completion_ids), rewards=np.asarray(rewards, np.float32),
+                       components={"math": np.asarray(rewards, np.float32)}, scorer_id="s0")
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+async def start_cli(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlstream.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(), cwd=str(REPO),
+    )
+
+
+async def run_cli(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
+    proc = await start_cli(*args)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"rlstream {' '.join(args)} did not finish in {timeout}s\nstdout:\n{out.decode()}\nstderr:\n{err.decode()}") from None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def wait_stderr_line(proc: asyncio.subprocess.Process, needle: str, timeout: float = 30.0) -> str:
+    """Read stderr lines until one contains ``needle`` (the command is then ready)."""
+    seen = []
+
+    async def read():
+        while True:
+            line = await proc.stderr.readline()
+            if not line:
+                raise AssertionError(f"process ended before printing {needle!r}; stderr:\n{''.join(seen)}")
+            seen.append(line.decode())
+            if needle in seen[-1]:
+                return seen[-1]
+
+    return await asyncio.wait_for(read(), timeout)
