@@ -1,0 +1,2 @@
+"""Reward scoring: rule rewards, Python reward functions, reward models over HTTP, the
+scorer loop and the reward-model server."""

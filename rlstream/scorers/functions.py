@@ -1,0 +1,103 @@
+"""Python reward functions by import path, called the way TRL's GRPOTrainer calls them.
+
+A function named ``package.module:function`` in ``reward_function.terms[].function`` is
+called once per batch of completions as::
+
+    fn(prompts=[...], completions=[...], completion_ids=[[...], ...], trainer_state=state,
+       **columns, **params) -> list[float | None]
+
+exactly as TRL 1.x does (``prompts`` repeats each prompt once per completion; every
+dataset column arrives as a list with one entry per completion; ``params`` are the
+term's ``params``). ``async def`` functions are awaited. ``None`` (or NaN) means "no
+reward" for that completion. ``trainer_state`` is a :class:`ScorerState`: its
+``global_step`` is the policy version of the weights that generated the completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class RewardError(RuntimeError):
+    """A reward function or rule failed, or returned something that is not a reward list."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerState:
+    """Stands in for TRL's ``trainer_state`` (only the fields a reward function reads)."""
+
+    global_step: int = 0
+    policy_version: int = 0
+    epoch: float = 0.0
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """Import ``package.module:function`` (the function may be a dotted attribute)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise RewardError(f"reward function {path!r} must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"cannot import {module_name!r} for reward function {path!r}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"{module_name!r} has no attribute {attr!r} (reward function {path!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward function {path!r} is not callable")
+    return obj
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def check_rewards(name: str, values: Any, n: int) -> list[float | None]:
+    """The function's output as floats and Nones; anything else is a :class:`RewardError`."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward {name!r} returned {type(values).__name__}, expected a list of {n} floats")
+    if len(values) != n:
+        raise RewardError(f"reward {name!r} returned {len(values)} values for {n} completions")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RewardError(f"reward {name!r} returned {v!r} ({type(v).__name__}) at index {i}, expected a float or None")
+        v = float(v)
+        if math.isnan(v):
+            out.append(None)
+        elif math.isinf(v):
+            raise RewardError(f"reward {name!r} returned {v} at index {i}: rewards must be finite")
+        else:
+            out.append(v)
+    return out
+
+
+async def call_function(
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    prompts: list[str],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    state: ScorerState,
+    params: dict[str, Any],
+) -> list[float | None]:
+    """Call a TRL-style reward function off the event loop and check what it returned."""
+    kwargs = {**columns, **params, "trainer_state": state}
+    if is_async(fn):
+        values = await fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    else:
+        values = await asyncio.to_thread(fn, prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    return check_rewards(name, values, len(completions))

@@ -1,0 +1,186 @@
+"""The scorer: pull rollout groups, score them, publish scored groups.
+
+    rlstream scorer CONFIG [--nats URL] [--id NAME]
+
+One linear loop: fetch up to ``scorer.batch_groups`` groups from the durable consumer
+``scorers`` (shared by every scorer, so adding one adds throughput), skip ids already
+scored (acked again), score the rest off the event loop, publish the ScoredGroups with
+message id = group id, and ack each group once its publish is acked by JetStream.
+
+Failure policy, per group:
+- the reward endpoint is unreachable after its retries: nak with backoff, so the group
+  comes back later; after ``nats.max_deliver`` deliveries it goes to the DLQ;
+- a reward function or rule raises: straight to the DLQ (``rl.<run>.dlq.scorer``) with
+  the traceback, acked; the scorer goes on.
+
+SIGTERM/SIGINT finish the batch in hand (publish and ack) and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
+from rlstream.config import Config
+from rlstream.schemas import RolloutGroup, ScoredGroup
+from rlstream.scorers.http import EndpointError
+from rlstream.scorers.scoring import RewardStats, Scorer
+
+log = logging.getLogger(__name__)
+
+RECENT_IDS = 65536
+"""How many recently scored group ids a scorer remembers to skip redeliveries."""
+
+
+class RecentIds:
+    """A bounded set that forgets the oldest ids first (an LRU of record ids)."""
+
+    def __init__(self, capacity: int = RECENT_IDS):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, record_id: str) -> bool:
+        if record_id in self._ids:
+            self._ids.move_to_end(record_id)
+            return True
+        return False
+
+    def add(self, record_id: str) -> None:
+        self._ids[record_id] = None
+        self._ids.move_to_end(record_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
+    """Decode completion ids for groups that carry no text (the tokenizer loads on first use)."""
+    tokenizer = None
+
+    def decode(ids: np.ndarray) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.tokenizer_path or cfg.model_checkpoint_path)))
+        return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    return decode
+
+
+async def _keep_in_progress(deliveries: list[Delivery], every_s: float) -> None:
+    """In-progress acks while a slow batch is scored, so it is not redelivered meanwhile."""
+    while True:
+        await asyncio.sleep(every_s)
+        for d in deliveries:
+            await d.in_progress()
+
+
+async def main(cfg: Config, nats_url: str, component_id: str, **_unused) -> int:
+    scorer = Scorer(cfg, decode=text_decoder(cfg))
+    async with Component(cfg, nats_url, "scorer", component_id) as comp:
+        try:
+            await scorer.start()
+            consumer = await Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
+                                      max_deliver=cfg.nats.max_deliver, publisher=comp.publisher).start()
+            await score_stream(cfg, comp, consumer, scorer, component_id)
+        finally:
+            await scorer.close()
+    return 0
+
+
+async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str) -> None:
+    reporter, layout = comp.reporter, comp.layout
+    seen = RecentIds()
+    stats = RewardStats()
+    window_start, window_groups = time.monotonic(), 0
+    raised_dlq = 0  # groups this scorer dead-lettered itself (the consumer counts the rest)
+    for key in ("scorer/failures", "scorer/dead_lettered", "scorer/duplicates_skipped", "scorer/groups"):
+        reporter.set(key, 0)
+    log.info("scorer %s: terms %s", component_id, [(t.name, t.weight) for t in scorer.terms])
+
+    while not comp.stop.is_set():
+        now = time.monotonic()
+        if now - window_start >= cfg.metrics.interval_s:
+            reporter.set("scorer/groups_per_s", window_groups / (now - window_start))
+            reporter.update(stats.summary())
+            window_start, window_groups = now, 0
+
+        deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
+        if not deliveries:
+            continue
+
+        # 1. at-least-once delivery: a group scored before is acked again, not re-scored
+        fresh: list[Delivery[RolloutGroup]] = []
+        batch_ids: set[str] = set()
+        for d in deliveries:
+            if d.record.id in seen or d.record.id in batch_ids:
+                await d.ack()
+                reporter.inc("scorer/duplicates_skipped")
+            else:
+                batch_ids.add(d.record.id)
+                fresh.append(d)
+        if not fresh:
+            continue
+
+        # 2. score, keeping the records with in-progress acks if it is slow
+        t0 = time.monotonic()
+        keep = asyncio.create_task(_keep_in_progress(fresh, cfg.nats.ack_wait_s / 3), name="scorer-in-progress")
+        try:
+            results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
+        except EndpointError as exc:
+            log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
+            for d in fresh:
+                if await consumer.fail(d, str(exc)):
+                    reporter.inc("scorer/dead_lettered")
+            reporter.inc("scorer/failures", len(fresh))
+            continue
+        finally:
+            keep.cancel()
+            await asyncio.gather(keep, return_exceptions=True)
+        score_s = time.monotonic() - t0
+
+        # 3. publish what scored (msg id = group id), then ack those groups
+        done: list[tuple[Delivery, ScoredGroup]] = []
+        failed: list[tuple[Delivery, str]] = []
+        for d, r in zip(fresh, results):
+            if isinstance(r, ScoredGroup):
+                r.score_s = score_s
+                done.append((d, r))
+            else:
+                failed.append((d, r))
+        await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id) for _, s in done])
+        acked = time.monotonic()
+        for d, s in done:
+            await d.ack()
+            seen.add(s.id)
+            stats.add(s)
+
+        # 4. a reward that raised: the group goes to the DLQ with the traceback
+        for d, tb in failed:
+            await dead_letter(comp.publisher, layout, "scorer", d.msg.subject, bytes(d.msg.data),
+                              f"reward function raised:\n{tb}", record_id=d.record.id, deliveries=d.deliveries)
+            await d.ack()
+            log.warning("group %s dead-lettered: %s", d.record.id, tb.strip().splitlines()[-1][:300])
+        if failed:
+            reporter.inc("scorer/failures", len(failed))
+            reporter.inc("scorer/dead_lettered", len(failed))
+
+        raised_dlq += len(failed)
+        reporter.set("dlq/count", consumer.dead_lettered + raised_dlq)
+        window_groups += len(done)
+        reporter.inc("scorer/groups", len(done))
+        if done:
+            reporter.set("scorer/latency_s", float(np.mean([acked - d.received for d, _ in done])))
+            reporter.set("scorer/score_s", score_s)
+    reporter.update(stats.summary())
+    log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))

@@ -1,0 +1,235 @@
+"""Serve a Hugging Face sequence-classification reward model over HTTP.
+
+    rlstream reward-server --model DIR [--host 127.0.0.1] [--port P] [--token T] [--max-batch N]
+
+- ``POST /score``: ``{"prompts": [...], "completions": [...]}`` -> ``{"scores": [...]}``,
+  each score the model's single logit on ``prompt + completion`` (as TRL scores with a
+  reward model).
+- ``GET /health``: ``{"status": "ok", ...}`` (no token needed, for probes).
+- ``GET /metrics``: Prometheus text.
+
+Concurrent requests are batched: handlers queue their texts (split into chunks of at most
+``--max-batch``), one batching task takes whatever is queued, up to ``--max-batch`` texts,
+and runs the forward pass in a thread. It binds 127.0.0.1 unless told otherwise, and
+refuses any other address without a token (``--token`` or ``$RLSTREAM_REWARD_TOKEN``);
+with a token, requests without ``Authorization: Bearer <token>`` get 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "RLSTREAM_REWARD_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class RewardModel:
+    """A sequence classifier with one label; ``score`` is its logit per text."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"{model_dir}: a reward model has one label, this one has {self.model.config.num_labels}")
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+        self.max_length = getattr(self.model.config, "max_position_embeddings", None) or 4096
+
+    def score(self, texts: list[str]) -> list[float]:
+        torch = self.torch
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length)
+        with torch.inference_mode():
+            logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
+        return logits[:, 0].float().cpu().tolist()
+
+
+@dataclass(slots=True)
+class _Job:
+    texts: list[str]
+    future: asyncio.Future
+
+
+@dataclass
+class Server:
+    model: RewardModel
+    token: str | None = None
+    max_batch: int = 64
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("reward_server_requests", "Requests to /score by HTTP status", ["code"], registry=self.registry)
+        self.sequences = Counter("reward_server_sequences", "Sequences scored", registry=self.registry)
+        self.batch_size = Histogram("reward_server_batch_size", "Sequences per forward pass", registry=self.registry,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.forward_s = Histogram("reward_server_forward_seconds", "Seconds per forward pass", registry=self.registry)
+        self.request_s = Histogram("reward_server_request_seconds", "Seconds per /score request", registry=self.registry)
+
+    # ---- batching ------------------------------------------------------------------------
+    async def batcher(self) -> None:
+        """Take queued jobs up to ``max_batch`` texts, run one forward pass in a thread."""
+        carry: _Job | None = None
+        while True:
+            first = carry or await self.queue.get()
+            carry = None
+            jobs, n = [first], len(first.texts)
+            while not self.queue.empty():
+                job = self.queue.get_nowait()
+                if n + len(job.texts) > self.max_batch:
+                    carry = job
+                    break
+                jobs.append(job)
+                n += len(job.texts)
+            texts = [t for j in jobs for t in j.texts]
+            t0 = time.perf_counter()
+            try:
+                scores = await asyncio.to_thread(self.model.score, texts)
+            except Exception as exc:  # the requests in this batch get a 500; the server goes on
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(exc)
+                continue
+            self.forward_s.observe(time.perf_counter() - t0)
+            self.batch_size.observe(len(texts))
+            self.sequences.inc(len(texts))
+            i = 0
+            for j in jobs:
+                if not j.future.done():
+                    j.future.set_result(scores[i:i + len(j.texts)])
+                i += len(j.texts)
+
+    async def score(self, texts: list[str]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for i in range(0, len(texts), self.max_batch):
+            job = _Job(texts[i:i + self.max_batch], loop.create_future())
+            jobs.append(job)
+            self.queue.put_nowait(job)
+        parts = await asyncio.gather(*(j.future for j in jobs))
+        return [s for p in parts for s in p]
+
+    # ---- HTTP ----------------------------------------------------------------------------
+    def authorized(self, request: web.Request) -> bool:
+        if self.token is None:
+            return True
+        header = request.headers.get("Authorization", "")
+        return header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), self.token.encode())
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        if request.path != "/health" and not self.authorized(request):
+            if request.path == "/score":
+                self.requests.labels("401").inc()
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        return await handler(request)
+
+    async def handle_score(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.requests.labels("400").inc()
+            return web.json_response({"error": "the body is not JSON"}, status=400)
+        prompts = body.get("prompts") if isinstance(body, dict) else None
+        completions = body.get("completions") if isinstance(body, dict) else None
+        if not (isinstance(prompts, list) and isinstance(completions, list) and len(prompts) == len(completions)
+                and all(isinstance(x, str) for x in prompts + completions)):
+            self.requests.labels("400").inc()
+            return web.json_response({"error": 'expected {"prompts": [str], "completions": [str]} of the same length'}, status=400)
+        try:
+            scores = await self.score([p + c for p, c in zip(prompts, completions)]) if prompts else []
+        except Exception as exc:  # a failed forward pass is the client's to retry
+            self.requests.labels("500").inc()
+            log.exception("scoring failed")
+            return web.json_response({"error": f"scoring failed: {type(exc).__name__}: {exc}"}, status=500)
+        self.requests.labels("200").inc()
+        self.request_s.observe(time.perf_counter() - t0)
+        return web.json_response({"scores": scores})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "queued": self.queue.qsize(), "max_batch": self.max_batch})
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import generate_latest
+
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.auth], client_max_size=64 * 2**20)
+        app.router.add_post("/score", self.handle_score)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        return app
+
+
+async def serve(model_dir: str, host: str, port: int, token: str | None, max_batch: int, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    model = await asyncio.to_thread(RewardModel, model_dir)
+    server = Server(model, token=token, max_batch=max_batch)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()  # finishes requests in flight
+        batcher.cancel()
+        await asyncio.gather(batcher, return_exceptions=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def cli(args) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not is_loopback(args.host) and not token:
+        print(f"error: refusing to serve on {args.host} without a token: pass --token or set ${TOKEN_ENV} "
+              "(or bind 127.0.0.1)", file=sys.stderr)
+        return 2
+    if not Path(args.model).is_dir():
+        print(f"error: --model {args.model}: not a directory", file=sys.stderr)
+        return 2
+    if args.max_batch < 1:
+        print(f"error: --max-batch {args.max_batch}: must be at least 1", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args.model, args.host, args.port, token, args.max_batch))
+    return 0

@@ -1,0 +1,313 @@
+"""Scoring a batch of rollout groups with the configured reward terms.
+
+``reward_function.terms`` lists named terms, each a ``rule`` or a Python ``function``
+with a ``weight`` and ``params``; ``type: model_based`` adds a term named ``model``
+(weight 1) scored by the endpoint, before any terms written in the config (the default
+``math`` term is only used when no endpoint is). Every term is reported as a named
+component.
+
+How ``None`` ("no reward") combines: the sample's reward is the weighted sum of its
+components with ``None`` counted as 0; in ``ScoredGroup.components`` a ``None`` is NaN,
+so a component's mean (``reward/<name>/mean``) is taken over the samples it scored.
+
+Where the work runs: the cheap rules in one thread per batch; ``math`` in a process pool
+(``scorer.processes`` workers: math-verify needs a main thread for its timeouts; 0 = a
+thread with the timeouts off); Python functions in a thread (``async def`` ones on the
+event loop); the reward model over HTTP. The terms of a batch run concurrently.
+
+Failures: an :class:`~rlstream.scorers.http.EndpointError` fails the whole batch (the
+loop naks it for redelivery). Any other exception from a term is retried group by group,
+so only the groups whose own call raises fail, each with its traceback (the loop
+dead-letters them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from rlstream.config import Config, RewardTerm
+from rlstream.schemas import RolloutGroup, ScoredGroup
+from rlstream.scorers import rewards
+from rlstream.scorers.functions import RewardError, ScorerState, call_function, check_rewards, load_function
+from rlstream.scorers.http import EndpointError, RewardModelClient
+
+# Keys TRL passes itself: a dataset column of the same name is not forwarded.
+_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+@dataclass(slots=True)
+class Flat:
+    """A batch of groups flattened to one entry per completion (TRL's layout)."""
+
+    prompts: list[str]
+    completions: list[str]
+    completion_ids: list[list[int]]
+    finish_reasons: list[str]
+    columns: dict[str, list[Any]]
+    state: ScorerState
+    sizes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | None = None) -> Flat:
+    prompts, completions, ids, reasons, sizes = [], [], [], [], []
+    names: list[str] = []
+    for g in groups:
+        for k in g.columns:
+            if k not in names and k not in _RESERVED:
+                names.append(k)
+    columns: dict[str, list[Any]] = {k: [] for k in names}
+    for g in groups:
+        sizes.append(len(g.samples))
+        for s in g.samples:
+            prompts.append(g.prompt_text)
+            text = s.text
+            if not text and decode is not None and len(s.completion_ids):
+                text = decode(s.completion_ids)
+            completions.append(text)
+            ids.append(s.completion_ids.tolist())
+            reasons.append(s.finish_reason)
+            for k in names:
+                columns[k].append(g.columns.get(k))
+    version = max((g.policy_version for g in groups), default=0)
+    return Flat(prompts, completions, ids, reasons, columns, ScorerState(global_step=version, policy_version=version), sizes)
+
+
+# ---- terms -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Term:
+    """One named, weighted reward component and how to compute it over a :class:`Flat`."""
+
+    name: str
+    weight: float
+    score: Callable[[Flat], Any]  # async (Flat) -> list[float | None]
+    batch_fatal: bool = False
+    """True when a failure is about the service, not the data (no per-group retry)."""
+
+
+def _answers(flat: Flat, column: str) -> list[str]:
+    if column not in flat.columns:
+        raise RewardError(f"the rollout has no column {column!r} with the reference answer (reward_function.answer_column)")
+    values = flat.columns[column]
+    missing = [i for i, v in enumerate(values) if v is None]
+    if missing:
+        raise RewardError(f"column {column!r} is missing for completion {missing[0]}")
+    return [str(v) for v in values]
+
+
+def overlong_settings(cfg: Config, params: dict[str, Any]) -> dict[str, Any]:
+    """DAPO's overlong shaping scaled to this config: the term's params win; then, in
+    RL_DAPO, ``algorithm_params.overlong_*``; then ``producer.max_new_tokens`` for the max
+    length and a fifth of it for the buffer."""
+    ap = cfg.algorithm_params
+    dapo = cfg.training_mode == "RL_DAPO"
+    max_length = params.get("max_length") or (dapo and ap.overlong_max_length) or cfg.producer.max_new_tokens
+    buffer = params.get("buffer")
+    if buffer is None:
+        buffer = ap.overlong_buffer if dapo and ap.overlong_buffer is not None else max_length // 5
+    factor = params.get("factor")
+    if factor is None:
+        factor = ap.overlong_penalty_factor if dapo else 1.0
+    return {"max_length": int(max_length), "buffer": int(buffer), "factor": float(factor)}
+
+
+def _check_params(term: RewardTerm, allowed: set[str]) -> None:
+    unknown = set(term.params) - allowed
+    if unknown:
+        raise RewardError(f"reward term {term.name!r} ({term.rule}): unknown params {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+class Scorer:
+    """The configured terms, the process pool and the HTTP client; scores batches of groups."""
+
+    def __init__(self, cfg: Config, *, decode: Callable[[np.ndarray], str] | None = None):
+        self.cfg = cfg
+        self.decode = decode
+        rf = cfg.reward_function
+        self.answer_column = rf.answer_column
+        self.processes = cfg.scorer.processes
+        self.pool: ProcessPoolExecutor | None = None
+        self.client: RewardModelClient | None = None
+        self.terms: list[Term] = []
+        if rf.type == "model_based":
+            token = rf.token.get_secret_value() if rf.token is not None else None
+            self.client = RewardModelClient(rf.endpoint, token=token, timeout_s=rf.timeout_s, retries=rf.retries)
+            self.terms.append(Term("model", 1.0, self._model, batch_fatal=True))
+        if rf.type != "model_based" or "terms" in rf.model_fields_set:
+            for t in rf.terms:
+                self.terms.append(self._build(t))
+        names = [t.name for t in self.terms]
+        if len(set(names)) != len(names):
+            raise RewardError(f"reward term names must be unique, got {names}")
+
+    # -- building terms --------------------------------------------------------------------
+    def _build(self, t: RewardTerm) -> Term:
+        p = dict(t.params)
+        if t.function is not None:
+            fn = load_function(t.function)
+
+            async def run_function(flat: Flat, fn=fn, name=t.name, params=p):
+                return await call_function(name, fn, prompts=flat.prompts, completions=flat.completions,
+                                           completion_ids=flat.completion_ids, columns=flat.columns,
+                                           state=flat.state, params=params)
+
+            return Term(t.name, t.weight, run_function)
+        if t.rule == "math":
+            _check_params(t, set())
+            if self.processes > 0 and self.pool is None:
+                self.pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"))
+            return Term(t.name, t.weight, self._math)
+        rule: Callable[[Flat], list[float | None]]
+        if t.rule == "exact_match":
+            _check_params(t, {"extract", "case_sensitive"})
+
+            def rule(flat, p=p):
+                answers = _answers(flat, self.answer_column)
+                return [rewards.exact_match(c, a, **p) for c, a in zip(flat.completions, answers)]
+        elif t.rule == "format":
+            _check_params(t, {"pattern", "mode"})
+            if "pattern" not in p:
+                raise RewardError(f"reward term {t.name!r} (format) needs params.pattern, a regular expression")
+            rewards.format_reward("", p["pattern"], mode=p.get("mode", "fullmatch"))  # a bad pattern fails at start
+
+            def rule(flat, p=p):
+                return [rewards.format_reward(c, **p) for c in flat.completions]
+        elif t.rule == "length_penalty":
+            _check_params(t, {"max_length", "free_tokens", "coef"})
+            q = {"max_length": self.cfg.producer.max_new_tokens, **p}
+            rewards.length_penalty(0, **q)  # bad settings fail at start
+
+            def rule(flat, q=q):
+                return [rewards.length_penalty(len(ids), **q) for ids in flat.completion_ids]
+        elif t.rule == "overlong":
+            _check_params(t, {"max_length", "buffer", "factor"})
+            q = overlong_settings(self.cfg, p)
+            rewards.overlong_penalty(0, **q)  # bad settings fail at start
+
+            def rule(flat, q=q):
+                return [rewards.overlong_penalty(len(ids), **q) for ids in flat.completion_ids]
+        else:  # pragma: no cover - the config's Literal lists the rules
+            raise RewardError(f"unknown rule {t.rule!r}")
+
+        async def run_rule(flat: Flat, rule=rule, name=t.name):
+            return check_rewards(name, await asyncio.to_thread(rule, flat), len(flat))
+
+        return Term(t.name, t.weight, run_rule)
+
+    # -- the terms that leave the process --------------------------------------------------
+    async def _math(self, flat: Flat) -> list[float | None]:
+        answers = _answers(flat, self.answer_column)
+        if self.pool is None:
+            return await asyncio.to_thread(rewards.math_scores, flat.completions, answers, False)
+        loop = asyncio.get_running_loop()
+        n = len(flat)
+        step = -(-n // self.processes)
+        chunks = [(flat.completions[i:i + step], answers[i:i + step]) for i in range(0, n, step)]
+        try:
+            parts = await asyncio.gather(*(loop.run_in_executor(self.pool, rewards.math_scores, c, a) for c, a in chunks))
+        except BrokenProcessPool as exc:
+            # A worker died (killed, out of memory): a fresh pool, and the batch is redelivered.
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"))
+            raise EndpointError(f"math-verify worker process died: {exc}") from exc
+        return [v for part in parts for v in part]
+
+    async def _model(self, flat: Flat) -> list[float]:
+        assert self.client is not None
+        return await self.client.score(flat.prompts, flat.completions)
+
+    async def start(self) -> None:
+        """Start the pool's workers now (imports take a second) rather than on the first batch."""
+        if self.pool is not None:
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self.pool, rewards.warm_up) for _ in range(self.processes)))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    # -- scoring ---------------------------------------------------------------------------
+    async def _term_over_groups(self, term: Term, groups: list[RolloutGroup], flat: Flat) -> list[list[float | None] | BaseException]:
+        """The term's values per group; a group whose own call raises gets its exception."""
+        try:
+            values = await term.score(flat)
+        except EndpointError:
+            raise
+        except Exception as exc:
+            if term.batch_fatal:
+                raise
+            if len(groups) == 1:
+                return [exc]
+            return [r for g in groups for r in await self._term_over_groups(term, [g], flatten([g], self.decode))]
+        out, i = [], 0
+        for n in flat.sizes:
+            out.append(values[i:i + n])
+            i += n
+        return out
+
+    async def score(self, groups: list[RolloutGroup], scorer_id: str = "") -> list[ScoredGroup | str]:
+        """A ScoredGroup per group, or for a group whose reward raised, the traceback text.
+
+        Raises :class:`EndpointError` when the batch should be redelivered as a whole.
+        """
+        if not groups:
+            return []
+        flat = flatten(groups, self.decode)
+        per_term = await asyncio.gather(*(self._term_over_groups(t, groups, flat) for t in self.terms))
+        out: list[ScoredGroup | str] = []
+        for gi, group in enumerate(groups):
+            errors = [(t.name, r[gi]) for t, r in zip(self.terms, per_term) if isinstance(r[gi], BaseException)]
+            if errors:
+                out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in errors))
+                continue
+            components = {t.name: np.array([np.nan if v is None else v for v in r[gi]], dtype=np.float32) for t, r in zip(self.terms, per_term)}
+            total = np.zeros(len(group.samples), dtype=np.float64)
+            for t in self.terms:
+                total += t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0)
+            out.append(ScoredGroup(rollout=group, rewards=total.astype(np.float32), components=components,
+                                   scorer_id=scorer_id, run=group.run))
+        return out
+
+
+@dataclass(slots=True)
+class RewardStats:
+    """Running figures of what was scored since the last report."""
+
+    values: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+    def add(self, scored: ScoredGroup) -> None:
+        self.values.setdefault("", []).append(scored.rewards)
+        for name, v in scored.components.items():
+            self.values.setdefault(name, []).append(v)
+
+    def summary(self) -> dict[str, float]:
+        """reward/mean, reward/<component>/mean and /std (NaN = no reward: left out)."""
+        out: dict[str, float] = {}
+        for name, parts in self.values.items():
+            v = np.concatenate(parts).astype(np.float64)
+            v = v[~np.isnan(v)]
+            if not v.size:
+                continue
+            if name == "":
+                out["reward/mean"] = float(v.mean())
+                out["reward/std"] = float(v.std())
+            else:
+                out[f"reward/{name}/mean"] = float(v.mean())
+                out[f"reward/{name}/std"] = float(v.std())
+        self.values.clear()
+        return out
