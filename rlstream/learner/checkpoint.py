@@ -1,0 +1,242 @@
+"""Checkpoints: ``checkpoints/step_N/`` written atomically, loadable by ``from_pretrained``.
+
+A checkpoint directory holds:
+
+- the HF model (``config.json``, ``model.safetensors``, generation config) and the tokenizer,
+  so ``AutoModelForCausalLM.from_pretrained(step_dir)`` works on it directly;
+- ``optimizer.safetensors``: the optimizer's tensors, with its non-tensor state in
+  ``learner_state.json`` (no pickle anywhere);
+- ``value_head.safetensors`` + ``value_optimizer.safetensors`` for PPO;
+- ``learner_state.json``: step, policy version, the ids already trained (and dropped), the
+  records pending ack when it was written, the stream position, RNG states, the offline
+  dataset's epoch position and per-epoch usage.
+
+It is written to ``step_N.tmp`` (every file fsync'ed), renamed to ``step_N`` and the parent
+directory fsync'ed; only then are the records it covers acknowledged. Retention keeps the
+newest ``checkpoint.keep_last`` and deletes those older than ``checkpoint.max_age_days``, never
+the latest.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_FILE = "learner_state.json"
+STATE_VERSION = 1
+
+
+@dataclass
+class LearnerState:
+    """Everything besides tensors that a resume needs. JSON round-trips exactly."""
+
+    step: int = 0
+    policy_version: int = 0
+    samples_trained: int = 0
+    tokens_trained: int = 0
+    groups_consumed: int = 0
+    dropped_stale: int = 0
+    dropped_filtered: int = 0
+    duplicates_skipped: int = 0
+    nan_steps_skipped: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)
+    next_seq: int | None = None
+    """Scored-stream sequence of the next group to consider (all earlier ones are handled)."""
+    pending_ack: list[dict[str, Any]] = field(default_factory=list)
+    """Records handled but not acked when this state was saved: [{id, seq}]."""
+    epoch: int = 0
+    epoch_offset: int = 0
+    epoch_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Offline datasets: epoch -> {example id -> times used}."""
+    rng: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LearnerState":
+        data = {k: v for k, v in data.items() if k != "version"}
+        return cls(**data)
+
+
+# ---- RNG -----------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], base64.b64encode(np_state[1].astype(np.uint32).tobytes()).decode(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    if not rng:
+        return
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = rng["numpy"]
+    keys = np.frombuffer(base64.b64decode(n[1]), dtype=np.uint32).copy()
+    np.random.set_state((n[0], keys, n[2], n[3], n[4]))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in rng["cuda"]])
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (``.tmp`` leftovers of a crash are ignored)."""
+    base = checkpoints_dir(run_dir)
+    if not base.exists():
+        return []
+    found = [p for p in base.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_FILE).exists()]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(learner, run_dir: Path) -> Path:
+    """Write ``checkpoints/step_<learner.state.step>/`` atomically; returns its path."""
+    state: LearnerState = learner.state
+    base = checkpoints_dir(run_dir)
+    base.mkdir(parents=True, exist_ok=True)
+    final = base / f"step_{state.step}"
+    tmp = base / f"step_{state.step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    engine = learner.engine
+    model = engine.unwrapped
+    full = engine.full_state_dict()
+    if engine.rank == 0:
+        model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
+        if learner.tokenizer is not None:
+            learner.tokenizer.save_pretrained(str(tmp))
+        meta: dict[str, Any] = {}
+        if learner.cfg.checkpoint.save_optimizer:
+            tensors, meta = engine.optimizer_tensors()
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+        extra: dict[str, Any] = {"optimizer": meta, "engine": engine.name}
+        if learner.value_head is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in learner.value_head.state_dict().items()}, str(tmp / "value_head.safetensors"))
+            from rlstream.learner.engines import optimizer_to_tensors
+
+            vt, vmeta = optimizer_to_tensors(learner.value_optimizer)
+            save_file(vt, str(tmp / "value_optimizer.safetensors"))
+            extra["value_optimizer"] = vmeta
+        state.rng = capture_rng()
+        doc = {**state.to_json(), "extra": extra, "saved_at": time.time()}
+        (tmp / STATE_FILE).write_text(json.dumps(doc))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(base)
+        prune_checkpoints(run_dir, learner.cfg.checkpoint.keep_last, learner.cfg.checkpoint.max_age_days)
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, max_age_days: float | None, now: float | None = None) -> list[Path]:
+    """Delete checkpoints beyond the newest ``keep_last`` or older than ``max_age_days``;
+    the latest is never deleted. Returns the removed paths."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return []
+    now = time.time() if now is None else now
+    latest = found[-1]
+    removed = []
+    for i, path in enumerate(found[:-1]):
+        too_many = len(found) - i > keep_last
+        too_old = max_age_days is not None and now - path.stat().st_mtime > max_age_days * 86400
+        if path != latest and (too_many or too_old):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    for leftover in checkpoints_dir(run_dir).glob("step_*.tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return removed
+
+
+def load_checkpoint(learner, step_dir: Path) -> LearnerState:
+    """Restore weights, optimizer, value head, learner state and RNG from ``step_dir``."""
+    step_dir = Path(step_dir)
+    doc = json.loads((step_dir / STATE_FILE).read_text())
+    extra = doc.pop("extra", {})
+    doc.pop("saved_at", None)
+    state = LearnerState.from_json(doc)
+    engine = learner.engine
+    weights = load_file(str(step_dir / "model.safetensors"))
+    model = engine.unwrapped
+    if getattr(engine, "stage", 0) == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            _load_weights(model, weights)
+    else:
+        _load_weights(model, weights)
+    opt_file = step_dir / "optimizer.safetensors"
+    if opt_file.exists() and extra.get("optimizer"):
+        engine.load_optimizer_tensors(load_file(str(opt_file)), extra["optimizer"])
+    if learner.value_head is not None and (step_dir / "value_head.safetensors").exists():
+        learner.value_head.load_state_dict(load_file(str(step_dir / "value_head.safetensors")))
+        from rlstream.learner.engines import optimizer_from_tensors
+
+        optimizer_from_tensors(learner.value_optimizer, load_file(str(step_dir / "value_optimizer.safetensors")), extra["value_optimizer"])
+    restore_rng(state.rng)
+    learner.state = state
+    return state
+
+
+def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    sd = model.state_dict()
+    missing = [k for k in sd if k not in weights]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for k, v in sd.items():
+            v.copy_(weights[k].to(v.dtype))

@@ -1,0 +1,257 @@
+"""Training engines: plain torch (one process, or DDP under ``torchrun``) and DeepSpeed (ZeRO 0-3).
+
+Both expose the same small surface the training step uses:
+
+- ``module``: the model to call forward on (DDP / DeepSpeed wrapper included),
+- ``backward(loss, last)``: accumulate gradients (``last`` = the step's final micro-batch),
+- ``step() -> (grad_norm, stepped)``: clip to ``learner.max_grad_norm`` and update, or, when
+  the gradient norm is NaN/inf, zero the gradients and skip the update,
+- ``full_state_dict()``: every weight on CPU under ``AutoModelForCausalLM.state_dict()`` names
+  (gathered under ZeRO-3), ``unwrapped``: the plain HF model,
+- ``optimizer_tensors()/load_optimizer_tensors()``: optimizer state as flat tensors + JSON
+  (safetensors-friendly; no pickle).
+
+The learning rate is a pure function of the step (:func:`lr_at`), set on the param groups
+before each update, so a checkpoint needs only the step to restore the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def lr_at(step: int, lcfg) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup then the schedule."""
+    base = lcfg.lr
+    if lcfg.warmup_steps and step < lcfg.warmup_steps:
+        return base * (step + 1) / lcfg.warmup_steps
+    if lcfg.lr_schedule == "constant":
+        return base
+    span = max(1, lcfg.max_steps - lcfg.warmup_steps)
+    progress = min(1.0, (step - lcfg.warmup_steps) / span)
+    if lcfg.lr_schedule == "linear":
+        return base * (1.0 - progress)
+    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment (torchrun / deepspeed)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A torch optimizer's state as ``{"state.<param>.<name>": tensor}`` plus JSON-able meta."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, values in meta.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(values)
+    groups = []
+    for g in meta["param_groups"]:
+        g = dict(g)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _unique_cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies: never aliases of live parameters (training may go on while they are
+    written), and tied weights become separate tensors, as safetensors requires."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+
+
+def make_optimizer(params, lcfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8)
+
+
+class TorchEngine:
+    """Plain torch: AdamW, ``clip_grad_norm_``; DDP when ``WORLD_SIZE`` > 1 (``torchrun``)."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, lcfg):
+        self.lcfg = lcfg
+        self.unwrapped = model
+        self.rank, self.world_size = world()
+        self.module = model
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            self.module = torch.nn.parallel.DistributedDataParallel(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, lcfg)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        loss.backward()
+
+    def step(self) -> tuple[float, bool]:
+        max_norm = self.lcfg.max_grad_norm or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return _unique_cpu(self.unwrapped.state_dict())
+
+    def optimizer_tensors(self):
+        return optimizer_to_tensors(self.optimizer)
+
+    def load_optimizer_tensors(self, tensors, meta) -> None:
+        optimizer_from_tensors(self.optimizer, tensors, meta)
+
+
+def init_deepspeed_single_process() -> None:
+    """DeepSpeed without a launcher: a one-process gloo group (see PLATFORM.md)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from rlstream.broker.server import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port())
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO 0-3 (CPU offload, bf16) with a torch AdamW (no JIT-compiled CPU Adam).
+
+    The DeepSpeed dict comes from ``learner.deepspeed_config()``, so batch size, clipping and
+    precision have one source of truth. Gradient accumulation is driven from here: each
+    micro-batch's loss is already normalised over the whole optimizer step, so the engine
+    never rescales it, and the accumulation boundary is set explicitly on the last one.
+
+    A NaN/inf loss is caught before its backward (the step then runs no optimizer update);
+    gradients that turn nonfinite with a finite loss are DeepSpeed's to handle (bf16/fp32 do
+    not skip by themselves), which is why the loss check comes first.
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, lcfg, accumulation: int = 1):
+        import deepspeed
+
+        init_deepspeed_single_process()
+        self.lcfg = lcfg
+        self.rank, self.world_size = world()
+        ds = lcfg.deepspeed_config(self.world_size)
+        ds["gradient_accumulation_steps"] = max(1, accumulation)
+        ds["train_batch_size"] = lcfg.micro_batch_size * ds["gradient_accumulation_steps"] * self.world_size
+        ds.setdefault("steps_per_print", 10**9)
+        ds.setdefault("wall_clock_breakdown", False)
+        self.stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if ds["bf16"]["enabled"]:
+            model = model.to(torch.bfloat16)
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], lcfg)
+        if "offload_optimizer" in ds.get("zero_optimization", {}):
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        self.module = self.engine
+        self.unwrapped = self.engine.module
+        self._base_opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        self._bad = False
+        self.ds_config = ds
+
+    def set_lr(self, lr: float) -> None:
+        for g in self._base_opt.param_groups:
+            g["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> tuple[float, bool]:
+        if self._bad:
+            self._bad = False
+            self.zero_grad()
+            return float("nan"), False
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else 0.0
+        return norm, True
+
+    def mark_nonfinite(self) -> None:
+        self._bad = True
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        zero = getattr(self.optimizer, "zero_grad", None)
+        if zero is not None:
+            zero(set_to_none=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        model = self.unwrapped
+        if self.stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                return _unique_cpu(model.state_dict())
+        return _unique_cpu(model.state_dict())
+
+    def optimizer_tensors(self):
+        if self.stage in (1, 2):
+            # The ZeRO optimizer's own state_dict holds python objects; the fp32 partitions and
+            # Adam moments of the base optimizer are what a resume needs (one process).
+            tensors, meta = optimizer_to_tensors(self._base_opt)
+            for i, part in enumerate(self.optimizer.single_partition_of_fp32_groups):
+                tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
+            return tensors, meta
+        if self.stage == 3:
+            return {}, {"param_groups": [], "note": "ZeRO-3 optimizer state is not saved; a resume restarts the moments"}
+        return optimizer_to_tensors(self._base_opt)
+
+    def load_optimizer_tensors(self, tensors, meta) -> None:
+        if self.stage == 3 or not meta.get("param_groups"):
+            return
+        fp32 = {k: v for k, v in tensors.items() if k.startswith("fp32.")}
+        optimizer_from_tensors(self._base_opt, {k: v for k, v in tensors.items() if not k.startswith("fp32.")}, meta)
+        if fp32:
+            for i, part in enumerate(self.optimizer.single_partition_of_fp32_groups):
+                part.data.copy_(fp32[f"fp32.{i}"])
+
+
+def build_engine(model: torch.nn.Module, lcfg, accumulation: int = 1):
+    if lcfg.engine == "deepspeed":
+        return DeepSpeedEngine(model, lcfg, accumulation)
+    return TorchEngine(model, lcfg)

@@ -1,0 +1,113 @@
+"""Offline datasets for SFT and DPO, read through :func:`rlstream.data.read_rows`.
+
+SFT rows give ``prompt`` + ``completion`` columns, or a ``messages`` list of chat turns (the
+last assistant turn is the completion, everything before it the prompt, rendered with the
+tokenizer's chat template). DPO rows give ``prompt``, ``chosen`` and ``rejected`` (strings,
+or message lists whose last turn is taken). Column names come from ``data_source``.
+
+Each example gets a deterministic id (``<dataset digest>-<row index>``), so the epoch
+accounting in ``learner_summary.json`` can prove every example was used once per epoch.
+:func:`epoch_order` is the order of an epoch: a permutation seeded by
+``data_source.shuffle_seed`` and the epoch number (or the file order when the seed is None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import numpy as np
+
+from rlstream.data import DatasetError, read_rows, require_columns
+from rlstream.schemas import PreferencePair, SFTExample
+
+
+def _ids(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+
+def _content(value: Any) -> str:
+    if isinstance(value, list):
+        return str(value[-1]["content"]) if value and isinstance(value[-1], dict) else " ".join(map(str, value))
+    return str(value)
+
+
+def _digest(path: str) -> str:
+    return hashlib.sha1(str(path).encode()).hexdigest()[:8]
+
+
+def load_sft(ds, tokenizer) -> list[SFTExample]:
+    rows = read_rows(ds.path, ds.split, ds.limit)
+    eos = tokenizer.eos_token_id
+    tag = _digest(ds.path)
+    out = []
+    use_messages = ds.messages_column in rows[0]
+    require_columns(rows, [ds.messages_column] if use_messages else [ds.prompt_column, ds.completion_column], ds.path)
+    for i, row in enumerate(rows):
+        if use_messages:
+            msgs = row[ds.messages_column]
+            if not msgs or msgs[-1].get("role") != "assistant":
+                raise DatasetError(f"{ds.path}: row {i} {ds.messages_column!r} must end with an assistant turn")
+            prompt_text = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+            completion_text = " " + msgs[-1]["content"]
+        else:
+            prompt_text, completion_text = str(row[ds.prompt_column]), str(row[ds.completion_column])
+        completion = _ids(tokenizer, completion_text)
+        if eos is not None:
+            completion = np.append(completion, np.int32(eos))
+        out.append(SFTExample(id=f"{tag}-{i}", prompt_ids=_ids(tokenizer, prompt_text), completion_ids=completion,
+                              prompt_text=prompt_text, completion_text=completion_text))
+    return out
+
+
+def load_dpo(ds, tokenizer) -> list[PreferencePair]:
+    rows = read_rows(ds.path, ds.split, ds.limit)
+    require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
+    eos = tokenizer.eos_token_id
+    tag = _digest(ds.path)
+    out = []
+    for i, row in enumerate(rows):
+        prompt = _content(row[ds.prompt_column])
+        chosen, rejected = _content(row[ds.chosen_column]), _content(row[ds.rejected_column])
+        c, r = _ids(tokenizer, chosen), _ids(tokenizer, rejected)
+        if eos is not None:
+            c, r = np.append(c, np.int32(eos)), np.append(r, np.int32(eos))
+        out.append(PreferencePair(id=f"{tag}-{i}", prompt_ids=_ids(tokenizer, prompt), chosen_ids=c, rejected_ids=r,
+                                  prompt_text=prompt, chosen_text=chosen, rejected_text=rejected))
+    return out
+
+
+def epoch_order(n: int, epoch: int, seed: int | None) -> list[int]:
+    order = list(range(n))
+    if seed is not None:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def next_offline_batch(examples: list, state, batch: int, epochs: int, seed: int | None) -> list | None:
+    """The next ``batch`` examples in epoch order, advancing ``state.epoch``/``epoch_offset``
+    and counting each use in ``state.epoch_usage``. A batch never spans two epochs (the last
+    one of an epoch may be smaller). None when every epoch is done."""
+    if state.epoch >= epochs:
+        return None
+    order = epoch_order(len(examples), state.epoch, seed)
+    picked = [examples[i] for i in order[state.epoch_offset:state.epoch_offset + batch]]
+    usage = state.epoch_usage.setdefault(str(state.epoch), {})
+    for ex in picked:
+        usage[ex.id] = usage.get(ex.id, 0) + 1
+    state.epoch_offset += len(picked)
+    if state.epoch_offset >= len(examples):
+        state.epoch, state.epoch_offset = state.epoch + 1, 0
+    return picked
+
+
+def epoch_summary(state, dataset_size: int) -> list[dict[str, int]]:
+    """Per epoch: examples used, distinct ids, ids used more than once, dataset size."""
+    out = []
+    for epoch, usage in sorted(state.epoch_usage.items(), key=lambda kv: int(kv[0])):
+        out.append({
+            "epoch": int(epoch), "examples_used": sum(usage.values()), "unique_ids": len(usage),
+            "repeated_ids": sum(1 for v in usage.values() if v > 1), "dataset_size": dataset_size,
+        })
+    return out
