@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("file")
     sp.add_argument("--run", required=True)
     with_nats(sp)
+    sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
 
     sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups; compare losses")
