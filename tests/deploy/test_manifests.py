@@ -1,0 +1,301 @@
+"""deploy/k8s renders (base and gpu overlay), validates against the Kubernetes schemas,
+holds together (references, probes, ports, KEDA stream names, the rlstream config), and
+every container's command is one the rlstream CLI accepts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from k8s_render import RenderError, build, find, json6902, pod_specs, strategic_merge
+from rlstream.broker.layout import Layout
+from rlstream.cli import build_parser
+from rlstream.config import load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+NATS = ROOT / "deploy" / "nats"
+KUBE_VERSION = "1.30.0"
+TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
+# Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
+EXTERNAL_SECRETS = {"nats-tls"}
+CRD_GROUPS = {"keda.sh", "kubeflow.org"}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def render(request):
+    return request.param, build(TARGETS[request.param])
+
+
+def _config(objs) -> dict:
+    return yaml.safe_load(find(objs, "ConfigMap", "rlstream-config")["data"]["config.yaml"])
+
+
+def _containers(objs):
+    for where, spec in pod_specs(objs):
+        for c in spec["containers"]:
+            yield where, spec, c
+
+
+# ---- the renderer itself ----------------------------------------------------------------
+
+
+def test_renderer_strategic_merge_by_name_and_json_patch():
+    base = {"spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "b"}], "replicas": 1}}
+    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}], "replicas": 3}}
+    out = strategic_merge(base, patch)
+    assert out["spec"]["replicas"] == 3
+    assert out["spec"]["containers"][0] == {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}
+    assert out["spec"]["containers"][1] == {"name": "b"}
+    out = json6902({"a": {"b": [1]}}, [{"op": "add", "path": "/a/b/-", "value": 2}, {"op": "add", "path": "/a/c~1d", "value": 3}])
+    assert out == {"a": {"b": [1, 2], "c/d": 3}}
+    with pytest.raises(RenderError):
+        json6902({"a": {}}, [{"op": "replace", "path": "/a/missing", "value": 1}])
+
+
+def test_renderer_rejects_a_patch_without_target(tmp_path):
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
+    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\ndata: {x: y}\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\npatches: [{path: p.yaml}]\n")
+    with pytest.raises(RenderError, match="matches nothing"):
+        build(tmp_path)
+
+
+# ---- schemas ----------------------------------------------------------------------------
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(render):
+    name, objs = render
+    checked = 0
+    for obj in objs:
+        group = obj["apiVersion"].split("/")[0] if "/" in obj["apiVersion"] else ""
+        if group in CRD_GROUPS:
+            continue  # custom resources: see the hand checks below
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        checked += 1
+    # pod templates inside custom resources are validated as PodTemplates
+    for where, spec in pod_specs(objs):
+        if where.startswith("PyTorchJob"):
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": {"spec": spec}}, KUBE_VERSION, strict=True)
+            checked += 1
+    assert checked >= 15, f"{name}: only {checked} objects validated"
+
+
+def test_schema_validation_catches_a_broken_manifest():
+    good = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+            "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}
+    kubernetes_validate.validate(good, KUBE_VERSION, strict=True)
+    wrong_type = json.loads(json.dumps(good))
+    wrong_type["spec"]["replicas"] = "three"
+    misspelt = json.loads(json.dumps(good))
+    misspelt["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
+    for bad in (wrong_type, misspelt):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+
+
+def test_scaled_objects_target_the_run_consumers(render):
+    _, objs = render
+    cfg = parse_config(_config(objs))
+    lay = Layout(cfg.run)
+    accounts = (NATS / "accounts.conf").read_text()
+    scaled = [o for o in objs if o["kind"] == "ScaledObject"]
+    assert {o["metadata"]["name"] for o in scaled} == {"producers", "scorers"}
+    for so in scaled:
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        spec = so["spec"]
+        target = find(objs, spec["scaleTargetRef"].get("kind", "Deployment"), spec["scaleTargetRef"]["name"])
+        assert target["kind"] == "Deployment"
+        assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "nats-jetstream"
+        md = trigger["metadata"]
+        for key in ("natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold"):
+            assert isinstance(md.get(key), str) and md[key], key
+        stream, _subject = lay.consumers()[md["consumer"]]
+        assert md["stream"] == stream
+        assert re.search(rf"^\s*{md['account']}\s*{{", accounts, re.M), f"account {md['account']} not in accounts.conf"
+        host, port = md["natsServerMonitoringEndpoint"].rsplit(":", 1)
+        assert host.split(".")[0] == "nats" and port == "8222"
+        if so["metadata"]["name"] == "producers":
+            assert (md["stream"], md["consumer"]) == (lay.prompts_stream, "producers")
+
+
+def test_pytorchjob_learner_has_what_the_operator_requires(render):
+    name, objs = render
+    job = find(objs, "PyTorchJob", "learner")
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1
+    for role, rs in specs.items():
+        assert role in ("Master", "Worker")
+        assert rs["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        assert isinstance(rs["replicas"], int) and rs["replicas"] >= 1
+        (container,) = rs["template"]["spec"]["containers"]
+        assert container["name"] == "pytorch"  # the operator finds the container by this name
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/checkpoints" in mounts and "/dev/shm" in mounts
+    assert int(job["spec"]["nprocPerNode"]) >= 1
+    if name == "gpu":
+        assert job["spec"]["nprocPerNode"] == "8" and specs["Worker"]["replicas"] == 1
+        for rs in specs.values():
+            assert rs["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+# ---- the pieces hold together -----------------------------------------------------------
+
+
+def test_references_resolve(render):
+    _, objs = render
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
+    for where, spec in pod_specs(objs):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for v in volumes.values():
+            if "configMap" in v:
+                assert ("ConfigMap", v["configMap"]["name"]) in names, (where, v)
+            if "persistentVolumeClaim" in v:
+                assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in names, (where, v)
+            if "secret" in v:
+                assert v["secret"]["secretName"] in secrets or v["secret"]["secretName"] in EXTERNAL_SECRETS, (where, v)
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes or where.startswith("StatefulSet"), (where, m)
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert e["valueFrom"]["secretKeyRef"]["key"] in secrets[ref["name"]]["stringData"], (where, e)
+
+
+def test_every_component_has_probes_on_its_metrics_port(render):
+    _, objs = render
+    port = parse_config(_config(objs)).metrics.prometheus_port
+    for where, spec, c in _containers(objs):
+        if where.startswith(("Job/", "PyTorchJob/learner/Worker")):
+            continue  # a run-to-completion feeder, and learner ranks > 0 (rank 0 serves /metrics)
+        assert "livenessProbe" in c and "readinessProbe" in c, where
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            http = c.get(probe, {}).get("httpGet")
+            if http and http["port"] == "metrics":
+                assert http["path"] == "/metrics" and ports["metrics"] == port, where
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                # without it /metrics binds to 127.0.0.1 and the kubelet cannot reach it
+                assert env.get("RLSTREAM_METRICS_PUBLIC") == "1", where
+
+
+def test_nats_configmap_is_the_deploy_nats_config():
+    cm = find(build(TARGETS["base"]), "ConfigMap", "nats-config")
+    for fname in ("nats-server.conf", "accounts.conf"):
+        assert cm["data"][fname] == (NATS / fname).read_text(), f"deploy/k8s/base/nats.yaml is out of date with deploy/nats/{fname}"
+
+
+def test_nats_statefulset_passes_every_password_the_accounts_need():
+    objs = build(TARGETS["base"])
+    sts = find(objs, "StatefulSet", "nats")
+    assert sts["spec"]["replicas"] == 3
+    env = {e["name"] for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    needed = set(re.findall(r"\$(RLSTREAM_[A-Z]+_PASSWORD)", (NATS / "accounts.conf").read_text())) | {"POD_NAME"}
+    assert needed and needed <= env
+
+
+def test_rlstream_config_validates_and_keeps_the_checkpoint_lifecycle(render):
+    name, objs = render
+    cfg = parse_config(_config(objs))
+    assert cfg.nats.replicas == 3 and len(cfg.nats.url.split(",")) == 3
+    assert cfg.checkpoint.keep_last >= 1 and cfg.checkpoint.max_age_days
+    if name == "gpu":
+        assert cfg.producer.backend == "vllm" and cfg.learner.engine == "deepspeed"
+        assert cfg.learner.weights_transport == "shared_path"
+        assert cfg.learner.deepspeed_config()["zero_optimization"]["stage"] == 3
+        producers = find(objs, "Deployment", "producers")["spec"]["template"]["spec"]["containers"][0]
+        assert producers["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert producers["image"].endswith(":0.1.0-cuda")
+        # producers read the weights the learner writes to the shared path
+        mounts = {m["mountPath"] for m in producers["volumeMounts"]}
+        assert any(cfg.learner.shared_path.startswith(m) for m in mounts)
+    else:
+        assert find(objs, "Deployment", "producers")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0-cpu")
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+
+def _rlstream_argv(c: dict) -> list[str]:
+    cmd, args = c.get("command", []), c.get("args", [])
+    if cmd == ["rlstream"]:
+        return list(args)
+    if cmd == ["torchrun"]:
+        i = args.index("-m")
+        assert args[i + 1] == "rlstream.cli", args
+        return list(args[i + 2:])
+    raise AssertionError(f"container {c['name']} does not run rlstream: {cmd} {args}")
+
+
+def _expand(argv: list[str], values: dict[str, str]) -> list[str]:
+    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: values[m.group(1)], a) for a in argv]
+
+
+def test_container_commands_parse_with_the_cli_and_load_the_config(render, tmp_path):
+    _, objs = render
+    cm_text = find(objs, "ConfigMap", "rlstream-config")["data"]["config.yaml"]
+    users = set(re.findall(r"user:\s*(\w+)", (NATS / "accounts.conf").read_text()))
+    seen = set()
+    for where, spec, c in _containers(objs):
+        if not c["image"].startswith("rlstream"):
+            continue
+        env_names = {e["name"] for e in c.get("env", [])}
+        for var in re.findall(r"\$\(([A-Z_]+)\)", " ".join(c.get("args", []))):
+            assert var in env_names, f"{where}: $({var}) is not in the container's env"
+        argv = _expand(_rlstream_argv(c), {"POD_NAME": "p-0", "NATS_PASSWORD": "pw", "REWARD_TOKEN": "tok"})
+        args = build_parser().parse_args(argv)
+        seen.add(args.command)
+        if hasattr(args, "config"):
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            cfg_dir = str(Path(args.config).parent)
+            assert volumes[mounts[cfg_dir]]["configMap"]["name"] == "rlstream-config", where
+            path = tmp_path / "config.yaml"
+            path.write_text(cm_text)
+            cfg = load_config(path, args.set)
+            assert cfg.nats.user in users and cfg.nats.password.get_secret_value() == "pw", where
+            secret_key = next(e for e in c["env"] if e["name"] == "NATS_PASSWORD")["valueFrom"]["secretKeyRef"]["key"]
+            assert secret_key == cfg.nats.user, f"{where}: password of {secret_key} used as user {cfg.nats.user}"
+    assert {"feed", "producer", "scorer", "reward-server", "learner"} <= seen
+
+
+def _dockerfile_instructions(path: Path) -> dict[str, list[str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*(ENTRYPOINT|CMD)\s+(.*)$", line)
+        if m:
+            raw = m.group(2).strip()
+            out[m.group(1)] = json.loads(raw) if raw.startswith("[") else shlex.split(raw)
+    return out
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfile_entrypoint_is_the_cli(name):
+    path = ROOT / name
+    text = path.read_text()
+    inst = _dockerfile_instructions(path)
+    assert inst["ENTRYPOINT"] == ["rlstream"]
+    build_parser().parse_args(inst["CMD"])
+    assert re.search(r"pip install[^\n]*torch==2\.13\.0", text.replace("\\\n", " ")), "torch is pinned before the package"
+    if name == "Dockerfile":
+        assert re.search(r"^FROM nvidia/cuda:", text, re.M)
+        assert "vllm==" in text and ".[deepspeed]" in text
+    # every command the manifests run exists in the image: the package's script and torchrun
+    assert ".[" in text or "rlstream" in text
+
+
+def test_dockerignore_keeps_local_state_out():
+    lines = set((ROOT / ".dockerignore").read_text().split())
+    assert {".venv", "runs", ".git"} <= lines
