@@ -81,7 +81,7 @@ class EmbeddedServer:
         self.port = port or free_port(host)
         self.config_file = config_file
         self.extra_args = list(extra_args or [])
-        self.log_file = Path(log_file) if log_file else None
+        self.log_file = Path(log_file) if log_file else self.store_dir.parent / f"{self.store_dir.name}-nats-server.log"
         self.max_payload_mb = max_payload_mb
         self.proc: subprocess.Popen | None = None
         self._log_handle = None
@@ -108,7 +108,12 @@ class EmbeddedServer:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for_port(self.host, self.port, timeout, self.proc)
+        try:
+            wait_for_port(self.host, self.port, timeout, self.proc)
+        except BrokerError as exc:
+            tail = self.log_file.read_text(errors="replace").strip().splitlines()[-3:] if self.log_file.exists() else []
+            self.stop()
+            raise BrokerError(f"{exc}: {' | '.join(tail)}") from None
         log.info("nats-server %s up (pid %d, store %s)", self.url, self.proc.pid, self.store_dir)
         return self
 
