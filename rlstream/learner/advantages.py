@@ -111,7 +111,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
         last one, ``V = 0`` and ``A = 0``.
     """
     if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
-        raise ValueError(f"gae needs rewards, values, mask of one shape [B, T]; got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+        shapes = f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        raise ValueError(f"gae needs rewards, values, mask of one shape [B, T]; got {shapes}")
     rewards, values = rewards.float(), values.detach().float()
     keep = mask.bool()
     b, t_len = rewards.shape

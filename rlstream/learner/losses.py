@@ -106,19 +106,25 @@ def _seq_count(mask: Tensor) -> Tensor:
     return (mask.sum(dim=-1) > 0).sum()
 
 
-def token_mean(values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None) -> Tensor:
+def token_mean(
+    values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None
+) -> Tensor:
     """Sum over all masked tokens / total masked tokens of the step (DAPO's token-level loss)."""
     denom = mask.sum() if token_normalizer is None else token_normalizer
     return _masked(values, mask).sum() / _clamp(denom)
 
 
-def seq_mean_token_sum(values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None) -> Tensor:
+def seq_mean_token_sum(
+    values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None
+) -> Tensor:
     """Per-sequence token sum, averaged over the step's sequences."""
     denom = _seq_count(mask) if seq_normalizer is None else seq_normalizer
     return _masked(values, mask).sum() / _clamp(denom)
 
 
-def seq_mean_token_mean(values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None) -> Tensor:
+def seq_mean_token_mean(
+    values: Tensor, mask: Tensor, *, token_normalizer: float | None = None, seq_normalizer: float | None = None
+) -> Tensor:
     """Per-sequence token mean, averaged over the step's sequences (the GRPO paper's form)."""
     per_seq = _masked(values, mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
     denom = _seq_count(mask) if seq_normalizer is None else seq_normalizer
@@ -300,7 +306,9 @@ def _seq_mean(values: Tensor, mask: Tensor) -> Tensor:
     return _masked(values, mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
-def _policy_objective(batch: PolicyBatch, params: Any, clip_low: float, clip_high: float, *, sequence_ratio: bool = False) -> tuple[Tensor, dict[str, float]]:
+def _policy_objective(
+    batch: PolicyBatch, params: Any, clip_low: float, clip_high: float, *, sequence_ratio: bool = False
+) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate + KL shared by every RL loss; returns (loss, metrics) with loss/total."""
     mask = batch.mask
     logp = batch.logprobs.float()
@@ -375,8 +383,18 @@ def _policy_objective(batch: PolicyBatch, params: Any, clip_low: float, clip_hig
     return loss, metrics
 
 
-def value_loss(values: Tensor, returns: Tensor, mask: Tensor, *, old_values: Tensor | None, clip_range: float | None, aggregation: str = "token-mean",
-               token_normalizer: float | None = None, seq_normalizer: float | None = None, max_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+def value_loss(
+    values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    old_values: Tensor | None,
+    clip_range: float | None,
+    aggregation: str = "token-mean",
+    token_normalizer: float | None = None,
+    seq_normalizer: float | None = None,
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """PPO value loss, clipped around the old values when both are given.
 
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` per token, aggregated.
@@ -393,7 +411,8 @@ def value_loss(values: Tensor, returns: Tensor, mask: Tensor, *, old_values: Ten
         error_clipped = (v_clipped - returns) ** 2
         clipfrac = (error_clipped > error).float()
         error = torch.maximum(error, error_clipped)
-    loss = aggregate(aggregation, 0.5 * error, mask, token_normalizer=token_normalizer, seq_normalizer=seq_normalizer, max_tokens=max_tokens)
+    norms = {"token_normalizer": token_normalizer, "seq_normalizer": seq_normalizer, "max_tokens": max_tokens}
+    loss = aggregate(aggregation, 0.5 * error, mask, **norms)
     metrics = {
         "value/clipfrac": _mean(clipfrac.detach(), mask),
         "value/mean": _mean(values.detach(), mask),
@@ -484,8 +503,14 @@ def sft_loss(
         ``sft/nll`` (mean per token in this batch), ``sft/tokens``.
     """
     nll = -logprobs.float()
-    loss = aggregate(aggregation, nll, mask, token_normalizer=token_normalizer, seq_normalizer=seq_normalizer, max_tokens=max_tokens)
-    metrics = {"loss/sft": loss.item(), "loss/total": loss.item(), "sft/nll": _mean(nll.detach(), mask), "sft/tokens": float(mask.sum().item())}
+    norms = {"token_normalizer": token_normalizer, "seq_normalizer": seq_normalizer, "max_tokens": max_tokens}
+    loss = aggregate(aggregation, nll, mask, **norms)
+    metrics = {
+        "loss/sft": loss.item(),
+        "loss/total": loss.item(),
+        "sft/nll": _mean(nll.detach(), mask),
+        "sft/tokens": float(mask.sum().item()),
+    }
     return loss, metrics
 
 

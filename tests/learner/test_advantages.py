@@ -24,7 +24,8 @@ from rlstream.learner.advantages import (
 
 
 def close(actual, expected, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+    actual, expected = (torch.as_tensor(x, dtype=torch.float32) for x in (actual, expected))
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
 
 
 # ---- group-relative (GRPO / Dr.GRPO) ----------------------------------------------------------

@@ -7,7 +7,6 @@ import typing
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rlstream.config import DAPOParams, DPOParams, GRPOParams, GSPOParams, LossAggregation, PPOParams
 from rlstream.learner.losses import (
@@ -36,7 +35,8 @@ K3_HALF = 0.5 + LN2 - 1.0  # k3 when ref/pi = 1/2: exp(-ln2) - (-ln2) - 1 = 0.19
 
 
 def close(actual, expected, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+    actual, expected = (torch.as_tensor(x, dtype=torch.float32) for x in (actual, expected))
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
 
 
 def lp(values) -> torch.Tensor:
@@ -157,7 +157,8 @@ def test_importance_weights_modes():
 def _one_token_batches(ratios, advantages):
     """B sequences of one token each with ratio exp(logp - old) = ratios (old = 0)."""
     logp = lp([[math.log(r)] for r in ratios])
-    return PolicyBatch(logprobs=logp, old_logprobs=torch.zeros(len(ratios), 1), advantages=torch.tensor(advantages), mask=torch.ones(len(ratios), 1))
+    n = len(ratios)
+    return PolicyBatch(logprobs=logp, old_logprobs=torch.zeros(n, 1), advantages=torch.tensor(advantages), mask=torch.ones(n, 1))
 
 
 def test_grpo_clip_just_inside_and_outside():
@@ -187,7 +188,8 @@ def test_dapo_clips_asymmetrically():
     assert loss.item() == pytest.approx(-0.1075, abs=1e-5)
     assert metrics["policy/clipfrac"] == pytest.approx(0.5)
     # symmetric GRPO on the same batch: -1.2 - 1.2 + 0.8 + 1.3 = -0.3 / 4 = -0.075
-    grpo, _ = grpo_loss(_one_token_batches([1.25, 1.30, 0.75, 1.30], [1.0, 1.0, -1.0, -1.0]), GRPOParams(kl_coefficient=0.0, off_policy_correction="none"))
+    symmetric = GRPOParams(kl_coefficient=0.0, off_policy_correction="none")
+    grpo, _ = grpo_loss(_one_token_batches([1.25, 1.30, 0.75, 1.30], [1.0, 1.0, -1.0, -1.0]), symmetric)
     assert grpo.item() == pytest.approx(-0.075, abs=1e-5)
 
 
@@ -279,7 +281,8 @@ def test_grpo_kl_term_by_hand():
     # ratio 1 and A = 0: the policy term is 0; ref/pi = 1/2 on both tokens -> k3 = 0.193147 each
     # loss = 0.1 * token-mean(k3) = 0.0193147; d k3 / d logp = 1 - exp(ref - logp) = 0.5 -> grad 0.1 * 0.5 / 2 = 0.025
     logp = lp([[math.log(0.5), math.log(0.5)]])
-    batch = PolicyBatch(logp, logp.detach().clone(), torch.tensor([0.0]), torch.ones(1, 2), ref_logprobs=torch.full((1, 2), math.log(0.25)))
+    ref = torch.full((1, 2), math.log(0.25))
+    batch = PolicyBatch(logp, logp.detach().clone(), torch.tensor([0.0]), torch.ones(1, 2), ref_logprobs=ref)
     loss, m = grpo_loss(batch, GRPOParams(kl_coefficient=0.1, off_policy_correction="none"))
     loss.backward()
     assert loss.item() == pytest.approx(0.1 * K3_HALF, abs=1e-6)
@@ -336,7 +339,8 @@ def test_gspo_clips_whole_sequences():
     # not for A < 0. loss = (-(1.0004) + 1.0010005) / 2
     logp = lp([[-1.0, -1.0], [-1.0, -1.0]])
     old = torch.full((2, 2), -1.001)
-    loss, m = gspo_loss(PolicyBatch(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2)), GSPOParams(off_policy_correction="none"))
+    batch = PolicyBatch(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    loss, m = gspo_loss(batch, GSPOParams(off_policy_correction="none"))
     loss.backward()
     s = math.exp(0.001)
     assert loss.item() == pytest.approx((-1.0004 + s) / 2, abs=1e-6)
@@ -469,11 +473,12 @@ def test_dpo_ipo_by_hand():
 
 def test_dpo_pairs_average_and_accuracy():
     # pair 0 as above (h = 1), pair 1 reversed (h = -1): losses log(1+e^-0.1), log(1+e^0.1); accuracy 1/2, margin 0
-    loss, m = dpo_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), torch.full((2,), -1.5), torch.full((2,), -1.5), DPOParams(beta=0.1))
+    pairs = (torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), torch.full((2,), -1.5), torch.full((2,), -1.5))
+    loss, m = dpo_loss(*pairs, DPOParams(beta=0.1))
     assert loss.item() == pytest.approx((math.log(1 + math.exp(-0.1)) + math.log(1 + math.exp(0.1))) / 2, abs=1e-6)
     assert m["rewards/accuracy"] == 0.5 and m["rewards/margin"] == pytest.approx(0.0)
     # with a step normaliser of 4 pairs the same two contribute half
-    half, _ = dpo_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), torch.full((2,), -1.5), torch.full((2,), -1.5), DPOParams(beta=0.1), normalizer=4)
+    half, _ = dpo_loss(*pairs, DPOParams(beta=0.1), normalizer=4)
     assert half.item() == pytest.approx(loss.item() / 2, abs=1e-6)
 
 
@@ -533,7 +538,9 @@ LOSSES = [
     (ppo_loss, lambda agg, mode: PPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.05), True),
     (grpo_loss, lambda agg, mode: GRPOParams(loss_aggregation=agg, off_policy_correction=mode), False),
     (dapo_loss, lambda agg, mode: DAPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.01), False),
-    (gspo_loss, lambda agg, mode: GSPOParams(loss_aggregation=agg, off_policy_correction=mode, clip_low=0.05, clip_high=0.1), False),
+    (gspo_loss, lambda agg, mode: GSPOParams(
+        loss_aggregation=agg, off_policy_correction=mode, clip_low=0.05, clip_high=0.1
+    ), False),
 ]
 
 
@@ -577,7 +584,8 @@ def test_sft_accumulation(aggregation):
     full.backward()
     tokens, seqs = step_normalizers([mask])
     acc_lp = data["logprobs"].clone().requires_grad_()
-    acc = sum(sft_loss(acc_lp[i : i + 1], mask[i : i + 1], aggregation=aggregation, token_normalizer=tokens, seq_normalizer=seqs, max_tokens=T)[0] for i in range(B))
+    norms = {"token_normalizer": tokens, "seq_normalizer": seqs, "max_tokens": T}
+    acc = sum(sft_loss(acc_lp[i : i + 1], mask[i : i + 1], aggregation=aggregation, **norms)[0] for i in range(B))
     acc.backward()
     assert acc.item() == pytest.approx(full.item(), abs=1e-5)
     close(acc_lp.grad, full_lp.grad, tol=1e-6)
@@ -592,7 +600,9 @@ def test_dpo_accumulation(loss_type):
     full, _ = dpo_loss(chosen, logps[1], logps[2], logps[3], params)
     full.backward()
     chosen_acc = logps[0].clone().requires_grad_()
-    acc = sum(dpo_loss(chosen_acc[i : i + 2], logps[1][i : i + 2], logps[2][i : i + 2], logps[3][i : i + 2], params, normalizer=6)[0] for i in (0, 2, 4))
+    acc = sum(
+        dpo_loss(chosen_acc[i : i + 2], *(x[i : i + 2] for x in logps[1:]), params, normalizer=6)[0] for i in (0, 2, 4)
+    )
     acc.backward()
     assert acc.item() == pytest.approx(full.item(), rel=1e-6)
     torch.testing.assert_close(chosen_acc.grad, chosen.grad, rtol=1e-6, atol=1e-7)
