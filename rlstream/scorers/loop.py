@@ -85,9 +85,14 @@ async def _keep_in_progress(deliveries: list[Delivery], every_s: float) -> None:
             await d.in_progress()
 
 
-async def main(cfg: Config, nats_url: str, component_id: str, **_unused) -> int:
+async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.Event | None = None, **_unused) -> int:
+    """Score until SIGTERM/SIGINT (or until ``stop`` is set, when given: then signals are
+    left alone, so several scorers can share one event loop)."""
     scorer = Scorer(cfg, decode=text_decoder(cfg))
-    async with Component(cfg, nats_url, "scorer", component_id) as comp:
+    comp = Component(cfg, nats_url, "scorer", component_id, handle_signals=stop is None)
+    if stop is not None:
+        comp.stop = stop
+    async with comp:
         try:
             await scorer.start()
             consumer = await Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",

@@ -195,11 +195,13 @@ class Server:
 
 async def serve(model_dir: str, host: str, port: int, token: str | None, max_batch: int, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
     model = await asyncio.to_thread(RewardModel, model_dir)
     server = Server(model, token=token, max_batch=max_batch)
+    signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
     runner = web.AppRunner(server.app(), access_log=None)
@@ -215,7 +217,7 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
         await runner.cleanup()  # finishes requests in flight
         batcher.cancel()
         await asyncio.gather(batcher, return_exceptions=True)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
 
 

@@ -1,0 +1,95 @@
+"""Fixtures for the scorer tests: a JetStream connection and ``rlstream reward-server``
+serving the tiny reward model in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlstream.broker import connect
+from rlstream.broker.server import free_port
+
+HERE = Path(__file__).parent
+
+
+def scorer_env() -> dict[str, str]:
+    """The environment of a subprocess that imports this directory's reward functions."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+@dataclass
+class RewardServer:
+    url: str
+    token: str
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def reward_server(tiny_reward_model_dir):
+    """``rlstream reward-server`` on a free loopback port, with a token and batches of 8."""
+    port = free_port()
+    token = "test-token-123"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(tiny_reward_model_dir), "--port", str(port),
+         "--token", token, "--max-batch", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        yield RewardServer(f"http://127.0.0.1:{port}", token, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def direct_scores(tiny_reward_model_dir):
+    """Score texts with the reward model loaded here, one text at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_reward_model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_reward_model_dir), dtype=torch.float32).eval()
+
+    def score(texts: list[str]) -> list[float]:
+        out = []
+        with torch.inference_mode():
+            for t in texts:
+                out.append(float(model(**tok(t, return_tensors="pt")).logits[0, 0]))
+        return out
+
+    return score
+
+
+@pytest.fixture
+async def js(nats_server):
+    nc = await connect(url=nats_server.url, name="scorer-tests")
+    yield nc.jetstream()
+    await nc.close()

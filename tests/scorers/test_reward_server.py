@@ -1,0 +1,87 @@
+"""``rlstream reward-server``: the HTTP protocol, batching, the token, the bind policy."""
+
+import asyncio
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from rlstream.scorers.http import EndpointError, RewardModelClient
+from rlstream.scorers.reward_server import is_loopback
+
+PROMPTS = ["Q: What is 2 + 3? A:", "Q: What is 10 - 4? A:", "the answer is"]
+COMPLETIONS = [" 5", " 6 because 10 - 4 = 6", " boxed 42 train sample policy value"]
+
+
+async def test_scores_equal_the_model_called_directly(reward_server, direct_scores):
+    client = RewardModelClient(reward_server.url + "/score", token=reward_server.token, retries=0)
+    try:
+        scores = await client.score(PROMPTS, COMPLETIONS)
+    finally:
+        await client.close()
+    want = direct_scores([p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    assert scores == pytest.approx(want, abs=1e-4)
+    assert len(set(round(s, 5) for s in scores)) == 3  # a real model: different texts, different scores
+
+
+async def test_concurrent_requests_are_batched_and_counted(reward_server, direct_scores):
+    texts = [f"Q: What is {i} + {i}? A: {2 * i}" for i in range(40)]
+    headers = {"Authorization": f"Bearer {reward_server.token}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async def one(i):
+            async with http.post(reward_server.url + "/score", json={"prompts": [texts[i][:10]], "completions": [texts[i][10:]]}) as r:
+                assert r.status == 200
+                return (await r.json())["scores"][0]
+
+        async def metrics():
+            async with http.get(reward_server.url + "/metrics") as r:
+                assert r.status == 200
+                return {line.split()[0]: float(line.split()[1]) for line in (await r.text()).splitlines() if line and not line.startswith("#")}
+
+        before = await metrics()
+        got = await asyncio.gather(*(one(i) for i in range(40)))
+        # one request bigger than --max-batch (8) is split over several forward passes
+        async with http.post(reward_server.url + "/score", json={"prompts": [""] * 20, "completions": texts[:20]}) as r:
+            big = (await r.json())["scores"]
+        after = await metrics()
+    assert got == pytest.approx(direct_scores(texts), abs=1e-4)
+    assert big == pytest.approx(got[:20], abs=1e-4)
+    passes = after["reward_server_batch_size_count"] - before.get("reward_server_batch_size_count", 0)
+    seqs = after["reward_server_sequences_total"] - before.get("reward_server_sequences_total", 0)
+    assert seqs == 60
+    assert 60 / 8 <= passes < 40 + 3  # batched: fewer forward passes than requests, none over 8
+
+
+async def test_token_and_bad_requests(reward_server):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(reward_server.url + "/health") as r:   # probes need no token
+            assert r.status == 200 and (await r.json())["status"] == "ok"
+        body = {"prompts": ["a"], "completions": ["b"]}
+        async with http.post(reward_server.url + "/score", json=body) as r:
+            assert r.status == 401
+        async with http.post(reward_server.url + "/score", json=body, headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with http.get(reward_server.url + "/metrics") as r:
+            assert r.status == 401
+        auth = {"Authorization": f"Bearer {reward_server.token}"}
+        async with http.post(reward_server.url + "/score", json={"prompts": ["a"], "completions": []}, headers=auth) as r:
+            assert r.status == 400
+        async with http.post(reward_server.url + "/score", data=b"not json", headers=auth) as r:
+            assert r.status == 400
+    # the client gives up after its retries with the reason (and never shows the token)
+    client = RewardModelClient(reward_server.url + "/score", token="zzq-secret-9", retries=1, backoff_s=0.01)
+    with pytest.raises(EndpointError, match="HTTP 401") as err:
+        await client.score(["a"], ["b"])
+    await client.close()
+    assert "zzq-secret-9" not in str(err.value)
+
+
+def test_refuses_a_public_address_without_a_token(tiny_reward_model_dir):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RLSTREAM_REWARD_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(tiny_reward_model_dir),
+                           "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "without a token" in proc.stderr

@@ -1,0 +1,193 @@
+"""Rule rewards by hand-picked cases; how terms combine into rewards and components."""
+
+import math
+
+import numpy as np
+import pytest
+from scorer_helpers import config, group
+
+from rlstream.scorers import rewards
+from rlstream.scorers.functions import RewardError, check_rewards
+from rlstream.scorers.scoring import RewardStats, Scorer, overlong_settings
+
+
+@pytest.mark.parametrize("text, want", [
+    ("so \\boxed{42}.", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("The answer is 42.", "42"),
+    ("Final answer: -7", "-7"),
+    ("work\n#### 18", "18"),
+    ("no answer here", None),
+])
+def test_extract_answer(text, want):
+    assert rewards.extract_answer(text) == want
+
+
+@pytest.mark.parametrize("completion, answer, kw, want", [
+    ("42", "42", {}, 1.0),
+    ("  Paris \n", "paris", {}, 1.0),                       # whitespace collapsed, case folded
+    ("Paris", "paris", {"case_sensitive": True}, 0.0),
+    ("The answer is 42", "42", {}, 0.0),                    # whole text by default
+    ("The answer is 42", "42", {"extract": True}, 1.0),
+    ("nothing", "42", {"extract": True}, 0.0),
+    ("42", 42, {}, 1.0),                                    # non-string answers compare as text
+])
+def test_exact_match(completion, answer, kw, want):
+    assert rewards.exact_match(completion, answer, **kw) == want
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("\\boxed{42}", "42", 1.0),
+    ("The answer is 42", "42", 1.0),
+    ("so it is \\boxed{0.5}", "\\frac{1}{2}", 1.0),     # fraction vs decimal
+    ("The answer is \\frac{1}{2}", "1/2", 1.0),
+    ("The answer is 41", "42", 0.0),
+    ("I do not know", "42", 0.0),
+    ("\\boxed{42}", "", None),                          # an unparseable reference: no reward
+])
+def test_math_reward(completion, answer, want):
+    assert rewards.math_reward(completion, answer, timeouts=False) == want
+
+
+def test_math_scores_with_timeouts_in_main_thread():
+    # signal.alarm works in the main thread, as in a pool worker
+    assert rewards.math_scores(["\\boxed{3}", "2"], ["3", "3"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion, mode, want", [
+    ("<think>a</think><answer>1</answer>", "fullmatch", 1.0),
+    ("<think>a</think><answer>1</answer> extra", "fullmatch", 0.0),
+    ("<think>a</think><answer>1</answer> extra", "match", 1.0),
+    ("x <think>\nmulti\nline</think><answer>1</answer>", "search", 1.0),
+    ("<answer>1</answer>", "search", 0.0),
+])
+def test_format_reward(completion, mode, want):
+    assert rewards.format_reward(completion, r"<think>.*?</think><answer>.*?</answer>", mode=mode) == want
+
+
+@pytest.mark.parametrize("n, want", [
+    (0, 0.0), (10, 0.0),     # up to free_tokens: no penalty
+    (20, -0.25),             # (20 - 10) / (50 - 10) = 0.25 of the span, times coef 1
+    (30, -0.5),
+    (50, -1.0), (80, -1.0),  # the full penalty at and beyond max_length
+])
+def test_length_penalty(n, want):
+    assert rewards.length_penalty(n, max_length=50, free_tokens=10) == pytest.approx(want)
+    assert rewards.length_penalty(n, max_length=50, free_tokens=10, coef=0.5) == pytest.approx(want / 2)
+
+
+@pytest.mark.parametrize("n, want", [
+    # max_length 100, buffer 20, factor 1: expected length 80
+    (0, 0.0),
+    (80, 0.0),                 # length <= max - buffer: no penalty
+    (81, -1 / 20),             # ((100 - 20) - 81) / 20 = -0.05
+    (90, -0.5),                # (80 - 90) / 20
+    (99, -19 / 20),
+    (100, -1.0),               # (80 - 100) / 20 = -1 at max length
+    (101, -1.0), (5000, -1.0),  # beyond max: -factor
+])
+def test_overlong_dapo_boundaries(n, want):
+    assert rewards.overlong_penalty(n, max_length=100, buffer=20, factor=1.0) == pytest.approx(want)
+    assert rewards.overlong_penalty(n, max_length=100, buffer=20, factor=0.5) == pytest.approx(want * 0.5)
+
+
+def test_overlong_paper_defaults_and_zero_buffer():
+    # DAPO defaults 20480 / 4096: expected length 16384
+    assert rewards.overlong_penalty(16384) == 0.0
+    assert rewards.overlong_penalty(16384 + 1024) == pytest.approx(-0.25)  # -1024 / 4096
+    assert rewards.overlong_penalty(20481) == -1.0
+    # no buffer: a hard cliff after max length
+    assert rewards.overlong_penalty(10, max_length=10, buffer=0) == 0.0
+    assert rewards.overlong_penalty(11, max_length=10, buffer=0) == -1.0
+    with pytest.raises(ValueError):
+        rewards.overlong_penalty(1, max_length=10, buffer=11)
+
+
+def test_overlong_settings_scale_to_the_config():
+    grpo = config({"terms": [{"rule": "overlong"}]}, producer={"max_new_tokens": 500})
+    assert overlong_settings(grpo, {}) == {"max_length": 500, "buffer": 100, "factor": 1.0}   # 500 / 5
+    dapo = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO", producer={"max_new_tokens": 500},
+                  algorithm_params={"overlong_buffer": 50, "overlong_penalty_factor": 0.5})
+    assert overlong_settings(dapo, {}) == {"max_length": 500, "buffer": 50, "factor": 0.5}
+    dapo2 = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO", producer={"max_new_tokens": 500},
+                   algorithm_params={"overlong_max_length": 300})
+    assert overlong_settings(dapo2, {}) == {"max_length": 300, "buffer": 60, "factor": 1.0}
+    assert overlong_settings(dapo2, {"max_length": 40, "buffer": 0, "factor": 2}) == {"max_length": 40, "buffer": 0, "factor": 2.0}
+
+
+def test_check_rewards():
+    assert check_rewards("r", [1, None, float("nan"), 0.5], 4) == [1.0, None, None, 0.5]
+    assert check_rewards("r", np.array([1.0, 2.0]), 2) == [1.0, 2.0]
+    with pytest.raises(RewardError, match="returned 1 values for 2"):
+        check_rewards("r", [1.0], 2)
+    with pytest.raises(RewardError, match="must be finite"):
+        check_rewards("r", [math.inf], 1)
+    with pytest.raises(RewardError, match="expected a float or None"):
+        check_rewards("r", ["1"], 1)
+
+
+async def test_terms_combine_with_weights_and_none():
+    cfg = config({"terms": [
+        {"rule": "exact_match", "weight": 2.0},
+        {"function": "trl_style_rewards:solution_match", "weight": 0.5},
+        {"rule": "overlong", "params": {"max_length": 10, "buffer": 4}},
+    ]})
+    scorer = Scorer(cfg)
+    texts = ["7", "<answer>7</answer>", "<answer>8</answer>"]
+    g = group("g1", texts, columns={"answer": "7", "solution": "7"}, lengths=[3, 8, 12])
+    [scored] = await scorer.score([g])
+    await scorer.close()
+    # exact_match [1, 0, 0]; solution_match [None, 1, 0]; overlong (expected 6):
+    #   len 3 -> 0, len 8 -> (6 - 8) / 4 = -0.5, len 12 -> -1
+    np.testing.assert_allclose(scored.components["exact_match"], [1, 0, 0])
+    np.testing.assert_allclose(scored.components["solution_match"], [np.nan, 1, 0])
+    np.testing.assert_allclose(scored.components["overlong"], [0, -0.5, -1])
+    # rewards: 2*1 + 0.5*0 (None) + 0 = 2;  0 + 0.5*1 - 0.5 = 0;  0 + 0 - 1 = -1
+    np.testing.assert_allclose(scored.rewards, [2.0, 0.0, -1.0])
+    stats = RewardStats()
+    stats.add(scored)
+    s = stats.summary()
+    assert s["reward/solution_match/mean"] == pytest.approx(0.5)   # None left out: mean of [1, 0]
+    assert s["reward/mean"] == pytest.approx(1 / 3)
+    assert s["reward/overlong/std"] == pytest.approx(np.std([0, -0.5, -1]))
+
+
+async def test_math_in_a_process_pool_and_in_a_thread():
+    texts = ["\\boxed{4}", "The answer is 4", "5", "\\frac{8}{2}"]
+    for processes in (1, 0):
+        cfg = config({"terms": [{"rule": "math"}]}, scorer={"processes": processes})
+        scorer = Scorer(cfg)
+        await scorer.start()
+        out = await scorer.score([group("a", texts[:2], columns={"answer": "4"}), group("b", texts[2:], columns={"answer": 4})])
+        await scorer.close()
+        assert [list(o.rewards) for o in out] == [[1.0, 1.0], [0.0, 1.0]]
+
+
+async def test_a_raising_term_fails_only_its_group():
+    cfg = config({"terms": [{"function": "trl_style_rewards:explodes"}, {"rule": "exact_match"}]})
+    scorer = Scorer(cfg)
+    out = await scorer.score([group("ok1", ["1"], columns={"answer": "1"}), group("bad", ["boom"], columns={"answer": "1"}),
+                              group("nocol", ["1"]), group("ok2", ["2"], columns={"answer": "1"})])
+    assert list(out[0].rewards) == [2.0] and list(out[3].rewards) == [1.0]
+    assert isinstance(out[1], str) and "ValueError: cannot score a completion that says boom" in out[1] and "explodes" in out[1]
+    assert isinstance(out[2], str) and "no column 'answer'" in out[2]
+
+
+def test_bad_terms_fail_at_start():
+    with pytest.raises(RewardError, match="needs params.pattern"):
+        Scorer(config({"terms": [{"rule": "format"}]}))
+    with pytest.raises(RewardError, match="unknown params"):
+        Scorer(config({"terms": [{"rule": "exact_match", "params": {"fuzzy": True}}]}))
+    with pytest.raises(RewardError, match="cannot import"):
+        Scorer(config({"terms": [{"function": "no_such_module_x:fn"}]}))
+    with pytest.raises(RewardError, match="unique"):
+        Scorer(config({"terms": [{"rule": "exact_match"}, {"rule": "exact_match"}]}))
+
+
+def test_model_based_adds_a_model_term():
+    only_model = Scorer(config({"type": "model_based", "endpoint": "http://127.0.0.1:9/score"}))
+    assert [(t.name, t.weight) for t in only_model.terms] == [("model", 1.0)]
+    both = Scorer(config({"type": "model_based", "endpoint": "http://127.0.0.1:9/score", "token": "s3cret",
+                          "terms": [{"rule": "format", "params": {"pattern": "x"}, "weight": 0.1}]}))
+    assert [(t.name, t.weight) for t in both.terms] == [("model", 1.0), ("format", 0.1)]
+    assert "s3cret" not in repr(both.client)
