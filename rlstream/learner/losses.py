@@ -291,6 +291,12 @@ def _mean(values: Tensor, mask: Tensor) -> float:
     return float(torch.where(keep, values.float(), 0.0).sum().item() / n) if n else 0.0
 
 
+def _clean(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` in float32 with masked positions set to 0: padding (even -inf or NaN) never reaches
+    an ``exp`` whose backward would turn a zero gradient into NaN."""
+    return torch.where(mask.bool(), x.float(), 0.0)
+
+
 def _token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     if advantages.dim() == 1:
         if advantages.shape[0] != mask.shape[0]:
@@ -311,9 +317,9 @@ def _policy_objective(
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate + KL shared by every RL loss; returns (loss, metrics) with loss/total."""
     mask = batch.mask
-    logp = batch.logprobs.float()
-    old = batch.old_logprobs.float().detach()
-    advantages = _token_advantages(batch.advantages.float().detach(), mask)
+    logp = _clean(batch.logprobs, mask)
+    old = _clean(batch.old_logprobs, mask).detach()
+    advantages = _clean(_token_advantages(batch.advantages.detach(), mask), mask)
     mode = params.off_policy_correction
 
     prox = batch.prox_logprobs
@@ -324,7 +330,7 @@ def _policy_objective(
         log_w = torch.zeros_like(old)
         weight_mode = "none"
     else:
-        base = prox.float().detach()
+        base = _clean(prox, mask).detach()
         log_w = base - old
         weight_mode = mode
 
@@ -371,7 +377,7 @@ def _policy_objective(
             metrics["policy/entropy"] = _mean(batch.entropy.detach(), mask)
 
     if batch.ref_logprobs is not None:
-        kl = kl_k3(logp, batch.ref_logprobs.float().detach())
+        kl = kl_k3(logp, _clean(batch.ref_logprobs, mask).detach())
         metrics["policy/kl"] = _mean(kl.detach(), mask)
         if params.kl_coefficient > 0:
             kl_loss = params.kl_coefficient * aggregate(agg, kl, mask, **norms)
@@ -401,12 +407,12 @@ def value_loss(
     Shapes ``[B, T]``. Returns the aggregated (unweighted) loss and ``value/clipfrac``,
     ``value/mean``, ``value/error`` (mean squared error).
     """
-    values = values.float()
-    returns = returns.float().detach()
+    values = _clean(values, mask)
+    returns = _clean(returns, mask).detach()
     error = (values - returns) ** 2
     clipfrac = torch.zeros_like(error)
     if old_values is not None and clip_range is not None:
-        old_values = old_values.float().detach()
+        old_values = _clean(old_values, mask).detach()
         v_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         error_clipped = (v_clipped - returns) ** 2
         clipfrac = (error_clipped > error).float()
@@ -502,7 +508,7 @@ def sft_loss(
         ``(loss, metrics)``: ``loss = agg(-logprobs)``; metrics ``loss/sft`` (the contribution),
         ``sft/nll`` (mean per token in this batch), ``sft/tokens``.
     """
-    nll = -logprobs.float()
+    nll = -_clean(logprobs, mask)
     norms = {"token_normalizer": token_normalizer, "seq_normalizer": seq_normalizer, "max_tokens": max_tokens}
     loss = aggregate(aggregation, nll, mask, **norms)
     metrics = {

@@ -606,3 +606,32 @@ def test_dpo_accumulation(loss_type):
     acc.backward()
     assert acc.item() == pytest.approx(full.item(), rel=1e-6)
     torch.testing.assert_close(chosen_acc.grad, chosen.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fn, make, token_advantages", LOSSES, ids=lambda x: getattr(x, "__name__", ""))
+def test_masked_positions_never_matter(fn, make, token_advantages):
+    # Padding holding NaN, -inf or huge numbers must change neither the loss nor any gradient.
+    data = _random_step(seed=11)
+    params = make("token-mean", "tis")
+    clean_loss, clean_grad, clean_vgrad = _policy_loss_and_grads(data, fn, params, None, token_advantages=token_advantages)
+    pad = data["mask"] == 0
+    garbage = dict(data)
+    for key, fill in (("logprobs", float("nan")), ("old_logprobs", float("-inf")), ("prox_logprobs", 1e9),
+                      ("ref_logprobs", float("-inf")), ("token_advantages", float("nan")), ("values", float("inf")),
+                      ("old_values", float("nan")), ("returns", -1e9)):
+        garbage[key] = data[key].masked_fill(pad, fill)
+    loss, grad, vgrad = _policy_loss_and_grads(garbage, fn, params, None, token_advantages=token_advantages)
+    assert loss == pytest.approx(clean_loss, abs=1e-6)
+    assert torch.isfinite(grad).all()
+    close(grad, clean_grad, tol=0.0)
+    if token_advantages:
+        assert torch.isfinite(vgrad).all()
+        close(vgrad, clean_vgrad, tol=0.0)
+
+
+def test_sft_ignores_padding():
+    logprobs = lp([[-1.0, float("nan")], [-3.0, float("-inf")]])
+    loss, _ = sft_loss(logprobs, torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(2.0)  # mean of [1, 3]
+    close(logprobs.grad, [[-0.5, 0.0], [-0.5, 0.0]])
