@@ -65,7 +65,7 @@ def main() -> None:
             logs = logs or {}
             reward = logs.get("reward", logs.get("rewards/correct/mean", logs.get("rewards/correct")))
             if reward is not None:
-                out.write(json.dumps({"step": state.global_step, "elapsed_s": time.monotonic() - T0, "reward": reward,
+                out.write(json.dumps({"step": state.global_step, "elapsed_s": time.monotonic() - T0, "reward": float(reward),
                                       "samples": state.global_step * args.group_size * args.prompts_per_step}) + "\n")
                 out.flush()
 

@@ -124,6 +124,8 @@ class LiveFigures:
         self.scorers: dict[str, dict[str, float]] = {}
         self.dlq = 0
         self.events = 0
+        self.started = time.time()
+        self.timeline: list[dict[str, float]] = []
 
     def add(self, ev: MetricEvent) -> None:
         self.events += 1
@@ -131,6 +133,8 @@ class LiveFigures:
             if ev.step >= 0:
                 self.learner.update(ev.values)
                 self.learner["step"] = ev.step
+                self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, **{
+                    k: ev.values[k] for k in ("reward/mean", "loss/total", "samples") if k in ev.values}})
             else:
                 self.learner.update({k: v for k, v in ev.values.items() if k not in self.learner or k.startswith(("buffer/", "process/"))})
         elif ev.component == "producer":
@@ -343,6 +347,9 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     finally:
         display.stop()
         await sub.unsubscribe()
+        with open(run_dir / "timeline.jsonl", "a") as f:
+            for point in figures.timeline:
+                f.write(json.dumps(point) + "\n")
         await _stop_children(children)
         await nc.close()
     return ok
