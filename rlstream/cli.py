@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--steps", type=int, default=4)
     sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
+    sp.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
     sp.set_defaults(fn=cmd_observe("replay"))
 
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")

@@ -83,3 +83,31 @@ async def wait_stderr_line(proc: asyncio.subprocess.Process, needle: str, timeou
                 return seen[-1]
 
     return await asyncio.wait_for(read(), timeout)
+
+
+def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_tokens: int = 6, seed: int = 0) -> list[ScoredGroup]:
+    """Groups sampled from the tiny model (exact behaviour log-probs from the raw logits);
+    reward: the fraction of even token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
+    groups = []
+    for i in range(n_groups):
+        prompt = f"Q: What is {i} + {2 * i}? A:"
+        prompt_ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(prompt_ids.repeat(group_size, 1), do_sample=True, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id, top_k=0)
+        completions = out.sequences[:, prompt_ids.shape[1]:]
+        logprobs = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        samples = [Sample(np.asarray(ids, np.int32), lp.numpy().astype(np.float32), "length", tok.decode(ids))
+                   for ids, lp in zip(completions.tolist(), logprobs)]
+        rewards = np.asarray([np.mean(np.asarray(s.completion_ids) % 2 == 0) for s in samples], np.float32)
+        gid = f"g{i:04d}"
+        ro = RolloutGroup(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=prompt_ids[0].numpy().astype(np.int32),
+                          samples=samples, policy_version=0)
+        groups.append(ScoredGroup(rollout=ro, rewards=rewards))
+    return groups

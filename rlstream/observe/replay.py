@@ -1,0 +1,182 @@
+"""``rlstream replay RUN_DIR --from-step K --steps N``: re-run recorded learner steps and
+check they reproduce.
+
+The learner writes one line per optimizer step to ``RUN_DIR/metrics.jsonl``, with the
+scored-stream sequences of the groups that step trained (``scored_seqs``, in order), and
+checkpoints to ``RUN_DIR/checkpoints/step_K`` (the state after step K). Replay loads the
+config (``RUN_DIR/config.resolved.json``, with ``--set`` overrides), builds the learner in a
+scratch directory (the run's own files are never written), restores ``step_K``, fetches
+the groups of steps K+1 .. K+N from the scored stream by sequence (``js.get_msg``) and runs
+:func:`rlstream.learner.loop.train_step` on each. The losses (``loss/*``) and the gradient
+norm (``optim/grad_norm``) must equal the recorded ones: bitwise by default (on CPU with the
+same engine and thread count training is deterministic), or within ``--rtol``/``--atol``.
+It prints a table and the first step that differs, and exits 1 if one does.
+
+Only streamed (RL) steps can be replayed: offline SFT/DPO steps come from the dataset,
+not the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rlstream.broker.errors import BrokerError
+from rlstream.broker.layout import Layout
+from rlstream.config import ConfigError, apply_overrides, parse_config
+from rlstream.observe import ObserveError, fail, open_connection
+from rlstream.schemas import ScoredGroup
+
+ALWAYS_COMPARED = ("loss/total", "optim/grad_norm")
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ObserveError(f"{path} does not exist (not a learner run directory?)")
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ObserveError(f"{path}:{n}: not JSON ({exc})") from None
+            out[int(rec["step"])] = rec  # a resumed run rewrote later steps: the last line wins
+    return out
+
+
+def load_run_config(run_dir: Path, overrides: list[str]):
+    path = run_dir / "config.resolved.json"
+    if not path.exists():
+        raise ObserveError(f"{path} does not exist")
+    try:
+        return parse_config(apply_overrides(json.loads(path.read_text()), overrides))
+    except ConfigError as exc:
+        raise ObserveError(str(exc)) from None
+
+
+def compared_keys(recorded: dict[str, Any]) -> list[str]:
+    keys = [k for k in recorded if k.startswith("loss/")]
+    return list(dict.fromkeys([*ALWAYS_COMPARED, *sorted(keys)]))
+
+
+def same(recorded: Any, replayed: float | None, rtol: float, atol: float) -> bool:
+    """Recorded nonfinite values are stored as null in metrics.jsonl."""
+    if replayed is None or not math.isfinite(replayed):
+        return recorded is None
+    if recorded is None:
+        return False
+    if rtol == 0 and atol == 0:
+        return float(recorded) == float(replayed)
+    return math.isclose(float(recorded), float(replayed), rel_tol=rtol, abs_tol=atol)
+
+
+async def fetch_groups(url: str, run: str, seqs: list[int]) -> dict[int, ScoredGroup]:
+    layout = Layout(run)
+    nc = await open_connection(url, "rlstream-replay")
+    try:
+        js = nc.jetstream(timeout=10.0)
+        out = {}
+        for seq in seqs:
+            try:
+                raw = await js.get_msg(layout.scored_stream, seq)
+            except Exception as exc:  # name the missing record instead of a bare API error
+                raise ObserveError(f"scored stream {layout.scored_stream} has no message {seq} ({type(exc).__name__}: {exc}); "
+                                   "was it removed by retention?") from None
+            out[seq] = ScoredGroup.decode(raw.data)
+        return out
+    finally:
+        await nc.close()
+
+
+def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url: str | None, *, rtol: float = 0.0,
+           atol: float = 0.0) -> dict[str, Any]:
+    from rlstream.learner.loop import build_learner, load_checkpoint, train_step
+
+    cfg = load_run_config(run_dir, overrides)
+    if not cfg.is_rl:
+        raise ObserveError(f"training_mode {cfg.training_mode}: replay re-runs streamed RL steps only")
+    metrics = read_metrics(run_dir)
+    ckpt = run_dir / "checkpoints" / f"step_{from_step}"
+    if not ckpt.is_dir():
+        have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+        raise ObserveError(f"no checkpoint {ckpt}; available: {', '.join(have) or 'none'}")
+    wanted = list(range(from_step + 1, from_step + steps + 1))
+    missing = [s for s in wanted if s not in metrics]
+    if missing:
+        raise ObserveError(f"metrics.jsonl has no step {missing[0]} (it records steps {min(metrics, default=0)}..{max(metrics, default=0)})")
+    for s in wanted:
+        if not metrics[s].get("scored_seqs"):
+            raise ObserveError(f"step {s} in metrics.jsonl lists no scored_seqs")
+    url = url or cfg.nats.url
+    if not url:
+        raise ObserveError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
+    seqs = [q for s in wanted for q in metrics[s]["scored_seqs"]]
+    groups = asyncio.run(fetch_groups(url, cfg.run, seqs))
+
+    rows = []
+    first_diff = None
+    with tempfile.TemporaryDirectory(prefix="rlstream-replay-") as scratch:
+        learner = build_learner(cfg, Path(scratch))
+        state = load_checkpoint(learner, ckpt)
+        if state.step != from_step:
+            raise ObserveError(f"{ckpt} holds step {state.step}, not {from_step}")
+        for s in wanted:
+            batch = [groups[q] for q in metrics[s]["scored_seqs"]]
+            got = train_step(learner, batch)
+            keys = compared_keys(metrics[s])
+            diffs = [k for k in keys if not same(metrics[s].get(k), got.get(k), rtol, atol)]
+            rows.append({
+                "step": s,
+                "groups": len(batch),
+                "recorded": {k: metrics[s].get(k) for k in keys},
+                "replayed": {k: got.get(k) for k in keys},
+                "differs": diffs,
+            })
+            if diffs and first_diff is None:
+                first_diff = s
+    return {"run_dir": str(run_dir), "run": cfg.run, "from_step": from_step, "steps": rows, "first_diff": first_diff,
+            "ok": first_diff is None, "rtol": rtol, "atol": atol}
+
+
+def render(result: dict[str, Any], console: Console) -> None:
+    t = Table(title=f"replay of {result['run_dir']} from step {result['from_step']}", title_justify="left")
+    for col in ("step", "groups", "figure", "recorded", "replayed", "diff"):
+        t.add_column(col, justify="right" if col in ("step", "groups", "recorded", "replayed", "diff") else "left")
+    for row in result["steps"]:
+        for i, (k, rec) in enumerate(row["recorded"].items()):
+            rep = row["replayed"][k]
+            diff = "" if rec is None or rep is None else f"{float(rep) - float(rec):.3g}"
+            mark = "[red]DIFFERS[/]" if k in row["differs"] else ""
+            t.add_row(str(row["step"]) if i == 0 else "", str(row["groups"]) if i == 0 else "", k,
+                      repr(rec), repr(rep), f"{diff} {mark}".strip())
+    console.print(t)
+    if result["ok"]:
+        console.print(f"[green]all {len(result['steps'])} steps reproduce the recorded losses and gradient norms[/]")
+    else:
+        row = next(r for r in result["steps"] if r["step"] == result["first_diff"])
+        console.print(f"[red]first differing step: {result['first_diff']}[/] ({', '.join(row['differs'])})")
+
+
+def cli(args) -> int:
+    rtol = getattr(args, "rtol", 0.0) or 0.0
+    atol = getattr(args, "atol", 0.0) or 0.0
+    try:
+        url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
+        result = replay(Path(args.run_dir), args.from_step, args.steps, args.set, url, rtol=rtol, atol=atol)
+    except (ObserveError, BrokerError) as exc:
+        return fail(str(exc))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        render(result, Console(file=sys.stdout, highlight=False))
+    return 0 if result["ok"] else 1
