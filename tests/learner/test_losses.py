@@ -176,6 +176,17 @@ def test_grpo_clip_just_inside_and_outside():
     close(batch.logprobs.grad, [[-1.19 / 4], [0.0], [0.81 / 4], [0.0]])
 
 
+def test_grpo_ratio_exactly_at_the_boundary_is_not_clipped():
+    # clip_range 0.25, ratio exp(ln 1.25) = 1.25 exactly (float32): A=+1 -> loss -1.25, clipfrac 0, gradient -1.25
+    # (d/dlogp of -ratio * A); same for A=-1 at 0.75 -> loss 0.75, gradient +0.75
+    batch = _one_token_batches([1.25, 0.75], [1.0, -1.0])
+    loss, m = grpo_loss(batch, GRPOParams(kl_coefficient=0.0, off_policy_correction="none", clip_range=0.25))
+    loss.backward()
+    assert loss.item() == pytest.approx((-1.25 + 0.75) / 2, abs=1e-6)
+    assert m["policy/clipfrac"] == 0.0
+    close(batch.logprobs.grad, [[-1.25 / 2], [0.75 / 2]])
+
+
 def test_dapo_clips_asymmetrically():
     # clip_low 0.2, clip_high 0.28: range [0.8, 1.28]
     # A=+1, ratio 1.25: inside for DAPO (GRPO's 0.2 would cap it at 1.2) -> -1.25
@@ -535,17 +546,24 @@ def _policy_loss_and_grads(data, fn, params, micro: int | None, *, token_advanta
 
 
 LOSSES = [
-    (ppo_loss, lambda agg, mode: PPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.05), True),
-    (grpo_loss, lambda agg, mode: GRPOParams(loss_aggregation=agg, off_policy_correction=mode), False),
-    (dapo_loss, lambda agg, mode: DAPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.01), False),
-    (gspo_loss, lambda agg, mode: GSPOParams(
-        loss_aggregation=agg, off_policy_correction=mode, clip_low=0.05, clip_high=0.1
-    ), False),
+    pytest.param(
+        ppo_loss, lambda agg, mode: PPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.05), True, id="ppo"
+    ),
+    pytest.param(grpo_loss, lambda agg, mode: GRPOParams(loss_aggregation=agg, off_policy_correction=mode), False, id="grpo"),
+    pytest.param(
+        dapo_loss, lambda agg, mode: DAPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.01), False, id="dapo"
+    ),
+    pytest.param(
+        gspo_loss,
+        lambda agg, mode: GSPOParams(loss_aggregation=agg, off_policy_correction=mode, clip_low=0.05, clip_high=0.1),
+        False,
+        id="gspo",
+    ),
 ]
 
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
-@pytest.mark.parametrize("fn, make, token_advantages", LOSSES, ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("fn, make, token_advantages", LOSSES)
 @pytest.mark.parametrize("mode", ["tis", "mask", "decoupled", "none"])
 def test_microbatch_accumulation_equals_full_batch(fn, make, token_advantages, aggregation, mode):
     data = _random_step(seed=len(aggregation) + len(mode))
@@ -608,7 +626,7 @@ def test_dpo_accumulation(loss_type):
     torch.testing.assert_close(chosen_acc.grad, chosen.grad, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("fn, make, token_advantages", LOSSES, ids=lambda x: getattr(x, "__name__", ""))
+@pytest.mark.parametrize("fn, make, token_advantages", LOSSES)
 def test_masked_positions_never_matter(fn, make, token_advantages):
     # Padding holding NaN, -inf or huge numbers must change neither the loss nor any gradient.
     data = _random_step(seed=11)
