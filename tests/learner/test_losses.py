@@ -547,11 +547,17 @@ def _policy_loss_and_grads(data, fn, params, micro: int | None, *, token_advanta
 
 LOSSES = [
     pytest.param(
-        ppo_loss, lambda agg, mode: PPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.05), True, id="ppo"
+        ppo_loss,
+        lambda agg, mode: PPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.05),
+        True,
+        id="ppo",
     ),
     pytest.param(grpo_loss, lambda agg, mode: GRPOParams(loss_aggregation=agg, off_policy_correction=mode), False, id="grpo"),
     pytest.param(
-        dapo_loss, lambda agg, mode: DAPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.01), False, id="dapo"
+        dapo_loss,
+        lambda agg, mode: DAPOParams(loss_aggregation=agg, off_policy_correction=mode, kl_coefficient=0.01),
+        False,
+        id="dapo",
     ),
     pytest.param(
         gspo_loss,
