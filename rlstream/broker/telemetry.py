@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -123,9 +124,10 @@ class Reporter:
             "process/rss_mb": self._proc.memory_info().rss / 2**20,
             "process/cpu_percent": self._proc.cpu_percent(None),
         }
-        try:
-            import torch
-
+        # Only a process that already uses torch can have GPU memory to report; importing it
+        # here would block the event loop for seconds in processes that never need it.
+        torch = sys.modules.get("torch")
+        if torch is not None:
             if torch.cuda.is_available():
                 out["gpu/memory_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
                 out["gpu/memory_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
@@ -133,8 +135,6 @@ class Reporter:
                     out["gpu/utilization"] = float(torch.cuda.utilization())
                 except Exception:  # needs pynvml; utilization is optional
                     pass
-        except ImportError:
-            pass
         return out
 
     async def _dlq_count(self) -> None:

@@ -1,0 +1,133 @@
+"""The feeder: publish a prompt dataset to the run's work queue.
+
+``rlstream feed CONFIG`` reads ``data_source.path`` (jsonl, json, parquet or an HF
+``datasets`` directory), takes the prompt from ``data_source.prompt_column`` (plain text)
+or ``data_source.messages_column`` (chat turns, rendered later with the producer model's
+chat template), carries every other column along in ``Prompt.columns`` (reward functions
+read e.g. ``answer`` there), and publishes ``data_source.epochs`` passes, each shuffled
+with ``shuffle_seed + epoch`` (no shuffling when the seed is null).
+
+Prompt ids are deterministic, ``p<dataset hash>-<epoch>-<row>``, and each prompt is
+published with its id as the JetStream message id, so feeding the same dataset twice
+within the duplicate window adds nothing. A row with neither column, or an empty prompt,
+fails the whole feed before anything is published, naming the row and the column.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlstream.broker import Component, Layout, Outgoing, Publisher
+from rlstream.data import DatasetError, read_rows
+from rlstream.schemas import Prompt
+
+log = logging.getLogger(__name__)
+
+CHUNK = 512
+"""Prompts per pipelined publish."""
+
+
+def dataset_key(path: str | Path, split: str) -> str:
+    """A short stable hash of the dataset's location: the ``dataset`` part of a prompt id."""
+    return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]
+
+
+def prompt_id(key: str, epoch: int, index: int) -> str:
+    return f"p{key}-{epoch}-{index}"
+
+
+def _plain(value: Any) -> Any:
+    """A column value as msgpack-friendly plain data (dates, decimals... become strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _messages(value: Any, row: int, column: str, where: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: row {row} column {column!r} must be a non-empty list of {{role, content}} turns")
+    out = []
+    for j, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: row {row} column {column!r} turn {j} is not {{role: str, content: str}}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def build_prompts(rows: list[dict[str, Any]], cfg, *, where: str = "dataset", key: str = "data", run: str = "") -> list[Prompt]:
+    """Every prompt of every epoch, in publish order. Pure: no I/O."""
+    ds = cfg.data_source
+    pc, mc = ds.prompt_column, ds.messages_column
+    base: list[tuple[str, list[dict[str, str]] | None, dict[str, Any]]] = []
+    for i, row in enumerate(rows):
+        if pc in row and row[pc] is not None:
+            text = row[pc]
+            if not isinstance(text, str):
+                raise DatasetError(f"{where}: row {i} column {pc!r} must be a string, got {type(text).__name__}")
+            if not text.strip():
+                raise DatasetError(f"{where}: row {i} column {pc!r} is empty")
+            messages = None
+        elif mc in row and row[mc] is not None:
+            text, messages = "", _messages(row[mc], i, mc, where)
+        else:
+            raise DatasetError(f"{where}: row {i} has no column {pc!r} (nor {mc!r}); columns: {sorted(row)}")
+        columns = {k: _plain(v) for k, v in row.items() if k not in (pc, mc)}
+        base.append((text, messages, columns))
+    out = []
+    for epoch in range(ds.epochs):
+        order = list(range(len(base)))
+        if ds.shuffle_seed is not None:
+            random.Random(ds.shuffle_seed + epoch).shuffle(order)
+        for i in order:
+            text, messages, columns = base[i]
+            out.append(Prompt(id=prompt_id(key, epoch, i), text=text, columns=columns, epoch=epoch, index=i,
+                              run=run, messages=messages))
+    return out
+
+
+async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
+    """Publish the configured dataset's prompts; returns how many were published (or
+    were already there: duplicates within the window are acknowledged, not stored)."""
+    ds = cfg.data_source
+    if not ds.path:
+        raise DatasetError("data_source.path is not set: nothing to feed")
+    rows = read_rows(ds.path, ds.split, ds.limit)
+    prompts = build_prompts(rows, cfg, where=str(ds.path), key=dataset_key(ds.path, ds.split), run=layout.run)
+    publisher = Publisher(js)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from rich.progress import Progress
+
+        bar = Progress(transient=False)
+        bar.start()
+        task = bar.add_task(f"feeding {Path(ds.path).name}", total=len(prompts))
+    duplicates = 0
+    try:
+        for start in range(0, len(prompts), CHUNK):
+            chunk = prompts[start:start + CHUNK]
+            acks = await publisher.publish_many([Outgoing(layout.prompts, p.encode(), p.id) for p in chunk])
+            duplicates += sum(1 for a in acks if getattr(a, "duplicate", False))
+            if bar is not None:
+                bar.update(task, advance=len(chunk))
+    finally:
+        if bar is not None:
+            bar.stop()
+    log.info("fed %d prompts (%d epochs of %d rows; %d were already there) to %s",
+             len(prompts), ds.epochs, len(rows), duplicates, layout.prompts)
+    return len(prompts)
+
+
+async def main(cfg, nats_url: str, component_id: str = "feeder", **_: Any) -> int:
+    async with Component(cfg, nats_url, "feeder", component_id) as comp:
+        try:
+            n = await feed(comp.js, comp.layout, cfg)
+        except DatasetError as exc:  # a bad dataset is the user's to fix: say what, exit 2
+            log.error("%s", exc)
+            return 2
+        await comp.reporter.emit({"feeder/prompts": float(n)})
+    return 0

@@ -1,0 +1,23 @@
+"""Plain helpers shared by the producer tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlstream.broker import ensure_layout
+from rlstream.config import NatsConfig
+
+
+async def wait_until(pred, timeout: float, every: float = 0.1):
+    """Await ``pred()`` (a coroutine function) until truthy; its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await pred()
+        if value or loop.time() > deadline:
+            return value
+        await asyncio.sleep(every)
+
+
+async def layout_for(js, run_id, ack_wait_s: float = 30):
+    return await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait_s))

@@ -1,0 +1,219 @@
+"""The producer loop against a real nats-server: exactly-once production by several
+producers, weight reloads stamped on the rollouts, pacing, kill -9 and SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM
+
+from producer_helpers import layout_for, wait_until
+from rlstream.broker import Component, RunState, put_object
+from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.producers.backends import make_backend
+from rlstream.producers.feeder import feed
+from rlstream.producers.loop import run
+from rlstream.schemas import RolloutGroup, WeightsAnnouncement
+
+
+async def read_rollouts(js, lay) -> list[RolloutGroup]:
+    last = (await js.stream_info(lay.rollouts_stream)).state.last_seq
+    return [RolloutGroup.decode((await js.get_msg(lay.rollouts_stream, seq)).data) for seq in range(1, last + 1)]
+
+
+async def rollout_count(js, lay) -> int:
+    return (await js.stream_info(lay.rollouts_stream)).state.messages
+
+
+class InProcess:
+    """A producer loop as a task in this process (its own connection, no signal handlers)."""
+
+    def __init__(self, cfg, url, backend, cid):
+        self.comp = Component(cfg, url, "producer", cid, handle_signals=False)
+        self.cfg, self.backend = cfg, backend
+
+    async def __aenter__(self):
+        await self.comp.__aenter__()
+        self.task = asyncio.create_task(run(self.comp, self.backend, self.cfg), name=f"test-{self.comp.component_id}")
+        return self
+
+    async def __aexit__(self, *exc):
+        self.comp.stop.set()
+        self.stats = await asyncio.wait_for(self.task, 60)
+        await self.comp.__aexit__(None, None, None)
+
+
+async def test_two_producers_produce_every_prompt_exactly_once(js, nats_server, run_id, config, dataset):
+    cfg, _ = config(data_source={"path": str(dataset(12))})
+    lay = await layout_for(js, run_id)
+    assert await feed(js, lay, cfg, progress=False) == 12
+    backends = [make_backend(cfg), make_backend(cfg)]
+    async with InProcess(cfg, nats_server.url, backends[0], "p1") as a, InProcess(cfg, nats_server.url, backends[1], "p2") as b:
+        assert await wait_until(lambda: rollout_count(js, lay), 120) and await wait_until(
+            lambda: _eq(rollout_count(js, lay), 12), 120)
+    groups = await read_rollouts(js, lay)
+    assert len(groups) == 12 and len({g.id for g in groups}) == 12
+    assert a.stats.groups + b.stats.groups == 12 and not set(a.stats.group_ids) & set(b.stats.group_ids)
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # all acked
+    for g in groups:
+        i = int(g.columns["answer"]) // 2
+        assert g.prompt_text == f"Q: What is {i} + {i}? A:"
+        assert g.group_size == 2 and g.policy_version == 0 and g.producer_id in ("p1", "p2")
+        assert g.sampling["logprobs"] == "raw" and g.sampling["n"] == 2
+        assert list(g.prompt_ids) == backends[0].tokenizer(g.prompt_text)["input_ids"]
+        for s in g.samples:
+            assert 1 <= len(s.completion_ids) <= 6 and (s.logprobs <= 0).all()
+            assert s.text == backends[0].decode(s.completion_ids)
+
+
+async def _eq(coro, want):
+    return (await coro) == want
+
+
+def perturbed(model_dir, seed: int):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+async def publish_weights(js, lay, model, version: int) -> None:
+    """What the learner does (contracts): object, then weights.latest, then policy.version."""
+    import hashlib
+
+    data = safetensors.torch.save(model.state_dict())
+    name = f"policy-v{version:06d}.safetensors"
+    await put_object(js, lay.weights_bucket, name, data)
+    state = await RunState.open(js, lay)
+    ann = WeightsAnnouncement(id=name, policy_version=version, step=version, location=f"object://{lay.weights_bucket}/{name}",
+                              size=len(data), sha256=hashlib.sha256(data).hexdigest(), run=lay.run)
+    await state.kv.put(WEIGHTS_LATEST, ann.encode())
+    await state.set_policy_version(version)
+
+
+async def test_new_weights_are_loaded_between_batches_and_stamped(js, nats_server, run_id, config, dataset, tiny_model_dir):
+    cfg, _ = config(data_source={"path": str(dataset(4))}, producer={"batch_prompts": 2, "max_new_tokens": 5})
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = make_backend(cfg)
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        await wait_until(lambda: _eq(rollout_count(js, lay), 4), 60)
+        model = perturbed(tiny_model_dir, seed=3)
+        await publish_weights(js, lay, model, 1)
+        # the same prompts again under new ids (a second epoch) after the weights are out
+        cfg2, _ = config(data_source={"path": str(dataset(4)), "epochs": 2})
+        await feed(js, lay, cfg2, progress=False)
+        await wait_until(lambda: _eq(rollout_count(js, lay), 8), 60)
+        reload_s = prod.comp.reporter.values.get("producer/weight_reload_s")
+    groups = await read_rollouts(js, lay)
+    assert [g.policy_version for g in groups] == [0] * 4 + [1] * 4
+    assert reload_s is not None and reload_s > 0 and prod.stats.reloads == 1
+    for g in groups[4:]:  # their log-probs are the new weights', teacher-forced
+        for s in g.samples:
+            ids = torch.as_tensor(np.concatenate([g.prompt_ids, s.completion_ids]).astype(np.int64))[None]
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits[0, len(g.prompt_ids) - 1:-1], -1)
+            want = lp.gather(-1, torch.as_tensor(s.completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+            np.testing.assert_allclose(s.logprobs, want, atol=1e-5)
+
+
+async def test_pacing_stops_at_admit_and_resumes_when_it_moves(js, nats_server, run_id, config, dataset):
+    cfg, _ = config(data_source={"path": str(dataset(10))}, producer={"backend": "fake", "batch_prompts": 3})
+    lay = await layout_for(js, run_id)
+    state = await RunState.open(js, lay)
+    await state.set_admit(4)  # the learner is "stopped": nothing else moves admit
+    await feed(js, lay, cfg, progress=False)
+    async with InProcess(cfg, nats_server.url, make_backend(cfg), "p1") as prod:
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), 4), 30)
+        await asyncio.sleep(1.5)
+        assert await rollout_count(js, lay) == 4  # batches of 3: 3, then 1 to reach the bound, then wait
+        assert prod.comp.reporter.values["producer/pacing_wait_s"] >= 0
+        await state.set_admit(8)
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), 8), 30)
+        await asyncio.sleep(1.0)
+        assert await rollout_count(js, lay) == 8
+        await state.set_admit(100)
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), 10), 30)
+    assert prod.stats.pacing_wait_s > 1.0
+
+
+def producer_process(cfg_path, url, cid) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlstream.cli", "producer", str(cfg_path), "--nats", url, "--id", cid],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_server, run_id, config, dataset):
+    # 60 prompts: one producer alone would need 20 s, so both are surely at work when p1 dies
+    cfg, path = config(data_source={"path": str(dataset(60))}, nats={"ack_wait_s": 3},
+                       producer={"backend": "fake", "fake_latency_s": 1.0, "batch_prompts": 3},
+                       buffer={"max_groups": 1000}, learner={"batch_groups": 1000})
+    lay = await layout_for(js, run_id, ack_wait_s=3)
+    await feed(js, lay, cfg, progress=False)
+    procs = {cid: producer_process(path, nats_server.url, cid) for cid in ("p1", "p2")}
+    try:
+        async def both_producing():
+            return {g.producer_id for g in await read_rollouts(js, lay)} == {"p1", "p2"}
+
+        assert await wait_until(both_producing, 60, every=0.05)
+        # each is now inside its next 1 s batch: kill p1 with its prompts in hand
+        assert (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending > 0
+        os.kill(procs["p1"].pid, signal.SIGKILL)
+        procs["p1"].wait()
+        before = {g.id for g in await read_rollouts(js, lay) if g.producer_id == "p1"}
+        redelivered = 0  # num_redelivered counts redelivered records not yet acked: watch it
+
+        async def all_done():
+            nonlocal redelivered
+            redelivered = max(redelivered, (await js.consumer_info(lay.prompts_stream, "producers")).num_redelivered)
+            return await rollout_count(js, lay) == 60
+
+        assert await wait_until(all_done, 90, every=0.05)
+        await asyncio.sleep(1.0)
+        groups = await read_rollouts(js, lay)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.wait(30)
+    assert len(groups) == 60 and len({g.id for g in groups}) == 60  # every prompt exactly once
+    assert {g.id for g in groups if g.producer_id == "p1"} == before  # p1 produced nothing after death
+    assert redelivered >= 1  # p1's in-hand prompts came back ...
+    assert len([g for g in groups if g.producer_id == "p2"]) == 60 - len(before)  # ... and p2 made them
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+    assert procs["p2"].returncode == 0
+
+
+@pytest.mark.slow
+async def test_sigterm_finishes_the_batch_in_hand(js, nats_server, run_id, config, dataset):
+    cfg, path = config(data_source={"path": str(dataset(3))}, producer={"backend": "fake", "fake_latency_s": 3.0, "batch_prompts": 3})
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    proc = producer_process(path, nats_server.url, "p1")
+    try:
+        async def in_hand():
+            return (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 3
+
+        assert await wait_until(in_hand, 60, every=0.05)
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stderr.read()[-2000:]
+    assert await rollout_count(js, lay) == 3
+    info = await js.consumer_info(lay.prompts_stream, "producers")
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
