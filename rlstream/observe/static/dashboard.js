@@ -1,0 +1,90 @@
+// rlstream dashboard: metric events over server-sent events -> uPlot charts.
+// window.rlstream exposes what arrived (events, points per chart, latest values) for tests.
+(function () {
+  "use strict";
+  const CHARTS = [
+    { name: "reward", title: "reward", keys: ["reward/mean"] },
+    { name: "kl", title: "KL", keys: ["policy/kl", "policy/approx_kl", "policy/mismatch_kl"] },
+    { name: "loss", title: "loss", keys: ["loss/total", "loss/policy"] },
+    { name: "throughput", title: "throughput (/s)", keys: ["producer/tokens_per_s", "producer/groups_per_s", "scorer/groups_per_s"] },
+    { name: "staleness", title: "staleness (policy versions)", keys: ["buffer/staleness_mean", "buffer/staleness_max"] },
+    { name: "buffer", title: "buffer depth (groups)", keys: ["buffer/depth"] },
+  ];
+  const MAX_POINTS = 20000;
+  const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
+
+  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false };
+  window.rlstream = state;
+
+  const charts = CHARTS.map((def) => {
+    const card = document.createElement("div");
+    card.className = "card";
+    card.innerHTML = `<h2>${def.title}</h2><div class="empty">no data yet</div>`;
+    document.getElementById("charts").appendChild(card);
+    state.points[def.name] = 0;
+    return { def, card, plot: null, series: [], index: {}, data: [[]], dirty: false };
+  });
+
+  function width(chart) { return Math.max(300, chart.card.clientWidth - 16); }
+
+  function ensurePlot(chart) {
+    if (chart.plot) return;
+    chart.card.querySelector(".empty").remove();
+    chart.plot = new uPlot({
+      width: width(chart), height: 220,
+      scales: { x: { time: true } },
+      series: [{}],
+      axes: [{}, { size: 60 }],
+      legend: { live: true },
+    }, chart.data, chart.card);
+  }
+
+  function seriesIndex(chart, key, source) {
+    const name = `${key} (${source})`;
+    let i = chart.index[name];
+    if (i !== undefined) return i;
+    ensurePlot(chart);
+    i = chart.series.length + 1;
+    chart.series.push(name);
+    chart.index[name] = i;
+    chart.data.push(new Array(chart.data[0].length).fill(null));
+    chart.plot.addSeries({ label: name, stroke: COLOURS[(i - 1) % COLOURS.length], width: 1.5, spanGaps: true }, i);
+    return i;
+  }
+
+  function add(ev) {
+    state.events += 1;
+    state.lastSeq = ev.seq;
+    const source = ev.component + "/" + ev.id;
+    for (const chart of charts) {
+      const hits = chart.def.keys.filter((k) => k in ev.values && Number.isFinite(ev.values[k]));
+      if (!hits.length) continue;
+      const cols = hits.map((k) => seriesIndex(chart, k, source));
+      const row = chart.data[0].length;
+      chart.data[0].push(ev.t);
+      for (let c = 1; c < chart.data.length; c++) chart.data[c].push(null);
+      hits.forEach((k, j) => { chart.data[cols[j]][row] = ev.values[k]; state.latest[k] = ev.values[k]; });
+      if (chart.data[0].length > MAX_POINTS) chart.data.forEach((col) => col.shift());
+      state.points[chart.def.name] += 1;
+      chart.dirty = true;
+    }
+  }
+
+  function redraw() {
+    for (const chart of charts) {
+      if (chart.dirty && chart.plot) { chart.plot.setData(chart.data); chart.dirty = false; }
+    }
+    const shown = ["reward/mean", "policy/kl", "loss/total", "buffer/staleness_max"]
+      .filter((k) => k in state.latest).map((k) => `${k} ${Number(state.latest[k]).toPrecision(4)}`);
+    document.getElementById("latest").textContent = `${state.events} events` + (shown.length ? " · " + shown.join(" · ") : "");
+  }
+  setInterval(redraw, 250);
+  window.addEventListener("resize", () => charts.forEach((c) => c.plot && c.plot.setSize({ width: width(c), height: 220 })));
+
+  fetch("/api/info").then((r) => r.json()).then((info) => { document.getElementById("run").textContent = info.run; });
+  const status = document.getElementById("state");
+  const source = new EventSource("/events");
+  source.addEventListener("hello", () => { state.connected = true; status.textContent = "live"; status.className = "live"; });
+  source.onmessage = (msg) => add(JSON.parse(msg.data));
+  source.onerror = () => { state.connected = false; status.textContent = "reconnecting"; status.className = "down"; };
+})();
