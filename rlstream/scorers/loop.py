@@ -93,12 +93,16 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
     if stop is not None:
         comp.stop = stop
     async with comp:
+        consumer = Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
+                            max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
         try:
             await scorer.start()
-            consumer = await Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
-                                      max_deliver=cfg.nats.max_deliver, publisher=comp.publisher).start()
+            await consumer.start()
             await score_stream(cfg, comp, consumer, scorer, component_id)
         finally:
+            if consumer.sub is not None:
+                # a pull subscription left open holds up the connection's drain on exit
+                await consumer.sub.unsubscribe()
             await scorer.close()
     return 0
 
