@@ -136,7 +136,7 @@ async def serve(args) -> int:
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         print(f"dashboard for run {args.run} on http://{args.host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
         await stop.wait()
     finally:

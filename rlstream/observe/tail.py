@@ -156,8 +156,12 @@ def _start_config(args) -> ConsumerConfig:
     return ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
 
 
-async def _streams_for(js, subject: str) -> list[str]:
-    resp = await js._jsm._api_request(f"{js._prefix}.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=5)
+async def _streams_for(nc, subject: str) -> list[str]:
+    """Every stream whose subjects overlap ``subject`` (the JetStream STREAM.NAMES API)."""
+    msg = await nc.request("$JS.API.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=5)
+    resp = json.loads(msg.data)
+    if "error" in resp:
+        raise ObserveError(f"listing the streams of {subject}: {resp['error'].get('description', resp['error'])}")
     return resp.get("streams") or []
 
 
@@ -165,7 +169,7 @@ async def _subscribe(nc, js, subject: str, args):
     """(subscription, stream or None). A stream-backed subject gets an ordered consumer."""
     config = _start_config(args)
     replay = args.from_seq is not None or bool(args.since)
-    streams = await _streams_for(js, subject)
+    streams = await _streams_for(nc, subject)
     if len(streams) == 1:
         try:
             sub = await js.subscribe(subject, stream=streams[0], ordered_consumer=True, config=config, idle_heartbeat=2.0)

@@ -35,6 +35,9 @@ async def test_tail_json_from_seq_bad_payload_and_where(js, nats_server, run_id)
     assert lines[0]["completion_ids"] == [5, 6, 7, 8, 9]  # arrays as lists (to_plain)
     assert lines[1]["_error"].startswith("RecordError") and lines[1]["_bytes"] == len(b"\xc1 not msgpack")
     assert "stream RL_" in err  # read through the stream, not core NATS
+    rc, out_since, err = await run_cli("tail", lay.rollouts, "--nats", nats_server.url, "--json", "--since", "1h", "--count", "3", "--timeout", "10")
+    assert rc == 0, err
+    assert [json.loads(line)["_seq"] for line in out_since.splitlines()] == [1, 2, 3]  # all three stored in the last hour
 
     # --where on a dotted path; a numeric field compares as a number; --from-seq 2 skips seq 1
     rc, out, err = await run_cli("tail", lay.rollouts, "--nats", nats_server.url, "--json", "--from-seq", "2",
