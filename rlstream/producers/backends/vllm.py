@@ -1,0 +1,124 @@
+"""An in-process vLLM engine.
+
+``vllm.LLM`` runs the whole batch (``batch_prompts`` x ``group_size`` sequences) with
+continuous batching inside the engine; the call runs in a worker thread so the producer's
+event loop keeps acking and reporting. ``SamplingParams(logprobs=0)`` returns the sampled
+token's log-prob, and vLLM's default ``logprobs_mode="raw_logprobs"`` makes it the raw
+(temperature 1, unprocessed) one: the same quantity the HF backend reports.
+
+New weights are loaded in place, without restarting the engine:
+``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Bytes from the object
+store are written as ``model.safetensors`` into a private scratch directory first (the
+bytes never travel through vLLM's RPC serialisation, which would need insecure pickling).
+
+Engine construction spawns processes: build the backend in the main thread, under
+``if __name__ == "__main__":`` in scripts. On a machine without CUDA (vllm-cpu) the
+defaults are ``enforce_eager=True`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB); anything in
+``producer.vllm`` overrides them (e.g. ``max_model_len``, ``gpu_memory_utilization``,
+``tensor_parallel_size``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class VLLMBackend(Backend):
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
+                 seed: int | None = None, engine_kwargs: dict[str, Any] | None = None):
+        cpu = not _has_cuda()
+        if cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ProducerError("producer.backend 'vllm' needs vLLM: pip install 'rlstream[vllm]'") from exc
+        kwargs: dict[str, Any] = {"model": model_path, "tokenizer": tokenizer_path or model_path, "dtype": dtype,
+                                  "seed": seed if seed is not None else 0}
+        if cpu:
+            kwargs["enforce_eager"] = True
+        kwargs.update(engine_kwargs or {})
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.seed = seed
+        self.batches = 0
+        self.scratch = Path(tempfile.mkdtemp(prefix="rlstream-vllm-weights-"))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg) -> "VLLMBackend":
+        p = cfg.producer
+        return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, dtype=p.dtype, seed=p.seed,
+                   engine_kwargs=dict(p.vllm))
+
+    async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.generate_sync, prompts, spec)
+
+    def generate_sync(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.batches += 1
+        params = SamplingParams(
+            n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0,
+            # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
+            seed=None if spec.seed is None else spec.seed + self.batches,
+        )
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompts]
+        with self._lock:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [[self._completion(c) for c in out.outputs] for out in outputs]
+
+    @staticmethod
+    def _completion(c) -> Completion:
+        ids = np.asarray(c.token_ids, np.int32)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise ProducerError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
+        lps = [step[int(t)].logprob for t, step in zip(ids, c.logprobs)]
+        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+        return Completion(ids, clean_logprobs(lps), reason, c.text)
+
+    async def load_weights(self, source: WeightsSource) -> None:
+        await asyncio.to_thread(self.load_weights_sync, source)
+
+    def load_weights_sync(self, source: WeightsSource) -> None:
+        target = source.path
+        if source.data is not None:
+            d = self.scratch / f"v{source.version:06d}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "model.safetensors").write_bytes(source.data)
+            target = str(d)
+        if target is None:
+            raise ProducerError("weights source has neither bytes nor a path")
+        with self._lock:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": target})
+        for old in self.scratch.iterdir():  # keep only what the engine now points at
+            if str(old) != target:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        llm, self.llm = self.llm, None
+        del llm
