@@ -24,6 +24,7 @@ dead-letters them).
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -210,6 +211,8 @@ class Scorer:
     async def _math(self, flat: Flat) -> list[float | None]:
         answers = _answers(flat, self.answer_column)
         if self.pool is None:
+            # In a thread math-verify's timeouts are off; it warns about that on every call.
+            logging.getLogger("math_verify").setLevel(logging.ERROR)
             return await asyncio.to_thread(rewards.math_scores, flat.completions, answers, False)
         loop = asyncio.get_running_loop()
         n = len(flat)

@@ -1,0 +1,143 @@
+"""Scorer throughput: groups/s through ``rlstream scorer`` against calling the same reward
+rule directly, in the same run.
+
+Through the scorer: the groups (8 completions each) wait on the rollouts stream of an
+embedded nats-server; one ``rlstream scorer`` process (``scorer.processes: 1`` for
+math-verify) pulls, decodes, scores, publishes ScoredGroups and acks. Its rate is taken
+between the first and the last scored group seen on the scored stream. Directly: the same
+rule over the same completions in one Python loop (math-verify in the main thread, with
+its timeouts, as a pool worker runs it), with no broker at all.
+
+Two rules: ``exact_match`` (microseconds per group: the figure shows the broker's cost
+per group) and ``math`` (math-verify: the scoring dominates). Goal: ratio >= 0.9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import parser, table, verdict  # noqa: E402
+
+from rlstream.broker import EmbeddedServer, Outgoing, Publisher, connect, ensure_layout  # noqa: E402
+from rlstream.schemas import RolloutGroup, Sample  # noqa: E402
+from rlstream.scorers import rewards  # noqa: E402
+
+G = 8
+
+
+def completions_of(i: int) -> list[str]:
+    a, b = i % 97, (i * 7) % 89
+    forms = [f"The answer is {a + b}", f"so \\boxed{{{a + b}}}", f"{a} + {b} = {a + b + 1}", f"\\boxed{{\\frac{{{2 * (a + b)}}}{{2}}}}",
+             "I am not sure", f"The answer is {a + b}.5", f"#### {a + b}", f"we get \\boxed{{{a + b - 1}}}"]
+    return forms[:G]
+
+
+def make_groups(n: int, run: str) -> list[RolloutGroup]:
+    out = []
+    for i in range(n):
+        texts = completions_of(i)
+        samples = [Sample(np.arange(24, dtype=np.int32), np.full(24, -0.5, np.float32), "stop", t) for t in texts]
+        out.append(RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"Q: What is {i % 97} + {(i * 7) % 89}?",
+                                prompt_ids=np.arange(12, dtype=np.int32), samples=samples, policy_version=0,
+                                columns={"answer": str(i % 97 + (i * 7) % 89)}, run=run))
+    return out
+
+
+def direct_rate(rule: str, groups: list[RolloutGroup]) -> float:
+    _score_directly(rule, groups[:8])  # imports and first-call caches, as the scorer's warm-up does
+    t0 = time.perf_counter()
+    _score_directly(rule, groups)
+    return len(groups) / (time.perf_counter() - t0)
+
+
+def _score_directly(rule: str, groups: list[RolloutGroup]) -> None:
+    for g in groups:
+        texts = [s.text for s in g.samples]
+        answer = g.columns["answer"]
+        if rule == "math":
+            rewards.math_scores(texts, [answer] * len(texts))
+        else:
+            [rewards.exact_match(t, answer) for t in texts]
+
+
+async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], run: str, workdir: Path) -> float:
+    nc = await connect(url=server_url, name="bench")
+    js = nc.jetstream()
+    lay = await ensure_layout(js, run)
+    pub = Publisher(js)
+    for i in range(0, len(groups), 256):
+        await pub.publish_many([Outgoing(lay.rollouts, g.encode(), g.id) for g in groups[i:i + 256]])
+    cfg = workdir / f"{run}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
+        "reward_function": {"terms": [{"rule": rule}]},
+        "scorer": {"batch_groups": 16 if rule == "math" else 64, "processes": 1},
+    }))
+    env = {**os.environ, "RLSTREAM_LOG": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "scorer", str(cfg), "--nats", server_url, "--id", "bench"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    n = len(groups)
+    first = last = None
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            done = (await js.stream_info(lay.scored_stream)).state.messages
+            now = time.perf_counter()
+            if done and first is None:
+                first = (now, done)
+            if done >= n:
+                last = (now, done)
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"scorer exited: {proc.stderr.read().decode()[-2000:]}")
+            await asyncio.sleep(0.01)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        await nc.close()
+    if last is None or first is None or last[0] <= first[0]:
+        raise RuntimeError("the scorer did not finish")
+    return (last[1] - first[1]) / (last[0] - first[0])
+
+
+async def run(sizes: dict[str, int], rounds: int) -> dict[str, tuple[float, float]]:
+    out = {}
+    with tempfile.TemporaryDirectory() as d, EmbeddedServer(Path(d) / "store") as server:
+        for rule, n in sizes.items():
+            ours, direct = [], []
+            for r in range(rounds):  # interleaved, best of each: drift on a shared machine hits both
+                groups = make_groups(n, f"b{rule}{r}")
+                direct.append(direct_rate(rule, groups))
+                ours.append(await scorer_rate(server.url, rule, groups, f"b{rule.replace('_', '')}{r}", Path(d)))
+            out[rule] = (max(ours), max(direct))
+    return out
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    sizes, rounds = ({"exact_match": 2000, "math": 120}, 2) if args.quick else ({"exact_match": 20000, "math": 1000}, 3)
+    res = asyncio.run(run(sizes, rounds))
+    rows = []
+    for rule, (ours, direct) in res.items():
+        rows.append((f"{rule}: direct call", direct, direct * G, 1.0))
+        rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct))
+    table(f"scoring groups of {G} completions", rows, ("path", "groups/s", "completions/s", "ratio"))
+    (m_ours, m_direct), (c_ours, c_direct) = res["math"], res["exact_match"]
+    verdict("scorers", math_scorer_groups_per_s=m_ours, math_direct_groups_per_s=m_direct, math_ratio=m_ours / m_direct,
+            exact_match_scorer_groups_per_s=c_ours, exact_match_direct_groups_per_s=c_direct,
+            exact_match_ratio=c_ours / c_direct, exact_match_ok=c_ours / c_direct >= 0.9,
+            ratio=min(m_ours / m_direct, c_ours / c_direct), goal=0.9)
+
+
+if __name__ == "__main__":
+    main()
