@@ -211,7 +211,10 @@ async def sync_weights(comp: Component, backend: Backend, loaded: int, stats: Pr
         return loaded
     t0 = time.monotonic()
     source = await fetch_weights(comp, announcement)
-    await backend.load_weights(source)
+    if not await backend.load_weights(source):
+        comp.reporter.info.update(weights_reload=False, weights_note=backend.reload_note)
+        log.warning("producer %s: cannot load policy v%d: %s", comp.component_id, announcement.policy_version, backend.reload_note)
+        return loaded
     dt = time.monotonic() - t0
     stats.reloads += 1
     comp.reporter.update({"producer/weight_reload_s": dt, "producer/policy_version": announcement.policy_version})

@@ -122,7 +122,9 @@ class Backend:
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
         raise NotImplementedError
 
-    async def load_weights(self, source: WeightsSource) -> None:
+    async def load_weights(self, source: WeightsSource) -> bool:
+        """Load new weights; True when the generator now uses them, False when it cannot
+        (``can_reload`` is then False and ``reload_note`` says why)."""
         raise NotImplementedError
 
     async def close(self) -> None:

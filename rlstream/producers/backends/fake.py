@@ -49,5 +49,6 @@ class FakeBackend(Backend):
             for _ in prompts
         ]
 
-    async def load_weights(self, source: WeightsSource) -> None:
+    async def load_weights(self, source: WeightsSource) -> bool:
         self.loaded_versions.append(source.version)
+        return True

@@ -137,8 +137,9 @@ class HFBackend(Backend):
         return lo
 
     # ---- weights ------------------------------------------------------------------------
-    async def load_weights(self, source: WeightsSource) -> None:
+    async def load_weights(self, source: WeightsSource) -> bool:
         await asyncio.to_thread(self.load_weights_sync, source)
+        return True
 
     def load_weights_sync(self, source: WeightsSource) -> None:
         import safetensors.torch

@@ -100,8 +100,9 @@ class VLLMBackend(Backend):
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
         return Completion(ids, clean_logprobs(lps), reason, c.text)
 
-    async def load_weights(self, source: WeightsSource) -> None:
+    async def load_weights(self, source: WeightsSource) -> bool:
         await asyncio.to_thread(self.load_weights_sync, source)
+        return True
 
     def load_weights_sync(self, source: WeightsSource) -> None:
         target = source.path

@@ -1,0 +1,185 @@
+"""Any OpenAI-compatible completions server over HTTP (e.g. ``vllm serve``).
+
+One ``POST /v1/completions`` per prompt with ``n = group_size`` and the prompt as token
+ids, sent concurrently over a pooled aiohttp session (``producer.max_connections``), each
+with ``producer.request_timeout_s`` and up to ``producer.request_retries`` retries with
+exponential backoff on connection errors, timeouts, 429 and 5xx. We ask for
+``logprobs: 0`` (the sampled token's log-prob) and ``return_token_ids`` (vLLM returns the
+completion's token ids; otherwise ``return_tokens_as_token_ids`` tokens ``token_id:N`` are
+parsed). vLLM's server reports raw log-probs by default (``--logprobs-mode raw_logprobs``).
+
+Endpoint: ``producer.endpoint`` or ``data_source.sampling_endpoint``; a URL ending in
+``/completions`` is used as it is, one ending in ``/v1`` gets ``/completions``, anything
+else is replaced by ``<scheme>://<host>/v1/completions``.
+
+Weights: a remote server loads new weights only if it exposes vLLM's
+``POST /collective_rpc`` (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``), and only from a
+path the server can read: a ``file://`` announcement (``learner.weights_transport:
+shared_path``) is passed as it is; object-store bytes are written to a local scratch
+directory first, which works when the server shares this machine's filesystem. Without
+the endpoint the backend says so (``can_reload`` False, ``reload_note`` in the heartbeat),
+keeps generating, and stamps rollouts with the version it actually serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+def completions_url(endpoint: str) -> str:
+    url = endpoint.rstrip("/")
+    if url.endswith("/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/completions"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}/v1/completions"
+
+
+class OpenAIBackend(Backend):
+    name = "openai"
+
+    def __init__(self, endpoint: str, *, model_name: str | None = None, tokenizer_path: str | None = None,
+                 timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64, seed: int | None = None):
+        self.url = completions_url(endpoint)
+        parts = urlsplit(self.url)
+        self.base = f"{parts.scheme}://{parts.netloc}"
+        self.model_name = model_name
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_connections = max_connections
+        self.seed = seed
+        self.batches = 0
+        self.session = None
+        self.scratch: Path | None = None
+        if tokenizer_path:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    @classmethod
+    def from_config(cls, cfg) -> "OpenAIBackend":
+        p = cfg.producer
+        endpoint = p.endpoint or cfg.data_source.sampling_endpoint
+        tok = cfg.tokenizer_path or (cfg.model_checkpoint_path if Path(cfg.model_checkpoint_path).is_dir() else None)
+        return cls(endpoint, model_name=p.model_name, tokenizer_path=tok, timeout_s=p.request_timeout_s,
+                   retries=p.request_retries, max_connections=p.max_connections, seed=p.seed)
+
+    async def _session(self):
+        if self.session is None:
+            import aiohttp
+
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
+        if self.model_name is None:
+            body = await self._request("GET", f"{self.base}/v1/models")
+            models = body.get("data") or []
+            if not models:
+                raise ProducerError(f"{self.base}/v1/models lists no model; set producer.model_name")
+            self.model_name = models[0]["id"]
+        return self.session
+
+    async def _request(self, method: str, url: str, payload: dict | None = None) -> dict[str, Any]:
+        """One HTTP call with retries (exponential backoff) on transient failures."""
+        import aiohttp
+
+        delay = 0.5
+        for attempt in range(self.retries + 1):
+            try:
+                async with self.session.request(method, url, json=payload) as resp:
+                    if resp.status in RETRY_STATUS and attempt < self.retries:
+                        log.warning("%s %s: HTTP %d, retrying in %.1fs", method, url, resp.status, delay)
+                    elif resp.status >= 400:
+                        raise ProducerError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                    else:
+                        return await resp.json(content_type=None) if resp.content_length != 0 else {}
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:  # transient: retry with backoff
+                if attempt >= self.retries:
+                    raise ProducerError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+                log.warning("%s %s: %s, retrying in %.1fs", method, url, type(exc).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        raise ProducerError(f"{method} {url}: gave up after {self.retries + 1} tries")
+
+    async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        await self._session()
+        self.batches += 1
+        payload: dict[str, Any] = {
+            "model": self.model_name, "n": spec.n, "max_tokens": spec.max_new_tokens,
+            "temperature": spec.temperature, "top_p": spec.top_p, "logprobs": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+        }
+        if spec.top_k:
+            payload["top_k"] = spec.top_k
+        if spec.stop:
+            payload["stop"] = list(spec.stop)
+        if spec.seed is not None:
+            payload["seed"] = spec.seed + self.batches
+        bodies = await asyncio.gather(*(self._request("POST", self.url, {**payload, "prompt": [int(t) for t in ids]})
+                                        for ids in prompts))
+        return [self._group(body, spec.n) for body in bodies]
+
+    @staticmethod
+    def _group(body: dict[str, Any], n: int) -> list[Completion]:
+        choices = sorted(body.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise ProducerError(f"server returned {len(choices)} choices, expected n={n}")
+        out = []
+        for c in choices:
+            lp = c.get("logprobs") or {}
+            values = lp.get("token_logprobs")
+            ids = c.get("token_ids")
+            if ids is None:
+                ids = [int(t.split(":", 1)[1]) for t in lp.get("tokens") or [] if t.startswith("token_id:")]
+            if values is None or len(values) != len(ids) or any(v is None for v in values):
+                raise ProducerError("server did not return a log-prob per completion token (is it an OpenAI-compatible vLLM?)")
+            reason = c.get("finish_reason") or "stop"
+            out.append(Completion(np.asarray(ids, np.int32), clean_logprobs(values),
+                                  reason if reason in ("stop", "length", "abort") else "stop", c.get("text") or ""))
+        return out
+
+    async def load_weights(self, source: WeightsSource) -> bool:
+        await self._session()
+        target = source.path
+        if source.data is not None:
+            self.scratch = self.scratch or Path(tempfile.mkdtemp(prefix="rlstream-openai-weights-"))
+            d = self.scratch / f"v{source.version:06d}"
+            d.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread((d / "model.safetensors").write_bytes, source.data)
+            target = str(d)
+        async with self.session.post(f"{self.base}/collective_rpc",
+                                     json={"method": "reload_weights", "kwargs": {"weights_path": target}}) as resp:
+            if resp.status in (404, 405):
+                self.can_reload = False
+                self.reload_note = (f"{self.base} has no weight-reload endpoint (POST /collective_rpc; start vLLM with "
+                                    "VLLM_SERVER_DEV_MODE=1): rollouts keep the version the server serves")
+                return False
+            if resp.status >= 400:
+                raise ProducerError(f"reload_weights on {self.base}: HTTP {resp.status}: {(await resp.text())[:500]}")
+        for old in (self.scratch.iterdir() if self.scratch else []):
+            if str(old) != target:
+                shutil.rmtree(old, ignore_errors=True)
+        return True
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)

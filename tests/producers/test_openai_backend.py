@@ -1,0 +1,108 @@
+"""openai backend against a real ``vllm serve`` of the tiny model (CPU), started here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlstream.broker import free_port
+from rlstream.producers.backends.base import SamplingSpec, WeightsSource
+from rlstream.producers.backends.openai import OpenAIBackend, completions_url
+from rlstream.schemas import Prompt
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_endpoint_forms():
+    assert completions_url("http://h:8000") == "http://h:8000/v1/completions"
+    assert completions_url("http://h:8000/v1/") == "http://h:8000/v1/completions"
+    assert completions_url("http://h:8000/v1/completions") == "http://h:8000/v1/completions"
+    assert completions_url("http://rl-lb:8000/generate") == "http://rl-lb:8000/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("vllm-serve") / "serve.log", "w+")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+         "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"vllm serve did not come up:\n{log.read()[-3000:]}")
+            time.sleep(1)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
+    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1:-1].float(), -1)
+    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+
+
+async def test_completions_carry_raw_logprobs_and_weights_reload(server, tiny_model_dir):
+    import safetensors.torch
+
+    backend = OpenAIBackend(server, tokenizer_path=str(tiny_model_dir), retries=1)  # model name from /v1/models
+    try:
+        prompts = [backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0],
+                   backend.encode_prompt(Prompt(id="b", text="the answer"))[0]]
+        spec = SamplingSpec(n=3, max_new_tokens=10, temperature=0.8, top_k=50, seed=3)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        groups = await backend.generate(prompts, spec)
+        assert backend.model_name == "tiny" and [len(g) for g in groups] == [3, 3]
+        for p, group in zip(prompts, groups):
+            for c in group:
+                assert 1 <= len(c.token_ids) <= 10 and c.finish_reason in ("stop", "length")
+                np.testing.assert_allclose(c.logprobs, teacher_forced(base, p, c.token_ids), atol=1e-4)
+
+        new = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        torch.manual_seed(9)
+        with torch.no_grad():
+            for prm in new.parameters():
+                prm.add_(torch.randn_like(prm) * 0.05)
+        assert await backend.load_weights(WeightsSource(1, data=safetensors.torch.save(new.state_dict())))
+        for p, group in zip(prompts, await backend.generate(prompts, spec)):
+            for c in group:
+                np.testing.assert_allclose(c.logprobs, teacher_forced(new, p, c.token_ids), atol=1e-4)
+    finally:
+        await backend.close()
+
+
+async def test_unreachable_server_fails_after_retries():
+    backend = OpenAIBackend(f"http://127.0.0.1:{free_port()}", model_name="m", retries=1, timeout_s=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="ClientConnectorError|Cannot connect"):
+            await backend.generate([np.array([1, 2], np.int32)], SamplingSpec(n=1, max_new_tokens=2))
+        assert time.monotonic() - t0 >= 0.5  # one backoff before giving up
+    finally:
+        await backend.close()
