@@ -71,7 +71,7 @@ async def connect(cfg: NatsConfig | None = None, url: str | None = None, name: s
 
     async def disconnected_cb() -> None:
         if state["connected"]:
-            log.info("nats %s: disconnected", name)
+            log.debug("nats %s: disconnected", name)
 
     async def reconnected_cb() -> None:
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
