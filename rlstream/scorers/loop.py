@@ -30,6 +30,7 @@ import numpy as np
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
+from rlstream.scorers.functions import RewardError
 from rlstream.scorers.http import EndpointError
 from rlstream.scorers.scoring import RewardStats, Scorer
 
@@ -88,7 +89,11 @@ async def _keep_in_progress(deliveries: list[Delivery], every_s: float) -> None:
 async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.Event | None = None, **_unused) -> int:
     """Score until SIGTERM/SIGINT (or until ``stop`` is set, when given: then signals are
     left alone, so several scorers can share one event loop)."""
-    scorer = Scorer(cfg, decode=text_decoder(cfg))
+    try:
+        scorer = Scorer(cfg, decode=text_decoder(cfg))
+    except RewardError as exc:  # a bad term in the config: say which, and do not start
+        log.error("scorer %s: %s", component_id, exc)
+        return 2
     comp = Component(cfg, nats_url, "scorer", component_id, handle_signals=stop is None)
     if stop is not None:
         comp.stop = stop

@@ -210,3 +210,20 @@ async def test_three_scorers_share_a_stream_and_score_each_group_once(js, nats_s
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(30) for p in procs]
     assert codes == [0, 0, 0]   # SIGTERM drains and exits cleanly
+
+
+async def test_endpoint_down_past_max_deliver_goes_to_the_dlq(js, nats_server, run_id):
+    lay = await ensure_layout(js, run_id)
+    cfg = config({"type": "model_based", "endpoint": f"http://127.0.0.1:{free_port()}/score", "retries": 0, "timeout_s": 1},
+                 run=run_id, nats={"max_deliver": 2})
+    async with scorer(cfg, nats_server.url):
+        await publish(js, lay, [group("gone", ["a"], run=run_id)])
+        [letter] = await read(js, lay.dlq("scorer"), lay.dlq_stream, DeadLetter, 1, timeout=20)
+    assert letter.record_id == "gone" and letter.deliveries == 2
+    assert "failed 2 times" in letter.reason and "ClientConnectorError" in letter.reason
+    assert await count(js, lay.scored_stream) == 0
+
+
+async def test_a_bad_term_stops_the_scorer_before_it_starts(nats_server, run_id):
+    cfg = config({"terms": [{"rule": "format"}]}, run=run_id)
+    assert await loop.main(cfg, nats_server.url, "s0", stop=asyncio.Event()) == 2

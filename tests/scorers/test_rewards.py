@@ -191,3 +191,18 @@ def test_model_based_adds_a_model_term():
                           "terms": [{"rule": "format", "params": {"pattern": "x"}, "weight": 0.1}]}))
     assert [(t.name, t.weight) for t in both.terms] == [("model", 1.0), ("format", 0.1)]
     assert "s3cret" not in repr(both.client)
+
+
+async def test_groups_without_text_are_decoded_with_the_tokenizer(tiny_reward_model_dir):
+    from transformers import AutoTokenizer
+
+    from rlstream.scorers.loop import text_decoder
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_reward_model_dir))
+    ids = tok("The answer is 42", add_special_tokens=False)["input_ids"]
+    cfg = config({"terms": [{"rule": "exact_match", "params": {"extract": True}}]})
+    cfg.model_checkpoint_path = str(tiny_reward_model_dir)
+    g = group("t", [""], columns={"answer": "42"}, lengths=[len(ids)])
+    g.samples[0].completion_ids = np.array(ids, np.int32)
+    [s] = await Scorer(cfg, decode=text_decoder(cfg)).score([g])
+    assert list(s.rewards) == [1.0]
