@@ -80,10 +80,17 @@ class LocalCluster:
         self.cluster_name = cluster_name
         self.accounts_file = Path(accounts_file) if accounts_file else None
         self.host = host
-        self.cluster_ports = [free_port(host) for _ in range(size)]
-        self.monitor_ports = [free_port(host) for _ in range(size)]
+        self.max_payload_mb = max_payload_mb
         self.nodes: list[EmbeddedServer] = []
-        for i in range(size):
+        self._layout_nodes()
+
+    def _layout_nodes(self) -> None:
+        """Pick ports and write each node's config (again, after a port was taken)."""
+        host = self.host
+        self.cluster_ports = [free_port(host) for _ in range(self.size)]
+        self.monitor_ports = [free_port(host) for _ in range(self.size)]
+        self.nodes = []
+        for i in range(self.size):
             node_dir = self.root / f"n{i}"
             node_dir.mkdir(parents=True, exist_ok=True)
             include = None
@@ -92,9 +99,9 @@ class LocalCluster:
                 include = self.accounts_file.name
             conf = node_dir / "nats-server.conf"
             conf.write_text(node_config(
-                f"n{i}", cluster_name, self.cluster_ports[i],
+                f"n{i}", self.cluster_name, self.cluster_ports[i],
                 [p for j, p in enumerate(self.cluster_ports) if j != i], self.monitor_ports[i],
-                host=host, max_payload_mb=max_payload_mb, include=include,
+                host=host, max_payload_mb=self.max_payload_mb, include=include,
             ))
             self.nodes.append(EmbeddedServer(node_dir / "store", host=host, config_file=conf, log_file=node_dir / "server.log"))
 
@@ -132,14 +139,27 @@ class LocalCluster:
                 raise BrokerError(f"cluster not ready within {timeout:.0f}s: {answers}")
             time.sleep(0.2)
 
-    def start(self, timeout: float = 30.0) -> "LocalCluster":
-        try:
-            for node in self.nodes:
-                node.start(timeout)
-            self.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> "LocalCluster":
+        """Start every node and wait until the cluster is healthy.
+
+        Ports are picked free but only bound later, so on a busy machine another process can
+        take one in between: then the cluster is laid out on new ports and started again.
+        """
+        for attempt in range(attempts):
+            try:
+                for node in self.nodes:
+                    node.start(timeout)
+                self.wait_ready(timeout)
+                break
+            except BrokerError as exc:
+                self.stop()
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                log.info("a port of the cluster was taken (%s); new ports", exc)
+                self._layout_nodes()
+            except BaseException:
+                self.stop()
+                raise
         log.info("nats cluster %s up: %s", self.cluster_name, self.urls)
         return self
 

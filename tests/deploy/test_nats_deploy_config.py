@@ -64,25 +64,15 @@ def loopback_config(text: str, node: int, client_port: int, cluster_ports: list[
     return text
 
 
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make test certificates")
-    root = tmp_path_factory.mktemp("deploy-nats")
-    tls = make_certs(root / "tls")
-    passwords = {r: secrets.token_urlsafe(18) for r in ROLES}
+def _start_nodes(root: Path, source: str, tls: Path, mp: pytest.MonkeyPatch) -> list[EmbeddedServer]:
     cluster_ports = [free_port() for _ in range(3)]
     http_ports = [free_port() for _ in range(3)]
     client_ports = [free_port() for _ in range(3)]
-    source = (NATS / "nats-server.conf").read_text()
-    mp = pytest.MonkeyPatch()
-    for role, pw in passwords.items():
-        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
-    nodes = []
+    nodes: list[EmbeddedServer] = []
     try:
         for i in range(3):
             node_dir = root / f"nats-{i}"
-            node_dir.mkdir()
+            node_dir.mkdir(parents=True)
             shutil.copy(NATS / "accounts.conf", node_dir / "accounts.conf")
             conf = node_dir / "nats-server.conf"
             conf.write_text(loopback_config(source, i, client_ports[i], cluster_ports, http_ports[i], tls, node_dir))
@@ -95,16 +85,39 @@ def deployed(tmp_path_factory):
     except BaseException:
         for n in nodes:
             n.stop()
-        mp.undo()
         raise
-    mp.undo()
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    root = tmp_path_factory.mktemp("deploy-nats")
+    tls = make_certs(root / "tls")
+    passwords = {r: secrets.token_urlsafe(18) for r in ROLES}
+    source = (NATS / "nats-server.conf").read_text()
+    mp = pytest.MonkeyPatch()
+    for role, pw in passwords.items():
+        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
+    try:
+        for attempt in range(3):  # a free port can be taken by another process before the server binds it
+            try:
+                nodes = _start_nodes(root / f"try{attempt}", source, tls, mp)
+                break
+            except BrokerError as exc:
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+    finally:
+        mp.undo()
     yield nodes, passwords, tls
     for n in nodes:
         n.stop()
 
 
 def _cfg(nodes, user, password, tls: NatsTLS | None) -> NatsConfig:
-    return NatsConfig(url=",".join(f"tls://127.0.0.1:{n.port}" for n in nodes), user=user, password=SecretStr(password), tls=tls, replicas=3)
+    # nats:// as in the ConfigMap: the server requires TLS and the client upgrades with the CA given
+    return NatsConfig(url=",".join(f"nats://127.0.0.1:{n.port}" for n in nodes), user=user, password=SecretStr(password), tls=tls, replicas=3)
 
 
 async def test_components_connect_over_tls_and_get_replicated_streams(deployed, run_id):
@@ -112,7 +125,7 @@ async def test_components_connect_over_tls_and_get_replicated_streams(deployed, 
     cfg = _cfg(nodes, "producer", passwords["producer"], NatsTLS(ca_file=str(tls / "ca.crt"), hostname="nats"))
     nc = await connect(cfg)
     try:
-        assert nc.connected_url.scheme == "tls"
+        assert nc._server_info.get("tls_required") is True
         js = nc.jetstream(timeout=10)
         lay = await ensure_layout(js, run_id, cfg)
         info = await js.stream_info(lay.rollouts_stream)
@@ -128,5 +141,7 @@ async def test_a_client_that_does_not_trust_the_ca_is_refused(deployed, tmp_path
     other = make_certs(tmp_path / "other")
     with pytest.raises(BrokerError):
         await connect(_cfg(nodes, "producer", passwords["producer"], NatsTLS(ca_file=str(other / "ca.crt"), hostname="nats")))
+    with pytest.raises(BrokerError):  # no CA given: the system roots do not know this one
+        await connect(_cfg(nodes, "producer", passwords["producer"], None))
     with pytest.raises(BrokerError):  # right CA, a name the certificate does not carry
         await connect(_cfg(nodes, "producer", passwords["producer"], NatsTLS(ca_file=str(tls / "ca.crt"), hostname="evil.example")))
