@@ -203,7 +203,7 @@ async def test_three_scorers_share_a_stream_and_score_each_group_once(js, nats_s
         assert sorted(s.id for s in scored) == sorted(g.id for g in groups)
         for s in scored:
             assert list(s.components["exact_match"]) == [float(int(s.id[1:]) % 3 == 1), 1.0]
-        assert {s.scorer_id for s in scored} <= {"s0", "s1", "s2"}
+        assert len({s.scorer_id for s in scored}) >= 2 and {s.scorer_id for s in scored} <= {"s0", "s1", "s2"}  # shared work
         assert (await js.consumer_info(lay.rollouts_stream, "scorers")).num_ack_pending == 0
     finally:
         for p in procs:
