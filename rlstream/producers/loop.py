@@ -15,6 +15,9 @@ to one of them, and a dead producer's prompts come back to the others after
    stored twice) and wait for JetStream's acks;
 6. only then ack the prompts.
 
+Steps 5-6 of one batch run as a named task while the next batch generates (one batch in
+flight at most; its groups count against the pacing bound until they are stored).
+
 SIGTERM finishes the batch in hand (generate, publish, ack) and exits. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
 deliveries); three failing batches in a row end the producer with an error.
@@ -88,8 +91,11 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
     stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
     reporter.set("producer/policy_version", stats.policy_version)
     last_done = time.monotonic()
+    publishing: asyncio.Task | None = None  # the previous batch's publish + ack, overlapping this generation
+    in_flight = 0
     while not comp.stop.is_set() and (max_groups is None or stats.groups < max_groups):
-        room, waited = await wait_for_room(comp, bound, p.batch_prompts)
+        room, waited = await wait_for_room(
+            comp, bound, p.batch_prompts, lambda: in_flight if publishing is not None and not publishing.done() else 0)
         stats.pacing_wait_s += waited
         reporter.set("producer/pacing_wait_s", waited)
         reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
@@ -103,15 +109,21 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
         try:
             # after the fetch (which may have waited) and before generating: the newest weights
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
-            groups = await produce(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
-        finally:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
+            groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
+        except BaseException:
+            await stop_task(keeper)
+            raise
         if groups is None:
+            await stop_task(keeper)
             stats.failed_batches += 1
             if stats.failed_batches >= MAX_FAILED_BATCHES:
                 raise ProducerError(f"{MAX_FAILED_BATCHES} batches in a row failed to generate; see the log")
             continue
+        if publishing is not None:
+            await publishing  # one batch in flight at most; re-raises its failure
+        in_flight = len(groups)
+        publishing = asyncio.create_task(publish_batch(comp, groups, deliveries, keeper),
+                                         name=f"producer-{comp.component_id}-publish")
         stats.failed_batches = 0
         now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
@@ -129,15 +141,17 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
             "producer/tokens_total": stats.tokens,
             "producer/policy_version": stats.policy_version,
         })
+    if publishing is not None:
+        await publishing
     # Nothing is in hand now; dropping the pull subscription lets the connection drain at once.
     await consumer.sub.unsubscribe()
     log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
     return stats
 
 
-async def produce(comp: Component, backend: Backend, consumer: Consumer, deliveries, spec: SamplingSpec,
-                  sampling: dict[str, Any], version: int) -> list[RolloutGroup] | None:
-    """Generate, publish, then ack one batch. None when generation failed (prompts nak'ed)."""
+async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, deliveries, spec: SamplingSpec,
+                         sampling: dict[str, Any], version: int) -> list[RolloutGroup] | None:
+    """Tokenise and generate one batch into RolloutGroups. None when it failed (prompts nak'ed)."""
     try:
         encoded = await asyncio.to_thread(lambda: [backend.encode_prompt(d.record) for d in deliveries])
     except ProducerError as exc:  # a prompt we cannot tokenise: nak, dead-letter after max_deliver
@@ -163,11 +177,25 @@ async def produce(comp: Component, backend: Backend, consumer: Consumer, deliver
             policy_version=version, producer_id=comp.component_id, columns=prompt.columns,
             sampling=sampling, run=comp.layout.run, timings={"generate": generate_s},
         ))
-    out = [Outgoing(comp.layout.rollouts, g.encode(), g.id) for g in groups]
-    await comp.publisher.publish_many(out)  # raises after its retry budget: the prompts come back
-    for d in deliveries:
-        await d.ack()
     return groups
+
+
+async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries, keeper: asyncio.Task) -> None:
+    """Publish the groups, wait for JetStream's acks, then ack the prompts. The prompts stay
+    in progress until then; a failure (after the publisher's retries) leaves them unacked,
+    so they come back to some producer."""
+    try:
+        out = [Outgoing(comp.layout.rollouts, g.encode(), g.id) for g in groups]
+        await comp.publisher.publish_many(out)
+        for d in deliveries:
+            await d.ack()
+    finally:
+        await stop_task(keeper)
+
+
+async def stop_task(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def keep_in_progress(deliveries, every_s: float) -> None:
@@ -178,14 +206,16 @@ async def keep_in_progress(deliveries, every_s: float) -> None:
             await d.in_progress()
 
 
-async def wait_for_room(comp: Component, bound: int, batch: int) -> tuple[int, float]:
-    """How many groups we may generate now (<= batch), waiting while there is no room.
+async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0) -> tuple[int, float]:
+    """How many groups we may generate now (<= batch), waiting while there is no room;
+    ``in_flight()`` groups of ours are being published and count as existing.
     Returns (room, seconds waited); room 0 means we were stopped while waiting."""
     t0 = time.monotonic()
     while not comp.stop.is_set():
+        pending = in_flight()  # read before the stream: a publish landing in between is counted twice, never missed
         admit = await comp.state.admit(bound)
         info = await comp.js.stream_info(comp.layout.rollouts_stream)
-        room = admit - info.state.last_seq
+        room = admit - info.state.last_seq - pending
         if room > 0:
             return min(room, batch), time.monotonic() - t0
         try:
