@@ -91,7 +91,7 @@ def collate(rows: list[Row], pad_id: int, max_len: int) -> TokenBatch:
         if row.keep:
             mask[i, :c] = 1.0
         if row.old_logprobs is not None:
-            old[i, :c] = torch.from_numpy(np.asarray(row.old_logprobs[:c], dtype=np.float32))
+            old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages)

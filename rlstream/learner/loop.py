@@ -183,7 +183,7 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
     rows: list[Row] = []
     all_rewards = []
     for g in groups:
-        rewards = torch.as_tensor(np.asarray(g.rewards, dtype=np.float32))
+        rewards = torch.tensor(np.asarray(g.rewards, dtype=np.float32))
         all_rewards.append(rewards)
         if params.advantage_type == "gae":
             advantages = torch.zeros_like(rewards)
@@ -381,7 +381,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event) -> StreamBat
             buf.rewind(out.deliveries)
             return None
         g: ScoredGroup = d.record
-        if g.id in learner.done_ids:
+        if g.id in learner.done_ids or any(x.record.id == g.id for x in out.deliveries):
             state.duplicates_skipped += 1
             out.duplicates += 1
             buf.mark_handled(d)
@@ -389,7 +389,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event) -> StreamBat
         state.groups_consumed += 1
         stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
         filtered = (getattr(params, "dynamic_sampling", False)
-                    and not bool(adv.dynamic_sampling_mask(torch.as_tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]))
+                    and not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]))
         if stale or filtered:
             if stale:
                 state.dropped_stale += 1
@@ -582,6 +582,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
             tasks_stop.set()
             for t in tasks:
                 await t
+            if buf is not None:
+                await consumer.sub.unsubscribe()
 
     summary = {
         "steps": state.step, "samples_trained": state.samples_trained, "tokens_trained": state.tokens_trained,

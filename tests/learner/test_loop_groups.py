@@ -73,7 +73,7 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_to
     return groups
 
 
-async def publish_groups(url: str, cfg, groups: list[ScoredGroup]) -> None:
+async def publish_groups(url: str, cfg, groups: list[ScoredGroup], msg_suffix: str = "") -> None:
     from rlstream.broker import Publisher, connect, ensure_layout
     from rlstream.broker.io import Outgoing
 
@@ -81,7 +81,7 @@ async def publish_groups(url: str, cfg, groups: list[ScoredGroup]) -> None:
     try:
         js = nc.jetstream()
         layout = await ensure_layout(js, cfg.run, cfg.nats)
-        await Publisher(js).publish_many([Outgoing(layout.scored, g.encode(), g.id) for g in groups])
+        await Publisher(js).publish_many([Outgoing(layout.scored, g.encode(), g.id + msg_suffix) for g in groups])
     finally:
         await nc.close()
 
