@@ -15,8 +15,9 @@ to one of them, and a dead producer's prompts come back to the others after
    stored twice) and wait for JetStream's acks;
 6. only then ack the prompts.
 
-Steps 5-6 of one batch run as a named task while the next batch generates (one batch in
-flight at most; its groups count against the pacing bound until they are stored).
+With ``OVERLAP_PUBLISH`` steps 5-6 of one batch run as a named task while the next batch
+generates (one batch in flight at most; its groups count against the pacing bound until
+they are stored).
 
 SIGTERM finishes the batch in hand (generate, publish, ack) and exits. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 PACING_POLL_S = 0.15
 MAX_FAILED_BATCHES = 3
+OVERLAP_PUBLISH = False
+"""Publish a batch while the next one generates. Off: on CPU the encoding and acks then
+compete with generation for the interpreter and cost more than they save (bench/producers.py)."""
 
 
 @dataclass
@@ -124,6 +128,8 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
         in_flight = len(groups)
         publishing = asyncio.create_task(publish_batch(comp, groups, deliveries, keeper),
                                          name=f"producer-{comp.component_id}-publish")
+        if not OVERLAP_PUBLISH:
+            await publishing
         stats.failed_batches = 0
         now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
