@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-MAX_OPERAND = 19
+MAX_OPERAND = 9
 
 
 def problems(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
