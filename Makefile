@@ -24,14 +24,21 @@ $(VENV)/.setup-full: $(VENV)/.setup-base
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# Debian's chromium drives the dashboard test headless; installed when apt-get can.
+$(VENV)/.setup-chromium: | $(BIN)/python
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+	  || echo "chromium not installed: the dashboard browser test will be skipped"; }
+	touch $@
+
 setup: $(VENV)/.setup-base
 setup-full: $(VENV)/.setup-full
 
 demo: $(VENV)/.setup-base
 	$(BIN)/python -m examples.arithmetic.demo
 
-test: $(VENV)/.setup-full
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+test: $(VENV)/.setup-full $(VENV)/.setup-chromium
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(VENV)/.setup-base
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not deepspeed" tests

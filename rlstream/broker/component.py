@@ -7,8 +7,8 @@ metrics reporter, and a stop event set by SIGTERM/SIGINT.
                 ...
         return 0
 
-On exit the reporter stops, and the connection drains (in-flight acks and publishes
-are flushed) before closing.
+On exit the reporter stops, and buffered acks and publishes are flushed before the
+connection closes.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ class Component:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         if self.nc is not None and self.nc.is_connected:
+            # flush sends every ack and publish still buffered; drain() would also wait on
+            # open pull subscriptions, which only end at their fetch timeout.
             try:
-                await asyncio.wait_for(self.nc.drain(), 10)
-            except (asyncio.TimeoutError, Exception) as err:  # drain is best effort on the way out
-                log.debug("drain: %s", err)
-                await self.nc.close()
+                await self.nc.flush(timeout=5)
+            except Exception as err:  # the broker is away: nothing more can be sent anyway
+                log.debug("flush on exit: %s", err)
+            await self.nc.close()
