@@ -1,0 +1,188 @@
+"""The race: asynchronous rlstream against synchronous rlstream and TRL's GRPOTrainer.
+
+Same tiny model (the arithmetic demo's, after its SFT warm-up), same held-out prompts,
+group size, prompts per step, learning rate, completion length and number of steps:
+
+- rlstream async: ``max_staleness: 2`` (producers sample while the learner trains),
+- rlstream sync:  ``max_staleness: 0`` (generate, score, train, in turn),
+- TRL ``GRPOTrainer`` (``use_vllm=False``), installed in its own environment.
+
+For each it reports samples/s and the wall-clock time (from launch) until the moving mean
+reward reaches a target, and the ratios. Goals on a 2-core CPU machine: async >= 1.6x
+sync and >= 2x TRL, in time to the target reward. Writes ``bench/results/e2e.md`` and
+``bench/results/e2e.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import parser, table, verdict  # noqa: E402
+
+from examples.arithmetic import task  # noqa: E402
+
+WORK = ROOT / "bench" / ".e2e"
+RESULTS = ROOT / "bench" / "results"
+TRL_VENV = ROOT / "bench" / ".trl-venv"
+GROUP, PROMPTS_PER_STEP, LR, MAX_NEW = 8, 8, 2e-4, 6
+
+
+def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed (exit {code}); see {log}")
+    return time.monotonic() - t0
+
+
+def prepare() -> tuple[Path, Path]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    model = WORK / "base_model"
+    if not (model / "config.json").exists():
+        from rlstream.tiny import build_tiny_model
+
+        build_tiny_model(model, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
+    data = task.write_datasets(WORK / "data")
+    sft = WORK / "sft"
+    if not (sft / "summary.json").exists():
+        print("SFT warm-up (once; cached in bench/.e2e) ...", flush=True)
+        sh([sys.executable, "-m", "rlstream.cli", "run", "examples/arithmetic/sft.yaml", "--run-dir", str(sft), "--no-live",
+            "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data['sft']}"], WORK / "sft.log")
+    ckpt = sorted((sft / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
+    return ckpt, data["rl"]
+
+
+def rlstream_race(name: str, ckpt: Path, prompts: Path, steps: int, staleness: int) -> list[dict]:
+    run_dir = WORK / name
+    subprocess.call(["rm", "-rf", str(run_dir)])
+    print(f"rlstream {name} (max_staleness {staleness}) ...", flush=True)
+    sets = [f"model_checkpoint_path={ckpt}", f"data_source.path={prompts}", f"learner.max_steps={steps}",
+            f"algorithm_params.max_staleness={staleness}", f"learner.lr={LR}", f"algorithm_params.group_size={GROUP}",
+            f"learner.batch_groups={PROMPTS_PER_STEP}", f"producer.batch_prompts={PROMPTS_PER_STEP}",
+            f"producer.max_new_tokens={MAX_NEW}", f"run=e2e-{name}", "checkpoint.interval=100000"]
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", "examples/arithmetic/grpo.yaml", "--run-dir", str(run_dir), "--no-live"]
+    for s in sets:
+        cmd += ["--set", s]
+    sh(cmd, WORK / f"{name}.log")
+    points = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    samples = GROUP * PROMPTS_PER_STEP
+    return [{"step": p["step"], "elapsed_s": p["elapsed_s"], "reward": p.get("reward/mean", 0.0), "samples": p["step"] * samples} for p in points]
+
+
+def trl_python() -> Path:
+    py = TRL_VENV / "bin" / "python"
+    if not py.exists():
+        print("installing TRL in its own environment (bench/.trl-venv, once) ...", flush=True)
+        subprocess.check_call([sys.executable, "-m", "venv", str(TRL_VENV)])
+        pip = [str(TRL_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
+        subprocess.check_call(pip + ["torch==2.13.0"])
+        subprocess.check_call(pip + ["trl==1.16.0", "datasets", "accelerate", "math-verify"])
+    return py
+
+
+def trl_race(ckpt: Path, prompts: Path, steps: int) -> list[dict]:
+    py = trl_python()
+    out = WORK / "trl.jsonl"
+    print("TRL GRPOTrainer ...", flush=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    sh([str(py), "bench/trl_grpo.py", "--model", str(ckpt), "--data", str(prompts), "--out", str(out), "--steps", str(steps),
+        "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS_PER_STEP), "--lr", str(LR), "--max-new-tokens", str(MAX_NEW)],
+       WORK / "trl.log", env)
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def smooth(points: list[dict], window: int) -> list[tuple[float, float]]:
+    out = []
+    for i in range(len(points)):
+        w = points[max(0, i - window + 1):i + 1]
+        out.append((points[i]["elapsed_s"], sum(p["reward"] for p in w) / len(w)))
+    return out
+
+
+def time_to(points: list[dict], target: float, window: int) -> float | None:
+    for t, r in smooth(points, window):
+        if r >= target:
+            return t
+    return None
+
+
+def picture(runs: dict[str, list[dict]], target: float, window: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    colors = {"rlstream async": "#1f77b4", "rlstream sync": "#ff7f0e", "TRL GRPOTrainer": "#2ca02c"}
+    for name, pts in runs.items():
+        s = smooth(pts, window)
+        ax.plot([t for t, _ in s], [r for _, r in s], label=name, color=colors.get(name), lw=2)
+    ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.2f}")
+    ax.set_xlabel("wall-clock seconds from launch")
+    ax.set_ylabel(f"mean reward (moving mean of {window} steps)")
+    ax.set_title("GRPO on held-out arithmetic, tiny Llama, 2-core CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the three)")
+    p.add_argument("--skip-trl", action="store_true")
+    args = p.parse_args()
+    steps = args.steps or (25 if args.quick else 120)
+    window = 3 if args.quick else 10
+    ckpt, prompts = prepare()
+    runs = {
+        "rlstream async": rlstream_race("async", ckpt, prompts, steps, staleness=2),
+        "rlstream sync": rlstream_race("sync", ckpt, prompts, steps, staleness=0),
+    }
+    if not args.skip_trl:
+        runs["TRL GRPOTrainer"] = trl_race(ckpt, prompts, steps)
+    start = sum(p["reward"] for p in runs["rlstream async"][:window]) / max(1, len(runs["rlstream async"][:window]))
+    best = min(max(r for _, r in smooth(pts, window)) for pts in runs.values())
+    target = args.target if args.target is not None else start + 0.5 * (best - start)
+    rows, figures = [], {}
+    for name, pts in runs.items():
+        wall = pts[-1]["elapsed_s"]
+        sps = pts[-1]["samples"] / wall
+        ttt = time_to(pts, target, window)
+        figures[name] = (sps, ttt)
+        rows.append((name, len(pts), pts[-1]["samples"], wall, sps, ttt if ttt is not None else float("nan"), smooth(pts, window)[-1][1]))
+    table(f"GRPO race: {steps} steps x {GROUP * PROMPTS_PER_STEP} samples, target reward {target:.3f}", rows,
+          ("run", "steps", "samples", "wall s", "samples/s", "s to target", "final reward"))
+    a_sps, a_ttt = figures["rlstream async"]
+    s_sps, s_ttt = figures["rlstream sync"]
+    vs_sync = (s_ttt / a_ttt) if a_ttt and s_ttt else (float("inf") if a_ttt else 0.0)
+    out = {"target_reward": target, "async_samples_per_s": a_sps, "sync_samples_per_s": s_sps,
+           "async_s_to_target": a_ttt, "sync_s_to_target": s_ttt, "ratio_vs_sync": vs_sync, "samples_ratio_vs_sync": a_sps / s_sps}
+    goal_ok = vs_sync >= 1.6
+    if "TRL GRPOTrainer" in figures:
+        t_sps, t_ttt = figures["TRL GRPOTrainer"]
+        vs_trl = (t_ttt / a_ttt) if a_ttt and t_ttt else (float("inf") if a_ttt else 0.0)
+        out.update(trl_samples_per_s=t_sps, trl_s_to_target=t_ttt, ratio_vs_trl=vs_trl, samples_ratio_vs_trl=a_sps / t_sps)
+        goal_ok = goal_ok and vs_trl >= 2.0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    picture(runs, target, window, RESULTS / "e2e.png")
+    md = ["| run | steps | samples | wall s | samples/s | s to target | final reward |", "|---|---|---|---|---|---|---|"]
+    md += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.3f} |" for r in rows]
+    (RESULTS / "e2e.md").write_text("\n".join(md) + f"\n\ntarget reward {target:.3f} (moving mean of {window} steps)\n")
+    ratio = min(vs_sync / 1.6, out.get("ratio_vs_trl", 2.0) / 2.0)
+    verdict("e2e", **out, ratio=ratio, goal=1.0, goals="async >= 1.6x sync and >= 2x TRL in time to target (ratio = the worse of the two, scaled to its goal)", all_ok=goal_ok)
+
+
+if __name__ == "__main__":
+    main()
