@@ -102,7 +102,7 @@ def bench_step(model_dir: Path, quick: bool) -> tuple[float, float]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    steps = 6 if quick else 16
+    steps = 4 if quick else 16
     batches = [make_groups(8, 8, 500, seed=s) for s in range(steps + 1)]
     train_step(learner, batches[-1])  # warm up both
     plain_step(model, opt, batches[-1], cfg, 16)
