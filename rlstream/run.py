@@ -222,20 +222,41 @@ def reward_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Path | No
 
 
 async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any]:
+    """Where every record is, from the broker's own counts.
+
+    Producers ack a prompt only after its rollout group is stored, and group ids are
+    prompt ids de-duplicated by JetStream, so ``prompts_fed = prompts_pending +
+    rollouts_published + dead-lettered prompts`` exactly, and the same one hop later for
+    scorers. ``lost_*`` is what would break those equalities: 0 when nothing is lost.
+    """
     nc = await connect(nats_cfg, url, name="run-summary")
     js = nc.jetstream()
     out: dict[str, Any] = {}
     try:
-        for key, stream in (("prompts_pending", layout.prompts_stream), ("rollouts_published", layout.rollouts_stream),
-                            ("scored_published", layout.scored_stream), ("dlq", layout.dlq_stream)):
-            info = await js.stream_info(stream)
-            out[key] = info.state.messages
+        prompts = await js.stream_info(layout.prompts_stream)
+        out["prompts_fed"] = prompts.state.last_seq
+        out["prompts_pending"] = prompts.state.messages
+        out["rollouts_published"] = (await js.stream_info(layout.rollouts_stream)).state.messages
+        out["scored_published"] = (await js.stream_info(layout.scored_stream)).state.messages
+        out["dlq"] = (await js.stream_info(layout.dlq_stream)).state.messages
+        dlq_by_stage = {}
+        for stage in ("producer", "scorer", "learner"):
+            try:
+                info = await js.stream_info(layout.dlq_stream, subjects_filter=layout.dlq(stage))
+                dlq_by_stage[stage] = sum((info.state.subjects or {}).values())
+            except Exception:  # older servers without subject details: count all in "dlq"
+                dlq_by_stage[stage] = 0
+        out["dlq_by_stage"] = dlq_by_stage
         redelivered = 0
         for durable, (stream, _) in layout.consumers().items():
             ci = await js.consumer_info(stream, durable)
             redelivered += ci.num_redelivered or 0
+            out[f"{durable}_pending"] = ci.num_pending
             out[f"{durable}_ack_pending"] = ci.num_ack_pending
         out["redelivered"] = redelivered
+        out["lost_prompts"] = out["prompts_fed"] - out["prompts_pending"] - out["rollouts_published"] - dlq_by_stage["producer"]
+        out["lost_rollouts"] = (out["rollouts_published"] - out["scored_published"] - out["scorers_pending"]
+                                - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
     finally:
         await nc.close()
@@ -267,15 +288,27 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "policy_version": accounting.get("policy_version", learner_summary.get("policy_version", 0)),
         "groups_trained": len(trained_ids),
         "groups_trained_twice": len(trained_ids) - len(set(trained_ids)),
-        "prompts_pending": accounting.get("prompts_pending"),
-        "rollouts_published": accounting.get("rollouts_published"),
-        "scored_published": accounting.get("scored_published"),
+        "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
         "restarts": {c.name: c.restarts for c in children if c.restarts},
         "learner": learner_summary,
         "ok": ok,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _link_latest(run_dir / "checkpoints")
     return summary
+
+
+def _link_latest(ckpt_dir: Path) -> None:
+    """``checkpoints/latest`` -> the newest ``step_N`` (what configs of a next stage point at)."""
+    steps = sorted((p for p in ckpt_dir.glob("step_*") if p.name.split("_")[1].isdigit()), key=lambda p: int(p.name.split("_")[1]))
+    if not steps:
+        return
+    link = ckpt_dir / "latest"
+    tmp = ckpt_dir / ".latest.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(steps[-1].name)
+    os.replace(tmp, link)
 
 
 # ---- the supervisor -------------------------------------------------------------------------
