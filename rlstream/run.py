@@ -287,7 +287,8 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "redelivered": accounting.get("redelivered", 0),
         "policy_version": accounting.get("policy_version", learner_summary.get("policy_version", 0)),
         "groups_trained": len(trained_ids),
-        "groups_trained_twice": len(trained_ids) - len(set(trained_ids)),
+        # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
+        "groups_trained_twice": (len(trained_ids) - len(set(trained_ids))) if (cfg.is_rl or _online_dpo(cfg)) else None,
         "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
         "restarts": {c.name: c.restarts for c in children if c.restarts},
         "learner": learner_summary,

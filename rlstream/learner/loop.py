@@ -368,10 +368,14 @@ class StreamBatch:
     duplicates: int = 0
 
 
-async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event) -> StreamBatch | None:
+async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None) -> StreamBatch | None:
     """The next ``batch_groups`` trainable groups in stream order. Already-trained ids,
     too-stale groups and (DAPO) all-equal-reward groups are dropped, counted and held for
-    ack. None when ``stop`` is set first (the groups taken so far are put back)."""
+    ack. None when ``stop`` is set first (the groups taken so far are put back).
+
+    ``on_drop`` (async, no arguments) runs after each dropped group: the loop uses it to
+    admit a replacement, or producers paced on ``pacing.admit`` would wait forever for a
+    batch that dropped groups can never fill."""
     cfg, state = learner.cfg, learner.state
     params = cfg.algorithm_params
     out = StreamBatch([])
@@ -400,6 +404,8 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event) -> StreamBat
             state.dropped_ids.append(g.id)
             learner.done_ids.add(g.id)
             buf.mark_handled(d)
+            if on_drop is not None:
+                await on_drop()
             continue
         out.deliveries.append(d)
     return out
@@ -524,7 +530,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             break
                         taken = StreamBatch([])
                     else:
-                        taken = await take_rl_batch(learner, buf, stop)
+                        taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state.groups_consumed)))
                         if taken is None:
                             break
                         batch = [d.record for d in taken.deliveries]

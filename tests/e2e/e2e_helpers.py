@@ -1,0 +1,64 @@
+"""Running `rlstream run` in a subprocess on the arithmetic task with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "arithmetic"
+
+
+def write_data(out: Path) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT))
+    from examples.arithmetic import task
+
+    return task.write_datasets(out)
+
+
+def run_cmd(config: str, run_dir: Path, model: Path, data: Path, steps: int, extra: list[str] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(EXAMPLES / config), "--run-dir", str(run_dir), "--no-live",
+           "--max-steps", str(steps), "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data}",
+           "--set", f"run=e2e{abs(hash(str(run_dir))) % 10**8}"]
+    for s in extra:
+        cmd += ["--set", s]
+    return cmd
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        if rows and max(r["step"] for r in rows) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early with {proc.returncode}")
+        time.sleep(0.3)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def child(run_pid: int, needle: str) -> psutil.Process:
+    for p in psutil.Process(run_pid).children(recursive=True):
+        try:
+            if needle in " ".join(p.cmdline()):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no child process matching {needle!r}")

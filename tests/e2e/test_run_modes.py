@@ -1,0 +1,66 @@
+"""`rlstream run` for a few steps with each training mode: the run directory, summary.json,
+the reward curve, and a checkpoint that loads with from_pretrained."""
+
+import json
+import subprocess
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from e2e_helpers import read_jsonl, run_cmd, write_data
+
+MODES = [
+    ("sft.yaml", "SFT", "sft", []),
+    ("dpo.yaml", "DPO", "dpo", []),
+    ("ppo.yaml", "RL_PPO", "rl", ["producer.batch_prompts=16", "learner.batch_groups=16"]),
+    ("grpo.yaml", "RL_GRPO", "rl", []),
+    ("dapo.yaml", "RL_DAPO", "rl", []),
+    ("gspo.yaml", "RL_GSPO", "rl", []),
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("arith-data"))
+
+
+@pytest.fixture(scope="module")
+def warm_model(data, tiny_model_dir, tmp_path_factory):
+    """The tiny model after a short SFT on the task, so RL rewards vary within groups
+    (DAPO's dynamic sampling drops groups whose rewards are all equal)."""
+    run_dir = tmp_path_factory.mktemp("warm") / "sft"
+    r = subprocess.run(run_cmd("sft.yaml", run_dir, tiny_model_dir, data["sft"], 60), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return run_dir / "checkpoints" / "latest"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("config, mode, dataset, extra", MODES, ids=[m[1] for m in MODES])
+def test_run_each_mode(config, mode, dataset, extra, data, tiny_model_dir, request, tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 4
+    model = tiny_model_dir if mode == "SFT" else request.getfixturevalue("warm_model")
+    cmd = run_cmd(config, run_dir, model, data[dataset], steps, ["checkpoint.interval=2", *extra])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (run_dir / "logs" / "learner.log").read_text()[-3000:]
+    resolved = json.loads((run_dir / "config.resolved.json").read_text())
+    assert resolved["training_mode"] == mode
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("run", "training_mode", "steps", "samples_trained", "wall_s", "reward_first", "reward_last",
+                "dropped_stale", "dlq", "redelivered", "policy_version", "ok"):
+        assert key in summary, key
+    assert summary["ok"] is True and summary["steps"] == steps and summary["training_mode"] == mode
+    assert summary["samples_trained"] > 0
+    if mode.startswith("RL_"):
+        assert summary["groups_trained_twice"] == 0
+        assert summary["reward_first"] is not None and 0.0 <= summary["reward_last"] <= 1.5
+        assert summary["accounting"]["lost_prompts"] == 0 and summary["accounting"]["lost_rollouts"] == 0
+        assert summary["policy_version"] >= steps
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert (run_dir / "logs" / "learner.log").exists()
+    ckpt = run_dir / "checkpoints" / "latest"
+    assert ckpt.is_symlink() and ckpt.resolve().name == f"step_{steps}"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model.config.hidden_size == 128
