@@ -22,7 +22,7 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(run_dir, 3, proc)
-        os.kill(child(proc.pid, "producer").pid, signal.SIGKILL)
+        os.kill(child(proc.pid, " producer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 7, proc)
         os.kill(child(proc.pid, " scorer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 10, proc)  # after the checkpoint at step 8
