@@ -34,9 +34,9 @@ def _load(args: argparse.Namespace):
         raise SystemExit(2) from None
 
 
-def _nats_url(args: argparse.Namespace, cfg) -> str:
+def _nats_url(args: argparse.Namespace, cfg, optional: bool = False) -> str | None:
     url = getattr(args, "nats", None) or (cfg.nats.url if cfg is not None else None) or os.environ.get("RLSTREAM_NATS_URL")
-    if not url:
+    if not url and not optional:
         print("error: no NATS URL: pass --nats, set nats.url in the config or RLSTREAM_NATS_URL", file=sys.stderr)
         raise SystemExit(2)
     return url
@@ -64,7 +64,9 @@ def cmd_broker(args) -> int:
 def _component(module: str, default_id: str):
     def run(args) -> int:
         cfg = _load(args)
-        url = _nats_url(args, cfg)
+        # an offline SFT/DPO learner needs no broker (nothing to publish to)
+        offline = module == "rlstream.learner.loop" and cfg.data_source.type == "off_policy"
+        url = _nats_url(args, cfg, optional=offline)
         main = _call(module)
         extra = {}
         if getattr(args, "run_dir", None):
