@@ -67,13 +67,6 @@ class Publisher:
         self.retry_for_s = retry_for_s
         self.retries = 0
 
-    async def _send(self, item: Outgoing) -> asyncio.Future:
-        headers = dict(item.headers or {})
-        if item.msg_id:
-            headers[MSG_ID] = item.msg_id
-        # no wait_stall: with a timeout, nats-py wraps every publish in a task (3x slower)
-        return await self.js.publish_async(item.subject, item.data, headers=headers or None)
-
     async def publish_many(self, items: list[Outgoing]) -> list[PubAck]:
         acks: list[PubAck | None] = [None] * len(items)
         todo = list(range(len(items)))
@@ -82,15 +75,20 @@ class Publisher:
         while todo:
             futures = {}
             failed = []
+            publish = self.js.publish_async
             for i in todo:
+                item = items[i]
+                headers = {**item.headers, MSG_ID: item.msg_id} if item.headers else ({MSG_ID: item.msg_id} if item.msg_id else None)
                 try:
-                    futures[i] = await self._send(items[i])
+                    # no wait_stall: with a timeout, nats-py wraps every publish in a task (3x slower)
+                    futures[i] = await publish(item.subject, item.data, headers=headers)
                 except _RETRYABLE + (nats.js.errors.TooManyStalledMsgsError,):
                     failed.append(i)
             if futures:
-                done, pending = await asyncio.wait(futures.values(), timeout=self.ack_timeout_s)
-                for fut in pending:
-                    fut.cancel()
+                try:  # one gather for the batch: asyncio.wait adds a callback and a set per future
+                    await asyncio.wait_for(asyncio.gather(*futures.values(), return_exceptions=True), self.ack_timeout_s)
+                except asyncio.TimeoutError:
+                    pass  # the unacknowledged ones (cancelled by the timeout) are retried below
             for i, fut in futures.items():
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     acks[i] = fut.result()
@@ -131,11 +129,22 @@ class Delivery(Generic[R]):
 
 
 def _metadata(msg: Msg) -> tuple[int, int]:
+    """(delivery count, stream sequence) from the ack subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`` (or the form with
+    domain and account hash, 12+ tokens). Parsed by hand: nats-py's ``msg.metadata`` builds a
+    datetime per message and costs ~10 us, a sixth of a whole hop.
+    """
+    reply = msg.reply or ""
+    tokens = reply.split(".")
     try:
-        md = msg.metadata
-        return md.num_delivered, md.sequence.stream
-    except Exception:  # a message without JetStream metadata (core NATS) counts as a first delivery
-        return 1, 0
+        if len(tokens) == 9 and tokens[1] == "ACK":
+            return int(tokens[4]), int(tokens[5])
+        if len(tokens) >= 12 and tokens[1] == "ACK":
+            return int(tokens[6]), int(tokens[7])
+    except ValueError:
+        pass
+    return 1, 0  # not a JetStream delivery (core NATS): a first delivery
 
 
 class Consumer(Generic[R]):
