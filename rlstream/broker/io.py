@@ -178,6 +178,8 @@ class Consumer(Generic[R]):
         self.sub = None
         self.dead_lettered = 0
         self.redelivered = 0
+        self.dead_seqs: list[int] = []
+        """Stream sequences dead-lettered here; an in-order reader (the learner) skips them."""
 
     async def start(self) -> "Consumer[R]":
         self.sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
@@ -240,6 +242,7 @@ class Consumer(Generic[R]):
         for msg, _ in out:
             await msg.ack()
         self.dead_lettered += len(out)
+        self.dead_seqs.extend(seq for _, _, _, seq, _ in items if seq)
 
 
 async def dead_letter(publisher: Publisher, layout: Layout, stage: str, subject: str, data: bytes, reason: str, *, record_id: str = "", deliveries: int = 1) -> None:

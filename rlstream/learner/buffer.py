@@ -36,6 +36,7 @@ class GroupBuffer:
         self.handled: list[Delivery] = []
         self.changed = asyncio.Event()
         self._gap_since: float | None = None
+        self.dead: set[int] = set()
         self.gaps_skipped = 0
         self.superseded = 0
 
@@ -61,9 +62,17 @@ class GroupBuffer:
             self.waiting[seq] = d
         self.changed.set()
 
+    def skip(self, seqs: list[int]) -> None:
+        """Sequences that will never arrive (dead-lettered at decode): no gap to wait for."""
+        self.dead.update(seqs)
+        self.changed.set()
+
     async def next(self, stop: asyncio.Event) -> Delivery | None:
         """The group at ``next_seq`` (waiting for it), or None once ``stop`` is set."""
         while not stop.is_set():
+            while self.next_seq is not None and self.next_seq in self.dead:
+                self.dead.discard(self.next_seq)
+                self.next_seq += 1
             if self.waiting:
                 lowest = min(self.waiting)
                 if self.next_seq is None or lowest <= self.next_seq:
@@ -125,6 +134,9 @@ async def fill(consumer, buf: GroupBuffer, stop: asyncio.Event, fetch_batch: int
                 pass
             continue
         deliveries = await consumer.fetch(min(room, fetch_batch), timeout=0.5)
+        if consumer.dead_seqs:
+            buf.skip(consumer.dead_seqs)
+            consumer.dead_seqs.clear()
         if deliveries:
             buf.add(deliveries)
 

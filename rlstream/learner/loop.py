@@ -45,7 +45,7 @@ from rlstream.learner import losses
 from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, sequence_logps
 from rlstream.learner.checkpoint import LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import build_engine, lr_at
-from rlstream.schemas import PreferencePair, ScoredGroup, SFTExample
+from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
 log = logging.getLogger(__name__)
 
@@ -511,83 +511,89 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         buf, tasks = None, []
         with _signals_to(stop, comp is None):
             if not offline:
+                # token ids outside the model's vocabulary would crash the forward pass: such
+                # groups are rejected at decode and dead-lettered with the reason instead
+                limits = Limits(vocab_size=int(learner.model.config.vocab_size))
                 consumer = await Consumer(comp.js, comp.layout, comp.layout.LEARNER, ScoredGroup, stage="learner",
-                                          max_deliver=cfg.nats.max_deliver, publisher=comp.publisher).start()
+                                          max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
                 buf = GroupBuffer(cfg.buffer.max_groups, gap_timeout_s=cfg.nats.ack_wait_s * 1.5 + 1.0, next_seq=state.next_seq)
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
                 await comp.state.set_admit(_admit(cfg, state.groups_consumed))
-            if comp is not None:
-                await comp.state.put_int(LEARNER_STEP, state.step)
+            try:
+                if comp is not None:
+                    await comp.state.put_int(LEARNER_STEP, state.step)
 
-            with open(metrics_path, "a") as metrics_file:
-                while state.step < limit and not stop.is_set():
-                    # 1. a batch
-                    t_wait = time.perf_counter()
-                    if offline:
-                        batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
-                        if batch is None:
-                            break
-                        taken = StreamBatch([])
-                    else:
-                        taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state.groups_consumed)))
-                        if taken is None:
-                            break
-                        batch = [d.record for d in taken.deliveries]
-                    wait_s = time.perf_counter() - t_wait
+                with open(metrics_path, "a") as metrics_file:
+                    while state.step < limit and not stop.is_set():
+                        # 1. a batch
+                        t_wait = time.perf_counter()
+                        if offline:
+                            batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
+                            if batch is None:
+                                break
+                            taken = StreamBatch([])
+                        else:
+                            taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state.groups_consumed)))
+                            if taken is None:
+                                break
+                            batch = [d.record for d in taken.deliveries]
+                        wait_s = time.perf_counter() - t_wait
 
-                    # 2. forward, loss, backward, step (off the event loop)
-                    t_step = time.perf_counter()
-                    m = await asyncio.to_thread(train_step, learner, batch)
-                    m["time/step_s"] = time.perf_counter() - t_step
-                    m["time/wait_data_s"] = wait_s
-                    stepped = m["optim/stepped"] > 0
-                    ids = [getattr(x, "id") for x in batch]
-                    if not offline:
-                        state.trained_ids.extend(ids)
-                        learner.done_ids.update(ids)
-                        for d in taken.deliveries:
-                            buf.mark_handled(d)
-
-                    # 3. maybe publish weights (never those of a skipped, nonfinite step)
-                    m["time/publish_s"] = 0.0
-                    if comp is not None and stepped and state.step % cfg.learner.publish_every == 0:
-                        state.policy_version += 1
-                        full = await asyncio.to_thread(learner.engine.full_state_dict)
-                        pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step, config_json=config_json)
-                        m["time/publish_s"] = pub.seconds
-                        m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
+                        # 2. forward, loss, backward, step (off the event loop)
+                        t_step = time.perf_counter()
+                        m = await asyncio.to_thread(train_step, learner, batch)
+                        m["time/step_s"] = time.perf_counter() - t_step
+                        m["time/wait_data_s"] = wait_s
+                        stepped = m["optim/stepped"] > 0
+                        ids = [getattr(x, "id") for x in batch]
                         if not offline:
-                            await comp.state.set_admit(_admit(cfg, state.groups_consumed))
+                            state.trained_ids.extend(ids)
+                            learner.done_ids.update(ids)
+                            for d in taken.deliveries:
+                                buf.mark_handled(d)
 
-                    # 4. log
-                    m.update({
-                        "buffer/depth": float(buf.depth) if buf is not None else 0.0,
-                        "buffer/dropped_stale": float(state.dropped_stale),
-                        "buffer/dropped_filtered": float(state.dropped_filtered),
-                        "buffer/duplicates_skipped": float(state.duplicates_skipped),
-                    })
-                    record = {"step": state.step, "policy_version": state.policy_version, **{k: _json_safe(v) for k, v in m.items()},
-                              "scored_seqs": [d.stream_seq for d in taken.deliveries], "group_ids": ids}
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                    if comp is not None:
-                        await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
-                        await comp.state.put_int(LEARNER_STEP, state.step)
-                    log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", state.step, m.get("loss/total", float("nan")),
-                             m.get("reward/mean", float("nan")), m["optim/grad_norm"], m["time/step_s"])
+                        # 3. maybe publish weights (never those of a skipped, nonfinite step)
+                        m["time/publish_s"] = 0.0
+                        if comp is not None and stepped and state.step % cfg.learner.publish_every == 0:
+                            state.policy_version += 1
+                            full = await asyncio.to_thread(learner.engine.full_state_dict)
+                            pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step, config_json=config_json)
+                            m["time/publish_s"] = pub.seconds
+                            m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
+                            if not offline:
+                                await comp.state.set_admit(_admit(cfg, state.groups_consumed))
 
-                    # 5. maybe checkpoint, then ack what it holds
-                    if state.step % cfg.checkpoint.interval == 0:
-                        await _checkpoint(learner, buf)
-                        last_checkpoint_step = state.step
+                        # 4. log
+                        m.update({
+                            "buffer/depth": float(buf.depth) if buf is not None else 0.0,
+                            "buffer/dropped_stale": float(state.dropped_stale),
+                            "buffer/dropped_filtered": float(state.dropped_filtered),
+                            "buffer/duplicates_skipped": float(state.duplicates_skipped),
+                        })
+                        record = {"step": state.step, "policy_version": state.policy_version, **{k: _json_safe(v) for k, v in m.items()},
+                                  "scored_seqs": [d.stream_seq for d in taken.deliveries], "group_ids": ids}
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                        if comp is not None:
+                            await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
+                            await comp.state.put_int(LEARNER_STEP, state.step)
+                        log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", state.step, m.get("loss/total", float("nan")),
+                                 m.get("reward/mean", float("nan")), m["optim/grad_norm"], m["time/step_s"])
 
-            # clean exit: a final checkpoint holds everything handled, then it is acked
-            if state.step != last_checkpoint_step or (buf is not None and buf.handled):
-                await _checkpoint(learner, buf)
-            tasks_stop.set()
-            for t in tasks:
-                await t
+                        # 5. maybe checkpoint, then ack what it holds
+                        if state.step % cfg.checkpoint.interval == 0:
+                            await _checkpoint(learner, buf)
+                            last_checkpoint_step = state.step
+
+                # clean exit: a final checkpoint holds everything handled, then it is acked
+                if state.step != last_checkpoint_step or (buf is not None and buf.handled):
+                    await _checkpoint(learner, buf)
+            finally:
+                # always stop the fill/hold tasks, also when a step raised: nats-py turns the
+                # cancellation of a pending fetch into a timeout, so only the event ends them
+                tasks_stop.set()
+                await asyncio.gather(*tasks, return_exceptions=True)
             if buf is not None:
                 await consumer.sub.unsubscribe()
 
