@@ -33,6 +33,7 @@ from rlstream.schemas import MetricEvent, RecordError
 log = logging.getLogger("rlstream.run")
 
 HEARTBEAT_STALE_S = 120.0
+EXHAUSTED_AFTER_S = 20.0
 MAX_RESTARTS = 5
 
 
@@ -338,6 +339,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     display = _Display(live, cfg, max_steps)
     display.start()
     last_health = time.monotonic()
+    idle_since: float | None = None
+    exhausted = False
     try:
         while not stop.is_set():
             try:
@@ -380,6 +383,18 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     if c.alive() and beat and time.monotonic() - c.started_at > HEARTBEAT_STALE_S and beat["age_s"] > HEARTBEAT_STALE_S:
                         log.warning("%s heartbeat is %.0fs old; killing it for a restart", c.name, beat["age_s"])
                         c.signal(signal.SIGKILL)
+                # the dataset is used up: fed, produced, scored and trained, and nothing moves
+                if await _exhausted(js, layout, children, figures):
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > EXHAUSTED_AFTER_S:
+                        log.warning("dataset exhausted after step %d (every fed prompt is trained or dropped); stopping",
+                                    int(figures.learner.get("step", 0)))
+                        print(f"dataset exhausted after step {int(figures.learner.get('step', 0))}: raise data_source.epochs "
+                              "or lower learner.max_steps", flush=True)
+                        exhausted = True
+                        stop.set()
+                else:
+                    idle_since = None
     finally:
         display.stop()
         await sub.unsubscribe()
@@ -388,7 +403,24 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                 f.write(json.dumps(point) + "\n")
         await _stop_children(children)
         await nc.close()
-    return ok
+    return ok or exhausted
+
+
+async def _exhausted(js, layout: Layout, children: list[Child], figures: LiveFigures) -> bool:
+    """True when the feeder is done and no prompt, rollout or scored group waits anywhere."""
+    feeder = next((c for c in children if c.kind == "feeder"), None)
+    if feeder is None or not feeder.finished:
+        return False
+    try:
+        if (await js.stream_info(layout.prompts_stream)).state.messages:
+            return False
+        for durable, (stream, _) in layout.consumers().items():
+            info = await js.consumer_info(stream, durable)
+            if info.num_pending or (durable != Layout.LEARNER and info.num_ack_pending):
+                return False
+    except Exception:  # broker busy: not exhausted as far as we can tell
+        return False
+    return figures.learner.get("buffer/depth", 0) == 0
 
 
 async def _stop_children(children: list[Child], grace: float = 30.0) -> None:
