@@ -4,9 +4,11 @@ A checkpoint directory holds:
 
 - the HF model (``config.json``, ``model.safetensors``, generation config) and the tokenizer,
   so ``AutoModelForCausalLM.from_pretrained(step_dir)`` works on it directly;
-- ``optimizer.safetensors``: the optimizer's tensors, with its non-tensor state in
+- ``trainer/optimizer.safetensors``: the optimizer's tensors, with its non-tensor state in
   ``learner_state.json`` (no pickle anywhere);
-- ``value_head.safetensors`` + ``value_optimizer.safetensors`` for PPO;
+- ``trainer/value_head.safetensors`` + ``trainer/value_optimizer.safetensors`` for PPO (in
+  ``trainer/`` so the directory stays loadable by vLLM, which reads every top-level
+  ``*.safetensors``);
 - ``learner_state.json``: step, policy version, the ids already trained (and dropped), the
   records pending ack when it was written, the stream position, RNG states, the offline
   dataset's epoch position and per-epoch usage.
@@ -34,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STATE_FILE = "learner_state.json"
+TRAINER_DIR = "trainer"
 STATE_VERSION = 1
 
 
@@ -159,16 +162,20 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
         if learner.tokenizer is not None:
             learner.tokenizer.save_pretrained(str(tmp))
         meta: dict[str, Any] = {}
+        # Trainer tensors live in trainer/: vLLM loads every *.safetensors at the top of a
+        # model directory and would fail on optimizer keys.
+        trainer_dir = tmp / TRAINER_DIR
+        trainer_dir.mkdir(exist_ok=True)
         if learner.cfg.checkpoint.save_optimizer:
             tensors, meta = engine.optimizer_tensors()
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            save_file(tensors, str(trainer_dir / "optimizer.safetensors"))
         extra: dict[str, Any] = {"optimizer": meta, "engine": engine.name}
         if learner.value_head is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in learner.value_head.state_dict().items()}, str(tmp / "value_head.safetensors"))
+            save_file({k: v.detach().cpu().contiguous() for k, v in learner.value_head.state_dict().items()}, str(trainer_dir / "value_head.safetensors"))
             from rlstream.learner.engines import optimizer_to_tensors
 
             vt, vmeta = optimizer_to_tensors(learner.value_optimizer)
-            save_file(vt, str(tmp / "value_optimizer.safetensors"))
+            save_file(vt, str(trainer_dir / "value_optimizer.safetensors"))
             extra["value_optimizer"] = vmeta
         state.rng = capture_rng()
         doc = {**state.to_json(), "extra": extra, "saved_at": time.time()}
@@ -219,14 +226,15 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
             _load_weights(model, weights)
     else:
         _load_weights(model, weights)
-    opt_file = step_dir / "optimizer.safetensors"
+    trainer_dir = step_dir / TRAINER_DIR
+    opt_file = trainer_dir / "optimizer.safetensors"
     if opt_file.exists() and extra.get("optimizer"):
         engine.load_optimizer_tensors(load_file(str(opt_file)), extra["optimizer"])
-    if learner.value_head is not None and (step_dir / "value_head.safetensors").exists():
-        learner.value_head.load_state_dict(load_file(str(step_dir / "value_head.safetensors")))
+    if learner.value_head is not None and (trainer_dir / "value_head.safetensors").exists():
+        learner.value_head.load_state_dict(load_file(str(trainer_dir / "value_head.safetensors")))
         from rlstream.learner.engines import optimizer_from_tensors
 
-        optimizer_from_tensors(learner.value_optimizer, load_file(str(step_dir / "value_optimizer.safetensors")), extra["value_optimizer"])
+        optimizer_from_tensors(learner.value_optimizer, load_file(str(trainer_dir / "value_optimizer.safetensors")), extra["value_optimizer"])
     restore_rng(state.rng)
     learner.state = state
     return state

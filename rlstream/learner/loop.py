@@ -16,7 +16,7 @@ How it differs from the papers' trainers:
   they are passed as ``prox_logprobs`` (and kept for later epochs).
 - **PPO's value model** is a linear value head on the policy's last hidden state, trained on
   *detached* features with its own AdamW (``value_lr``): no second transformer, and the value
-  loss never pulls the policy's representation. Saved as ``value_head.safetensors``.
+  loss never pulls the policy's representation. Saved as ``trainer/value_head.safetensors``.
 - **Batches in stream order**: groups are taken in scored-stream sequence order (see
   ``buffer.py``), so a run that is killed and resumed trains exactly the same batches.
 - **Acks after checkpoints**: a scored group is acked only once a checkpoint holding its

@@ -52,13 +52,15 @@ def test_checkpoint_is_an_hf_dir_without_pickle(tiny_model_dir, tmp_path, groups
     train_step(learner, groups[:2])
     path = save_checkpoint(learner, tmp_path)
     names = sorted(p.name for p in path.iterdir())
-    assert {"config.json", "model.safetensors", "optimizer.safetensors", "learner_state.json", "tokenizer.json"} <= set(names)
+    assert {"config.json", "model.safetensors", "trainer", "learner_state.json", "tokenizer.json"} <= set(names)
+    # vLLM loads every top-level *.safetensors: only the model's may be there
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["model.safetensors"]
     assert not [n for n in names if n.endswith((".pt", ".bin", ".pkl", ".pickle"))]
     model = AutoModelForCausalLM.from_pretrained(path)
     for k, v in model.state_dict().items():
         assert torch.equal(v, learner.model.state_dict()[k])
     assert AutoTokenizer.from_pretrained(path).eos_token == learner.tokenizer.eos_token
-    opt = load_file(str(path / "optimizer.safetensors"))
+    opt = load_file(str(path / "trainer" / "optimizer.safetensors"))
     assert any(k.endswith("exp_avg_sq") for k in opt)
     state = json.loads((path / "learner_state.json").read_text())
     assert state["step"] == 1 and "torch" in state["rng"] and "python" in state["rng"]
