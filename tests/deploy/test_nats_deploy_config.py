@@ -95,7 +95,7 @@ def deployed(tmp_path_factory):
         pytest.skip("needs the openssl command to make test certificates")
     root = tmp_path_factory.mktemp("deploy-nats")
     tls = make_certs(root / "tls")
-    passwords = {r: secrets.token_urlsafe(18) for r in ROLES}
+    passwords = {r: "pw" + secrets.token_hex(16) for r in ROLES}
     source = (NATS / "nats-server.conf").read_text()
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():

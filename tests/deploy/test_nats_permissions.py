@@ -27,7 +27,7 @@ ROLES = ("feeder", "producer", "scorer", "learner", "operator", "sys")
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    passwords = {role: secrets.token_urlsafe(18) for role in ROLES}
+    passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():
         mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
