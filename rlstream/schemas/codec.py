@@ -146,15 +146,23 @@ def get_array(
     """Decode a 1-D array without copying; check dtype, shape and byte length."""
     name = f"{path}{field}"
     spec = get(obj, field, dict, path=path)
-    got_dtype = spec.get("dtype")
-    if got_dtype != dtype.str:
-        raise RecordError(name, f"dtype {got_dtype!r}, expected {dtype.str!r}")
     shape = spec.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+    if not (isinstance(shape, list) and all(isinstance(x, int) for x in shape)):
         raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
     data = spec.get("data")
     if not isinstance(data, (bytes, bytearray)):
         raise RecordError(name, f"data must be bytes, got {_type_name(data)}")
+    return view_array(spec.get("dtype"), shape, data, dtype, name, limits, length)
+
+
+def view_array(got_dtype: Any, shape: list[int], data, dtype: np.dtype, name: str, limits: Limits,
+               length: int | None = None) -> np.ndarray:
+    """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit,
+    byte length, and the expected length when given."""
+    if got_dtype != dtype.str:
+        raise RecordError(name, f"dtype {got_dtype!r}, expected {dtype.str!r}")
+    if len(shape) != 1 or shape[0] < 0:
+        raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
     n = shape[0]
     if n > limits.max_tokens:
         raise RecordError(name, f"{n} elements exceeds the limit of {limits.max_tokens}")

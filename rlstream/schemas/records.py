@@ -83,13 +83,15 @@ class Record:
         return packb(self.to_wire())
 
     @classmethod
-    def from_wire(cls, obj: dict, limits: Limits = DEFAULT_LIMITS, path: str = ""):
-        schema = get(obj, "schema", str, path=path)
+    def check_header(cls, schema: str, version: int, path: str = "") -> None:
         if schema != cls.SCHEMA:
             raise RecordError(f"{path}schema", f"{schema!r}, expected {cls.SCHEMA!r}")
-        version = get(obj, "v", int, path=path)
         if not 1 <= version <= cls.VERSION:
             raise RecordError(f"{path}v", f"version {version} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+
+    @classmethod
+    def from_wire(cls, obj: dict, limits: Limits = DEFAULT_LIMITS, path: str = ""):
+        cls.check_header(get(obj, "schema", str, path=path), get(obj, "v", int, path=path), path)
         return cls._read(obj, limits, path)
 
     @classmethod
@@ -242,10 +244,7 @@ class RolloutGroup(Record):
 
     @classmethod
     def _build(cls, w: "wire.RolloutWire", limits: Limits, path: str) -> "RolloutGroup":
-        if w.schema != cls.SCHEMA:
-            raise RecordError(f"{path}schema", f"{w.schema!r}, expected {cls.SCHEMA!r}")
-        if not 1 <= w.v <= cls.VERSION:
-            raise RecordError(f"{path}v", f"version {w.v} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+        cls.check_header(w.schema, w.v, path)
         lengths = wire.array(w.lengths, INT32, f"{path}lengths", limits).tolist()
         g = len(lengths)
         if g == 0:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rlstream.schemas.codec import Limits, RecordError
+from rlstream.schemas.codec import Limits, RecordError, view_array
 
 
 class ArrayWire(msgspec.Struct):
@@ -89,16 +89,4 @@ def convert(obj: dict, kind: type, path: str = "") -> Any:
 
 def array(spec: ArrayWire, dtype: np.dtype, name: str, limits: Limits, length: int | None = None) -> np.ndarray:
     """A zero-copy 1-D view; dtype, shape and byte length checked."""
-    if spec.dtype != dtype.str:
-        raise RecordError(name, f"dtype {spec.dtype!r}, expected {dtype.str!r}")
-    shape = spec.shape
-    if len(shape) != 1 or shape[0] < 0:
-        raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
-    n = shape[0]
-    if n > limits.max_tokens:
-        raise RecordError(name, f"{n} elements exceeds the limit of {limits.max_tokens}")
-    if len(spec.data) != n * dtype.itemsize:
-        raise RecordError(name, f"{len(spec.data)} bytes do not hold shape [{n}] of {dtype.str}")
-    if length is not None and n != length:
-        raise RecordError(name, f"has {n} elements, expected {length}")
-    return np.frombuffer(spec.data, dtype=dtype)
+    return view_array(spec.dtype, spec.shape, spec.data, dtype, name, limits, length)
