@@ -132,6 +132,8 @@ class LiveFigures:
 
     def add(self, ev: MetricEvent) -> None:
         self.events += 1
+        if "dlq/count" in ev.values:  # every component reports the DLQ stream's depth
+            self.dlq = int(ev.values["dlq/count"])
         if ev.component == "learner":
             if ev.step >= 0:
                 self.learner.update(ev.values)
@@ -346,10 +348,6 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
-                pass
-            try:
-                figures.dlq = (await js.stream_info(layout.dlq_stream)).state.messages
-            except Exception:  # broker busy for a moment: the view lags, the run goes on
                 pass
             display.update(figures, children)
             # exits
