@@ -22,17 +22,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def latest_checkpoint(run_dir: Path) -> Path:
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    if not ckpts:
-        raise SystemExit(f"no checkpoint in {run_dir / 'checkpoints'}; see {run_dir / 'logs'}")
-    return ckpts[-1]
-
-
-def rlstream_run(config: Path, run_dir: Path, sets: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
+def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path, max_steps: int | None) -> dict:
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir),
+           "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data}"]
+    if max_steps:
+        cmd += ["--max-steps", str(max_steps)]
     code = subprocess.call(cmd, cwd=ROOT)
     summary = run_dir / "summary.json"
     if code != 0 or not summary.exists():
@@ -63,18 +57,13 @@ def main() -> None:
 
     console.print("[2/3] SFT warm-up on synthetic arithmetic (held-out problems kept for GRPO) ...")
     sft_dir = out / "sft"
-    sft_sets = [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"]
-    if args.sft_steps:
-        sft_sets.append(f"learner.max_steps={args.sft_steps}")
-    sft = rlstream_run(HERE / "sft.yaml", sft_dir, sft_sets)
+    sft = rlstream_run(HERE / "sft.yaml", sft_dir, model_dir, data["sft"], args.sft_steps)
     console.print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s")
 
     console.print("[3/3] asynchronous GRPO on held-out problems (reward: the answer is right) ...")
     grpo_dir = out / "grpo"
-    grpo_sets = [f"model_checkpoint_path={latest_checkpoint(sft_dir)}", f"data_source.path={data['rl']}"]
-    if args.grpo_steps:
-        grpo_sets.append(f"learner.max_steps={args.grpo_steps}")
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, grpo_sets)
+    # `rlstream run` points checkpoints/latest at the newest step
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (sft_dir / "checkpoints" / "latest").resolve(), data["rl"], args.grpo_steps)
 
     console.rule("[bold]done")
     console.print(f"reward (accuracy on held-out problems): {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} "
