@@ -38,6 +38,35 @@ def test_rollout_round_trip_is_exact_and_zero_copy():
     assert back.timings == {"generate": 0.5}
 
 
+def test_decoded_group_re_encodes_byte_exact_and_builds_samples_on_access():
+    g = make_group()
+    data = g.encode()
+    back = RolloutGroup.decode(data)
+    # a scorer passes the group on: re-encoding reuses the flat arrays as they arrived
+    assert back.encode() == data
+    assert back.num_tokens() == 5 + 6 + 7 == g.num_tokens()  # lengths n + i for i in 0..2
+    assert len(back.samples) == 3
+    assert [len(s.completion_ids) for s in back.samples] == [5, 6, 7]
+    assert back.samples[-1].text == "text 2" and back.samples[0].finish_reason == "length"
+    np.testing.assert_array_equal(back.samples[1].logprobs, g.samples[1].logprobs)
+
+
+def test_decode_many_names_each_bad_record_and_keeps_the_good_ones():
+    good = [make_group() for _ in range(4)]
+    bad_lp = make_group()
+    bad_lp.samples[1].logprobs[2] = 0.5  # a positive log-prob, caught by the batch check
+    bad_tok = make_group()
+    bad_tok.samples[0].completion_ids[0] = -3
+    datas = [good[0].encode(), bad_lp.encode(), good[1].encode(), b"\xc1junk", bad_tok.encode(), good[2].encode()]
+    out = RolloutGroup.decode_many(datas)
+    assert [type(x).__name__ for x in out] == ["RolloutGroup", "RecordError", "RolloutGroup", "RecordError", "RecordError", "RolloutGroup"]
+    assert out[1].field == "logprobs" and "positive" in str(out[1])
+    assert out[4].field == "completion_ids" and "negative" in str(out[4])
+    assert out[3].field == "<payload>"
+    # a clean batch passes the one-pass value check
+    assert all(isinstance(x, RolloutGroup) for x in RolloutGroup.decode_many([x.encode() for x in good]))
+
+
 def test_every_record_round_trips():
     g = make_group()
     records = [

@@ -201,14 +201,13 @@ class Consumer(Generic[R]):
             return []
         out: list[Delivery[R]] = []
         bad: list[tuple[Msg, str, int, int]] = []
-        for msg in msgs:
+        records = self.record_cls.decode_many([msg.data for msg in msgs], self.limits)
+        for msg, record in zip(msgs, records):
             deliveries, seq = _metadata(msg)
             if deliveries > 1:
                 self.redelivered += 1
-            try:
-                record = self.record_cls.decode(msg.data, self.limits)
-            except RecordError as exc:
-                bad.append((msg, f"invalid {self.record_cls.SCHEMA}: {exc}", deliveries, seq))
+            if isinstance(record, RecordError):
+                bad.append((msg, f"invalid {self.record_cls.SCHEMA}: {record}", deliveries, seq))
                 continue
             out.append(Delivery(msg, record, deliveries, seq))
         if bad:

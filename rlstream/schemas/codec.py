@@ -155,29 +155,39 @@ def get_array(
     return view_array(spec.get("dtype"), shape, data, dtype, name, limits, length)
 
 
+_DTYPE_INFO: dict[np.dtype, tuple[str, int]] = {}
+
+
 def view_array(got_dtype: Any, shape: list[int], data, dtype: np.dtype, name: str, limits: Limits,
                length: int | None = None) -> np.ndarray:
     """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit,
     byte length, and the expected length when given."""
-    if got_dtype != dtype.str:
-        raise RecordError(name, f"dtype {got_dtype!r}, expected {dtype.str!r}")
+    info = _DTYPE_INFO.get(dtype)
+    if info is None:  # numpy computes ``dtype.str`` on every access (~0.5 us): remember it
+        info = _DTYPE_INFO[dtype] = (dtype.str, dtype.itemsize)
+    expected, itemsize = info
+    if got_dtype != expected:
+        raise RecordError(name, f"dtype {got_dtype!r}, expected {expected!r}")
     if len(shape) != 1 or shape[0] < 0:
         raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
     n = shape[0]
     if n > limits.max_tokens:
         raise RecordError(name, f"{n} elements exceeds the limit of {limits.max_tokens}")
-    if len(data) != n * dtype.itemsize:
-        raise RecordError(name, f"{len(data)} bytes do not hold shape [{n}] of {dtype.str}")
+    if len(data) != n * itemsize:
+        raise RecordError(name, f"{len(data)} bytes do not hold shape [{n}] of {expected}")
     if length is not None and n != length:
         raise RecordError(name, f"has {n} elements, expected {length}")
-    return np.frombuffer(data, dtype=dtype)
+    return np.frombuffer(data, dtype)
+
+
+_MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # without ndarray.max's Python wrapper
 
 
 def check_token_ids(arr: np.ndarray, name: str, limits: Limits) -> None:
     if arr.size == 0:
         return
     # one pass: as unsigned, a negative id is larger than any vocabulary
-    top = int(arr.view(np.uint32).max())
+    top = int(_MAX(arr.view(np.uint32)))
     bound = limits.vocab_size if limits.vocab_size is not None else 2**31
     if top >= bound:
         lo = int(arr.min())
@@ -189,9 +199,9 @@ def check_token_ids(arr: np.ndarray, name: str, limits: Limits) -> None:
 def check_logprobs(arr: np.ndarray, name: str) -> None:
     if arr.size == 0:
         return
-    # max() propagates NaN and finds +inf; the sum is -inf when any value is -inf
-    top, total = float(arr.max()), float(arr.sum(dtype=np.float64))
-    if not (math.isfinite(top) and math.isfinite(total)):
+    # the maximum propagates NaN and finds +inf, the minimum finds -inf
+    top, bottom = float(_MAX(arr)), float(_MIN(arr))
+    if not (math.isfinite(top) and math.isfinite(bottom)):
         raise RecordError(name, "contains NaN or infinite values")
     if top > 0.0:
         raise RecordError(name, f"log-prob {top} is positive")

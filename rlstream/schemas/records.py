@@ -13,6 +13,7 @@ import itertools
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -98,6 +99,17 @@ class Record:
     def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
         return cls.from_wire(unpackb(data, limits), limits)
 
+    @classmethod
+    def decode_many(cls, datas, limits: Limits = DEFAULT_LIMITS) -> list:
+        """Decode a fetched batch: each item the record, or the :class:`RecordError` it raised."""
+        out: list = []
+        for data in datas:
+            try:
+                out.append(cls.decode(data, limits))
+            except RecordError as exc:
+                out.append(exc)
+        return out
+
     def to_plain(self) -> dict[str, Any]:
         """A JSON-friendly view for tail/export (arrays as lists)."""
         return plain(self.to_wire_view())
@@ -181,6 +193,43 @@ class Sample:
     text: str = ""
 
 
+class FlatSamples(Sequence):
+    """The samples of a decoded group, kept as the flat wire arrays.
+
+    A decoded group is often only passed on (a scorer reads texts, then re-encodes it), so
+    the per-sample :class:`Sample` views are built on first access, and re-encoding reuses
+    the flat arrays as they arrived.
+    """
+
+    __slots__ = ("lengths", "completion_ids", "logprobs", "ends", "finish_reasons", "texts", "_items")
+
+    def __init__(self, lengths: np.ndarray, completion_ids: np.ndarray, logprobs: np.ndarray, ends: list[int],
+                 finish_reasons: list[str], texts: list[str]):
+        self.lengths, self.completion_ids, self.logprobs, self.ends = lengths, completion_ids, logprobs, ends
+        self.finish_reasons, self.texts = finish_reasons, texts
+        self._items: list[Sample] | None = None
+
+    def _list(self) -> list[Sample]:
+        if self._items is None:
+            ids, lps = self.completion_ids, self.logprobs
+            starts = [0, *self.ends[:-1]]
+            self._items = [Sample(ids[a:b], lps[a:b], r, t)
+                           for a, b, r, t in zip(starts, self.ends, self.finish_reasons, self.texts)]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.finish_reasons)
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __repr__(self) -> str:
+        return f"FlatSamples({len(self)} samples, {self.ends[-1] if self.ends else 0} tokens)"
+
+
 @dataclass(slots=True)
 class RolloutGroup(Record):
     """``group_size`` completions of one prompt, on ``rl.<run>.rollouts``.
@@ -197,7 +246,7 @@ class RolloutGroup(Record):
     prompt_id: str
     prompt_text: str
     prompt_ids: np.ndarray
-    samples: list[Sample]
+    samples: Sequence[Sample]
     policy_version: int
     producer_id: str = ""
     columns: dict[str, Any] = field(default_factory=dict)
@@ -211,13 +260,18 @@ class RolloutGroup(Record):
         return len(self.samples)
 
     def num_tokens(self) -> int:
+        if isinstance(self.samples, FlatSamples):
+            return self.samples.ends[-1]
         return sum(len(s.completion_ids) for s in self.samples)
 
     def _fields(self):
         samples = self.samples
-        lengths = np.fromiter((len(s.completion_ids) for s in samples), dtype=INT32, count=len(samples))
-        ids = np.concatenate([np.asarray(s.completion_ids, INT32) for s in samples]) if samples else np.zeros(0, INT32)
-        lps = np.concatenate([np.asarray(s.logprobs, FLOAT32) for s in samples]) if samples else np.zeros(0, FLOAT32)
+        if isinstance(samples, FlatSamples):
+            lengths, ids, lps = samples.lengths, samples.completion_ids, samples.logprobs
+        else:
+            lengths = np.fromiter((len(s.completion_ids) for s in samples), dtype=INT32, count=len(samples))
+            ids = np.concatenate([np.asarray(s.completion_ids, INT32) for s in samples]) if samples else np.zeros(0, INT32)
+            lps = np.concatenate([np.asarray(s.logprobs, FLOAT32) for s in samples]) if samples else np.zeros(0, FLOAT32)
         return {
             "id": self.id, "run": self.run, "ts": self.ts,
             "prompt_id": self.prompt_id, "prompt_text": self.prompt_text,
@@ -227,8 +281,8 @@ class RolloutGroup(Record):
             "lengths": pack_array(lengths, INT32),
             "completion_ids": pack_array(ids, INT32),
             "logprobs": pack_array(lps, FLOAT32),
-            "finish_reasons": [s.finish_reason for s in samples],
-            "texts": [s.text for s in samples],
+            "finish_reasons": samples.finish_reasons if isinstance(samples, FlatSamples) else [s.finish_reason for s in samples],
+            "texts": samples.texts if isinstance(samples, FlatSamples) else [s.text for s in samples],
             "timings": self.timings,
         }
 
@@ -236,16 +290,49 @@ class RolloutGroup(Record):
     def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS) -> "RolloutGroup":
         # The hot path: msgspec checks the structure in C, numpy checks the values.
         check_size(data, limits)
-        return cls._build(wire.decode(data, wire.RolloutWire), limits, "")
+        group, arrays = cls._build(wire.decode(data, wire.RolloutWire), limits, "")
+        _check_values(arrays, limits, "")
+        return group
+
+    @classmethod
+    def decode_many(cls, datas, limits: Limits = DEFAULT_LIMITS) -> list:
+        """A fetched batch: the structure of each record, then the values of all in one pass.
+
+        Per-record numpy reductions cost more in call overhead than in work (a group's arrays
+        are a few KB), so the token ids and log-probs of the whole batch are checked together;
+        only when that fails are the records checked one by one, to name the bad ones.
+        """
+        out: list = []
+        pending: list[tuple[int, tuple]] = []
+        for data in datas:
+            try:
+                check_size(data, limits)
+                group, arrays = cls._build(wire.decode(data, wire.RolloutWire), limits, "")
+            except RecordError as exc:
+                out.append(exc)
+                continue
+            pending.append((len(out), arrays))
+            out.append(group)
+        if pending and not _values_ok([arrays for _, arrays in pending], limits):
+            for i, arrays in pending:
+                try:
+                    _check_values(arrays, limits, "")
+                except RecordError as exc:
+                    out[i] = exc
+        return out
 
     @classmethod
     def _read(cls, obj, limits, path):
-        return cls._build(wire.convert(obj, wire.RolloutWire, path), limits, path)
+        group, arrays = cls._build(wire.convert(obj, wire.RolloutWire, path), limits, path)
+        _check_values(arrays, limits, path)
+        return group
 
     @classmethod
-    def _build(cls, w: "wire.RolloutWire", limits: Limits, path: str) -> "RolloutGroup":
+    def _build(cls, w: "wire.RolloutWire", limits: Limits, path: str) -> tuple["RolloutGroup", tuple]:
+        """The record with its structure checked, and the arrays whose values still need checking."""
         cls.check_header(w.schema, w.v, path)
-        lengths = wire.array(w.lengths, INT32, f"{path}lengths", limits).tolist()
+        length_array = wire.array(w.lengths, INT32, f"{path}lengths", limits)
+        lengths = length_array.tolist()
         g = len(lengths)
         if g == 0:
             raise RecordError(f"{path}lengths", "a group needs at least one sample")
@@ -258,9 +345,6 @@ class RolloutGroup(Record):
         ids = wire.array(w.completion_ids, INT32, f"{path}completion_ids", limits, total)
         lps = wire.array(w.logprobs, FLOAT32, f"{path}logprobs", limits, total)
         prompt_ids = wire.array(w.prompt_ids, INT32, f"{path}prompt_ids", limits)
-        check_token_ids(prompt_ids, f"{path}prompt_ids", limits)
-        check_token_ids(ids, f"{path}completion_ids", limits)
-        check_logprobs(lps, f"{path}logprobs")
         reasons, texts = w.finish_reasons, w.texts
         if len(reasons) != g:
             raise RecordError(f"{path}finish_reasons", f"has {len(reasons)} entries, expected {g}")
@@ -273,15 +357,34 @@ class RolloutGroup(Record):
             raise RecordError(f"{path}policy_version", f"{w.policy_version} is below the minimum 0")
         if max(len(w.id), len(w.prompt_id), len(w.prompt_text)) > limits.max_string:
             raise RecordError(f"{path}prompt_text", f"a string exceeds {limits.max_string} chars")
-        starts = [0, *ends[:-1]]
-        samples = [Sample(ids[a:b], lps[a:b], r, t) for a, b, r, t in zip(starts, ends, reasons, texts)]
+        samples = FlatSamples(length_array, ids, lps, ends, reasons, texts)
         if not math.isfinite(w.ts):
             raise RecordError(f"{path}ts", f"{w.ts} is not finite")
-        return cls(
+        group = cls(
             id=w.id, run=w.run, ts=w.ts, prompt_id=w.prompt_id, prompt_text=w.prompt_text,
             prompt_ids=prompt_ids, samples=samples, policy_version=w.policy_version,
             producer_id=w.producer_id, columns=w.columns, sampling=w.sampling, timings=w.timings,
         )
+        return group, (prompt_ids, ids, lps)
+
+
+def _check_values(arrays: tuple, limits: Limits, path: str) -> None:
+    prompt_ids, ids, lps = arrays
+    check_token_ids(prompt_ids, f"{path}prompt_ids", limits)
+    check_token_ids(ids, f"{path}completion_ids", limits)
+    check_logprobs(lps, f"{path}logprobs")
+
+
+def _values_ok(batch: list[tuple], limits: Limits) -> bool:
+    """Whether every group's token ids and log-probs are valid, in three numpy passes."""
+    tokens = np.concatenate([a for prompt_ids, ids, _ in batch for a in (prompt_ids, ids)])
+    lps = np.concatenate([a[2] for a in batch])
+    try:
+        check_token_ids(tokens, "", limits)
+        check_logprobs(lps, "")
+    except RecordError:
+        return False
+    return True
 
 
 @dataclass(slots=True)

@@ -110,3 +110,37 @@ def test_oversized_payload_is_refused_before_parsing():
             raise AssertionError("accepted an oversized payload")
         except RecordError as exc:
             assert "exceeds the limit" in str(exc)
+
+
+def _outcome(cls, data):
+    try:
+        return cls.decode(data, LIMITS).to_plain()
+    except RecordError as exc:
+        return ("error", exc.field, exc.message)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["good", "logprob", "token", "bytes", "field"]),
+                          st.floats(allow_nan=True, allow_infinity=True, width=32),
+                          st.integers(-2**31, 2**31 - 1), st.binary(max_size=64)), min_size=1, max_size=12))
+def test_batch_decode_agrees_with_one_by_one(items):
+    """A fetched batch is checked in one pass; each record must come out exactly as alone."""
+    datas = []
+    for kind, lp, tok, junk in items:
+        g = make_group(g=2, n=4)
+        if kind == "logprob":
+            g.samples[1].logprobs[3] = lp
+        elif kind == "token":
+            g.samples[0].completion_ids[1] = tok
+        if kind == "bytes":
+            datas.append(junk)
+            continue
+        wire = g.to_wire()
+        if kind == "field":
+            wire["policy_version"] = -1
+        datas.append(msgpack.packb(wire, use_bin_type=True))
+    batch = RolloutGroup.decode_many(datas, LIMITS)
+    assert len(batch) == len(datas)
+    for got, data in zip(batch, datas):
+        want = _outcome(RolloutGroup, data)
+        assert (("error", got.field, got.message) if isinstance(got, RecordError) else got.to_plain()) == want
