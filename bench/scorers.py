@@ -10,6 +10,14 @@ its timeouts, as a pool worker runs it), with no broker at all.
 
 Two rules: ``exact_match`` (microseconds per group: the figure shows the broker's cost
 per group) and ``math`` (math-verify: the scoring dominates). Goal: ratio >= 0.9.
+
+A cheap rule cannot reach that goal through any broker: the rule costs microseconds per group,
+one JetStream hop in Python hundreds. So for ``exact_match`` a third path shows what the loop
+itself costs: a hand-written raw nats-py scorer in its own process (batched pull, plain
+``msgpack.unpackb`` without validation, the same rule, a plain msgpack result published with
+``publish_async``, ack), against which the rlstream scorer's ratio is printed too.
+
+    python bench/scorers.py [--quick]
 """
 
 from __future__ import annotations
@@ -86,25 +94,75 @@ async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], ru
     env = {**os.environ, "RLSTREAM_LOG": "WARNING"}
     proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "scorer", str(cfg), "--nats", server_url, "--id", "bench"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    n = len(groups)
-    first = last = None
-    deadline = time.monotonic() + 600
     try:
-        while time.monotonic() < deadline:
-            done = (await js.stream_info(lay.scored_stream)).state.messages
-            now = time.perf_counter()
-            if done and first is None:
-                first = (now, done)
-            if done >= n:
-                last = (now, done)
-                break
-            if proc.poll() is not None:
-                raise RuntimeError(f"scorer exited: {proc.stderr.read().decode()[-2000:]}")
-            await asyncio.sleep(0.05)  # light polling: the scorer and the server share these cores
+        return await _watch(js, lay, proc, len(groups))
     finally:
         proc.terminate()
         proc.wait(30)
         await nc.close()
+
+
+async def raw_scorer(server_url: str, run: str, n: int) -> None:
+    """The baseline scorer: nats-py and msgpack only, no validation, no dedupe, no DLQ."""
+    import msgpack
+
+    nc = await connect(url=server_url, name="raw-scorer")
+    js = nc.jetstream()
+    lay = await ensure_layout(js, run)
+    sub = await js.pull_subscribe_bind("scorers", lay.rollouts_stream)
+    done = 0
+    while done < n:
+        try:
+            msgs = await sub.fetch(64, timeout=2.0)
+        except Exception:
+            continue
+        futures = []
+        for m in msgs:
+            g = msgpack.unpackb(m.data)
+            answer = g["columns"]["answer"]
+            scores = [rewards.exact_match(t, answer) for t in g["texts"]]
+            out = msgpack.packb({"id": g["id"], "rollout": g, "rewards": scores})
+            futures.append(await js.publish_async(lay.scored, out))
+        await asyncio.gather(*futures)
+        for m in msgs:
+            await m.ack()
+        done += len(msgs)
+    await nc.close()
+
+
+async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> float:
+    """Groups/s of :func:`raw_scorer` in its own process, timed like the scorer."""
+    nc = await connect(url=server_url, name="bench")
+    js = nc.jetstream()
+    lay = await ensure_layout(js, run)
+    pub = Publisher(js)
+    for i in range(0, len(groups), 256):
+        await pub.publish_many([Outgoing(lay.rollouts, g.encode(), g.id) for g in groups[i:i + 256]])
+    proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", server_url, run, str(len(groups))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return await _watch(js, lay, proc, len(groups))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        await nc.close()
+
+
+async def _watch(js, lay, proc, n: int) -> float:
+    """Groups/s between the first and the last scored group seen on the scored stream."""
+    first = last = None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        done = (await js.stream_info(lay.scored_stream)).state.messages
+        now = time.perf_counter()
+        if done and first is None:
+            first = (now, done)
+        if done >= n:
+            last = (now, done)
+            break
+        if proc.poll() is not None and proc.returncode != 0:
+            raise RuntimeError(f"scorer exited: {proc.stderr.read().decode()[-2000:]}")
+        await asyncio.sleep(0.05)  # light polling: the scorer and the server share these cores
     if last is None or first is None or last[0] <= first[0]:
         raise RuntimeError("the scorer did not finish")
     return (last[1] - first[1]) / (last[0] - first[0])
@@ -114,12 +172,14 @@ async def run(sizes: dict[str, int], rounds: int) -> dict[str, tuple[float, floa
     out = {}
     with tempfile.TemporaryDirectory() as d, EmbeddedServer(Path(d) / "store") as server:
         for rule, n in sizes.items():
-            ours, direct = [], []
+            ours, direct, raw = [], [], []
             for r in range(rounds):  # interleaved, best of each: drift on a shared machine hits both
                 groups = make_groups(n, f"b{rule}{r}")
                 direct.append(direct_rate(rule, groups))
                 ours.append(await scorer_rate(server.url, rule, groups, f"b{rule.replace('_', '')}{r}", Path(d)))
-            out[rule] = (max(ours), max(direct))
+                if rule == "exact_match":
+                    raw.append(await raw_rate(server.url, groups, f"braw{r}"))
+            out[rule] = (max(ours), max(direct), max(raw) if raw else None)
     return out
 
 
@@ -128,16 +188,22 @@ def main() -> None:
     sizes, rounds = ({"exact_match": 2000, "math": 120}, 2) if args.quick else ({"exact_match": 20000, "math": 1000}, 3)
     res = asyncio.run(run(sizes, rounds))
     rows = []
-    for rule, (ours, direct) in res.items():
-        rows.append((f"{rule}: direct call", direct, direct * G, 1.0))
-        rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct))
-    table(f"scoring groups of {G} completions", rows, ("path", "groups/s", "completions/s", "ratio"))
-    (m_ours, m_direct), (c_ours, c_direct) = res["math"], res["exact_match"]
+    for rule, (ours, direct, raw) in res.items():
+        rows.append((f"{rule}: direct call", direct, direct * G, 1.0, "-"))
+        if raw is not None:
+            rows.append((f"{rule}: raw nats-py scorer", raw, raw * G, raw / direct, 1.0))
+        rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct, ours / raw if raw else "-"))
+    table(f"scoring groups of {G} completions", rows, ("path", "groups/s", "completions/s", "vs direct", "vs raw nats-py"))
+    (m_ours, m_direct, _), (c_ours, c_direct, c_raw) = res["math"], res["exact_match"]
     verdict("scorers", math_scorer_groups_per_s=m_ours, math_direct_groups_per_s=m_direct, math_ratio=m_ours / m_direct,
             exact_match_scorer_groups_per_s=c_ours, exact_match_direct_groups_per_s=c_direct,
+            exact_match_raw_groups_per_s=c_raw, exact_match_vs_raw=c_ours / c_raw,
             exact_match_ratio=c_ours / c_direct, exact_match_ok=c_ours / c_direct >= 0.9,
             ratio=min(m_ours / m_direct, c_ours / c_direct), goal=0.9)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--raw-scorer":
+        asyncio.run(raw_scorer(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    else:
+        main()
