@@ -21,6 +21,12 @@ How it differs from the papers' trainers:
   ``buffer.py``), so a run that is killed and resumed trains exactly the same batches.
 - **Acks after checkpoints**: a scored group is acked only once a checkpoint holding its
   effect is durable; until then in-progress acks keep it from redelivery.
+- **Data-parallel** under ``torchrun --nproc_per_node=N -m rlstream learner CONFIG ...``:
+  rank 0 runs this loop (the only rank on the broker and in the run directory) and sends each
+  batch to the others, which run :func:`rlstream.learner.distributed.follow`. Every rank
+  builds the same micro-batches and normalisers from the whole batch and trains its
+  contiguous shard, losses x N (the engines average gradients), so the update is the
+  single-process one; see :mod:`rlstream.learner.distributed`.
 """
 
 from __future__ import annotations
