@@ -141,28 +141,53 @@ async def _kv(url, cfg, key):
         await nc.close()
 
 
-def _grpo_cfg(model_dir, run, **learner):
-    # 3 groups x 4 samples = 12 rows per step, micro-batch 4 -> 3 micro-batches (2 + 1 over 2 ranks)
-    return make_cfg(model_dir, "RL_GRPO", run=run, algo={"group_size": 4, "kl_coefficient": 0.02, "max_staleness": 100},
-                    learner={"batch_groups": 3, "micro_batch_size": 4, "lr": 2e-3, **learner}, checkpoint={"interval": 1})
+def _grpo_cfg(model_dir, run, mode="RL_GRPO", **learner):
+    # 3 groups x 4 samples = 12 rows per step, micro-batch 4 -> 3 micro-batches (2 + 1 over 2 ranks);
+    # PPO: 12 one-sample groups per step, the same 12 rows
+    if mode == "RL_PPO":
+        algo, groups = {"group_size": 1, "vf_coef": 0.5, "value_lr": 1e-2}, 12
+    else:
+        algo, groups = {"group_size": 4, "kl_coefficient": 0.02}, 3
+    return make_cfg(model_dir, mode, run=run, algo={"max_staleness": 100, **algo},
+                    learner={"batch_groups": groups, "micro_batch_size": 4, "lr": 2e-3, **learner}, checkpoint={"interval": 1})
 
 
-def test_grpo_two_ranks_from_the_stream_equal_one_process(tiny_model_dir, tmp_path, nats_server, recorded):
-    one_cfg, two_cfg = _grpo_cfg(tiny_model_dir, "ddp1"), _grpo_cfg(tiny_model_dir, "ddp2")
+def _singletons(groups):
+    from dataclasses import replace
+
+    import numpy as np
+
+    return [replace(g, rollout=replace(g.rollout, id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}", samples=[s]),
+                    rewards=np.asarray([r], dtype=np.float32))
+            for g in groups for j, (s, r) in enumerate(zip(g.rollout.samples, g.rewards))]
+
+
+@pytest.mark.parametrize("mode", ["RL_GRPO", "RL_PPO"])
+def test_rl_two_ranks_from_the_stream_equal_one_process(mode, tiny_model_dir, tmp_path, nats_server, recorded):
+    one_cfg, two_cfg = _grpo_cfg(tiny_model_dir, f"{mode}-1", mode), _grpo_cfg(tiny_model_dir, f"{mode}-2", mode)
+    if mode == "RL_PPO":
+        recorded = _singletons(recorded)  # 24 groups of one sample
     for cfg in (one_cfg, two_cfg):
         asyncio.run(publish_groups(nats_server.url, cfg, recorded[:4]))
         asyncio.run(publish_groups(nats_server.url, cfg, recorded[:1], msg_suffix="-again"))  # a duplicate id
         asyncio.run(publish_groups(nats_server.url, cfg, recorded[4:]))
     one, two = tmp_path / "one", tmp_path / "two"
     assert asyncio.run(main(one_cfg, nats_server.url, "learner", run_dir=one, max_steps=2)) == 0
-    proc = _torchrun(_write(two_cfg, tmp_path / "grpo.yaml"), two, "--nats", nats_server.url, "--max-steps", "2")
+    proc = _torchrun(_write(two_cfg, tmp_path / "rl.yaml"), two, "--nats", nats_server.url, "--max-steps", "2")
     metrics = _assert_same_run(one, two, 2)
 
     trained = [gid for m in metrics for gid in m["group_ids"]]
     assert sorted(trained) == sorted(g.id for g in recorded)  # every group exactly once
-    assert metrics[-1]["policy/kl"] > 0
+    if mode == "RL_PPO":  # the value head (outside DDP) learned the same on both
+        assert [m["loss/value"] for m in metrics] == pytest.approx([m["loss/value"] for m in _metrics(one)], abs=1e-5)
+        v1 = load_file(str(one / "checkpoints" / "step_2" / "trainer" / "value_head.safetensors"))
+        v2 = load_file(str(two / "checkpoints" / "step_2" / "trainer" / "value_head.safetensors"))
+        assert max(float((v1[k] - v2[k]).abs().max()) for k in v1) < 1e-5
+        assert float(v2["weight"].abs().max()) > 0  # it moved from its zero init
+    else:
+        assert metrics[-1]["policy/kl"] > 0
     summary = json.loads((two / "learner_summary.json").read_text())
-    assert summary["trained_ids_count"] == 6 and summary["duplicates_skipped"] == 1
+    assert summary["trained_ids_count"] == len(recorded) and summary["duplicates_skipped"] == 1
     # published once per step by rank 0 (policy.version 1, 2), checkpoints after each step
     assert summary["policy_version"] == 2 and [m["policy_version"] for m in metrics] == [1, 2]
     assert asyncio.run(_kv(nats_server.url, two_cfg, "policy.version")) == 2
