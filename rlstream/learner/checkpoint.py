@@ -151,13 +151,13 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     final = base / f"step_{state.step}"
     tmp = base / f"step_{state.step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     engine = learner.engine
     model = engine.unwrapped
-    full = engine.full_state_dict()
-    if engine.rank == 0:
+    full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
+    if engine.rank == 0:  # only rank 0 touches the files
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
         if learner.tokenizer is not None:
             learner.tokenizer.save_pretrained(str(tmp))

@@ -21,6 +21,12 @@ How it differs from the papers' trainers:
   ``buffer.py``), so a run that is killed and resumed trains exactly the same batches.
 - **Acks after checkpoints**: a scored group is acked only once a checkpoint holding its
   effect is durable; until then in-progress acks keep it from redelivery.
+- **Data-parallel** under ``torchrun --nproc_per_node=N -m rlstream learner CONFIG ...``:
+  rank 0 runs this loop (the only rank on the broker and in the run directory) and sends each
+  batch to the others, which run :func:`rlstream.learner.distributed.follow`. Every rank
+  builds the same micro-batches and normalisers from the whole batch and trains its
+  contiguous shard, losses x N (the engines average gradients), so the update is the
+  single-process one; see :mod:`rlstream.learner.distributed`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
+from rlstream.learner import distributed as dist
 from rlstream.learner import losses
 from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, sequence_logps
 from rlstream.learner.checkpoint import LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -136,24 +143,26 @@ def _finish(acc: dict[str, float], weights: dict[str, float]) -> dict[str, float
 
 
 def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
-    """Run the micro-batch passes (each returns a loss or None), then clip and step.
+    """Run the micro-batch passes (each ``run(record=True)`` returns a loss), then clip and step.
 
     A NaN/inf loss or gradient norm skips the update (gradients zeroed) and counts in
-    ``state.nan_steps_skipped``.
+    ``state.nan_steps_skipped``. With more than one rank each rank runs its shard of the
+    passes (see :mod:`rlstream.learner.distributed`); all ranks agree on skipping.
     """
     engine = learner.engine
     step = learner.state.step
     engine.set_lr(lr_at(step, learner.cfg.learner))
-    finite = True
     passes = list(backward_passes)
-    for i, run in enumerate(passes):
-        loss = run()
-        if not torch.isfinite(loss.detach()).all():
-            finite = False
-            if hasattr(engine, "mark_nonfinite"):
-                engine.mark_nonfinite()
-            break
-        engine.backward(loss, last=i == len(passes) - 1)
+    if dist.is_active(engine):
+        finite = _backward_shard(learner, passes)
+    else:
+        finite = True
+        for i, run in enumerate(passes):
+            loss = run()
+            if not torch.isfinite(loss.detach()).all():
+                finite = False
+                break
+            engine.backward(loss, last=i == len(passes) - 1)
     value_norm = 0.0
     if learner.value_head is not None:
         cap = learner.cfg.learner.max_grad_norm or float("inf")
@@ -175,6 +184,33 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
         learner.state.nan_steps_skipped += 1
         stepped = False
     return grad_norm, stepped
+
+
+def _backward_shard(learner: Learner, passes: list) -> bool:
+    """This rank's passes: the same number on every rank (padding passes weigh 0), each loss
+    times the world size (the engines average gradients over ranks), no early exit on a
+    NaN/inf loss (the others would wait in the gradient all-reduce); the finite flag is
+    all-reduced. PPO's value head is outside the engine: its gradients are averaged here."""
+    engine = learner.engine
+    world = engine.world_size
+    plan = dist.schedule(len(passes), world, engine.rank)
+    finite = True
+    for j, (i, real) in enumerate(plan):
+        last = j == len(plan) - 1
+        with dist.sync_context(engine, last):
+            loss = passes[i](record=real)
+            finite = finite and bool(torch.isfinite(loss.detach()).all())
+            engine.backward(loss * (world if real else 0.0), last=last)
+    if learner.value_head is not None:
+        dist.average_grads(learner.value_head.parameters(), world)
+    return dist.all_true(finite)
+
+
+def _merged(learner: Learner, acc: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+    """The step's metrics over all micro-batches (all ranks' when data-parallel)."""
+    if dist.is_active(learner.engine):
+        acc, weights = dist.sum_metrics(acc, weights)
+    return _finish(acc, weights)
 
 
 def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch.Tensor]:
@@ -213,10 +249,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     ppo = learner.value_head is not None
     max_tokens = cfg.producer.max_new_tokens
 
-    ref = [None] * len(tbs)
-    if learner.ref_model is not None:
-        with torch.no_grad():
-            ref = [forward_logprobs(learner.ref_model, tb).logprobs for tb in tbs]
+    ref: list[torch.Tensor | None] = [None] * len(tbs)  # filled on first use: a rank forwards only its shard
     prox: list[torch.Tensor | None] = [None] * len(tbs)
     token_adv: list[torch.Tensor | None] = [None] * len(tbs)
     old_values: list[torch.Tensor | None] = [None] * len(tbs)
@@ -242,7 +275,10 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     grad_norms = []
     for epoch in range(params.epochs_per_batch):
         def make_pass(i: int, tb: TokenBatch):
-            def run() -> torch.Tensor:
+            def run(record: bool = True) -> torch.Tensor:
+                if learner.ref_model is not None and ref[i] is None:
+                    with torch.no_grad():
+                        ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
                 out = forward_logprobs(module, tb, keep_logits=True, hidden=ppo)
                 if prox[i] is None:
                     prox[i] = out.logprobs.detach()
@@ -257,7 +293,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
                 )
                 loss, metrics = loss_fn(batch, params)
-                if epoch == params.epochs_per_batch - 1:
+                if record and epoch == params.epochs_per_batch - 1:
                     _merge(acc, weights, metrics, metrics.get("policy/tokens", float(tb.mask.sum())))
                 return loss
             return run
@@ -266,7 +302,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
         grad_norms.append(grad_norm)
         if not stepped:
             break
-    out = _finish(acc, weights)
+    out = _merged(learner, acc, weights)
     out.pop("policy/tokens", None)
     versions = torch.tensor([g.rollout.policy_version for g in groups])
     out.update(adv.staleness_stats(versions, learner.state.policy_version))
@@ -286,16 +322,17 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
     weights: dict[str, float] = {}
 
     def make_pass(tb: TokenBatch):
-        def run():
+        def run(record: bool = True):
             out = forward_logprobs(learner.engine.module, tb)
             loss, metrics = losses.sft_loss(out.logprobs, tb.mask, aggregation=cfg.algorithm_params.loss_aggregation,
                                             token_normalizer=token_norm, seq_normalizer=seq_norm)
-            _merge(acc, weights, metrics, metrics.get("sft/tokens", 1.0))
+            if record:
+                _merge(acc, weights, metrics, metrics.get("sft/tokens", 1.0))
             return loss
         return run
 
     grad_norm, stepped = _update(learner, [make_pass(tb) for tb in tbs])
-    out = _finish(acc, weights)
+    out = _merged(learner, acc, weights)
     out.pop("sft/tokens", None)
     out["loss/policy"] = out.get("loss/sft", 0.0)
     out["samples"], out["tokens"] = float(len(rows)), float(token_norm)
@@ -313,20 +350,21 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
         rows = [Row(p.prompt_ids, p.chosen_ids) for p in chunk] + [Row(p.prompt_ids, p.rejected_ids) for p in chunk]
         tb = collate(rows, learner.pad_id, lcfg.max_seq_len).to(learner.device)
         total_tokens += float(tb.mask.sum())
-        with torch.no_grad():
-            ref = sequence_logps(forward_logprobs(learner.ref_model, tb).logprobs, tb.mask)
-        chunks.append((len(chunk), tb, ref))
+        chunks.append((len(chunk), tb))
 
-    def make_pass(n: int, tb: TokenBatch, ref: torch.Tensor):
-        def run():
+    def make_pass(n: int, tb: TokenBatch):
+        def run(record: bool = True):
+            with torch.no_grad():  # the reference, on first use: a rank forwards only its shard
+                ref = sequence_logps(forward_logprobs(learner.ref_model, tb).logprobs, tb.mask)
             logps = sequence_logps(forward_logprobs(learner.engine.module, tb).logprobs, tb.mask)
             loss, metrics = losses.dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], cfg.algorithm_params, normalizer=float(len(pairs)))
-            _merge(acc, weights, metrics, float(n))
+            if record:
+                _merge(acc, weights, metrics, float(n))
             return loss
         return run
 
     grad_norm, stepped = _update(learner, [make_pass(*c) for c in chunks])
-    out = _finish(acc, weights)
+    out = _merged(learner, acc, weights)
     out["loss/policy"] = out.get("loss/dpo", 0.0)
     out["samples"], out["tokens"] = float(len(pairs)), total_tokens
     return _finish_step(learner, out, grad_norm, stepped, len(pairs), total_tokens)
@@ -464,7 +502,12 @@ async def _checkpoint(learner: Learner, buf) -> Path:
     if buf is not None:
         state.next_seq = buf.next_seq
         state.pending_ack = buf.pending_ack()
-    path = await asyncio.to_thread(save_checkpoint, learner, learner.run_dir)
+    def save() -> Path:
+        if dist.is_active(learner.engine):
+            dist.send("checkpoint")
+        return save_checkpoint(learner, learner.run_dir)
+
+    path = await asyncio.to_thread(save)
     if buf is not None:
         await buf.ack_handled()
     return path
@@ -490,8 +533,15 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     limit = max_steps or cfg.learner.max_steps
 
     learner = await asyncio.to_thread(build_learner, cfg, run_dir)
+    ranks = dist.is_active(learner.engine)
+    if ranks and learner.engine.rank != 0:
+        # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
+        with _signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
+            return await asyncio.to_thread(dist.follow, learner, run_dir)
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
+    if ranks:
+        await asyncio.to_thread(dist.send, "resume", path=str(latest) if latest is not None else None)
     if latest is not None:
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
@@ -504,6 +554,17 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         examples = await asyncio.to_thread(load_sft if cfg.training_mode == "SFT" else load_dpo, cfg.data_source, learner.tokenizer)
     config_json = learner.model.config.to_json_string()
     last_checkpoint_step = state.step if latest is not None else -1
+    followers_running = ranks  # until they are sent "stop"
+
+    def _train(batch: list) -> dict[str, float]:
+        if ranks:
+            dist.send("step", batch)
+        return train_step(learner, batch)
+
+    def _full_state_dict() -> dict[str, torch.Tensor]:
+        if ranks:
+            dist.send("publish")
+        return learner.engine.full_state_dict()
 
     async with _maybe_component(cfg, nats_url, component_id) as comp:
         stop = comp.stop if comp is not None else asyncio.Event()
@@ -542,7 +603,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
                         # 2. forward, loss, backward, step (off the event loop)
                         t_step = time.perf_counter()
-                        m = await asyncio.to_thread(train_step, learner, batch)
+                        followers_running = False  # a failing step leaves the others in a collective: no "stop"
+                        m = await asyncio.to_thread(_train, batch)
+                        followers_running = ranks
                         m["time/step_s"] = time.perf_counter() - t_step
                         m["time/wait_data_s"] = wait_s
                         stepped = m["optim/stepped"] > 0
@@ -557,7 +620,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         m["time/publish_s"] = 0.0
                         if comp is not None and stepped and state.step % cfg.learner.publish_every == 0:
                             state.policy_version += 1
-                            full = await asyncio.to_thread(learner.engine.full_state_dict)
+                            full = await asyncio.to_thread(_full_state_dict)
                             pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step, config_json=config_json)
                             m["time/publish_s"] = pub.seconds
                             m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
@@ -590,6 +653,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 if state.step != last_checkpoint_step or (buf is not None and buf.handled):
                     await _checkpoint(learner, buf)
             finally:
+                if followers_running:
+                    await asyncio.to_thread(dist.send, "stop")
+                    followers_running = False
                 # always stop the fill/hold tasks, also when a step raised: nats-py turns the
                 # cancellation of a pending fetch into a timeout, so only the event ends them
                 tasks_stop.set()
