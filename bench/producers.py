@@ -5,7 +5,9 @@
    loop) and through the producer loop (fetch from the prompts work queue, tokenise,
    generate, publish RolloutGroups, ack) against an embedded nats-server.
    ratio = loop tokens/s / bare tokens/s. Goal >= 0.9 (overhead <= 10%). hf always;
-   vllm in the full run when it is installed.
+   vllm in the full run when it is installed. The loop keeps ``concurrent_batches`` batches in
+   flight (2 for vLLM, whose engine batches concurrent requests continuously), so the bare
+   baseline runs the same number at once; one-batch-at-a-time bare is printed as well.
 2. Scaling. N = 1, 2, 4, 8 producer loops (each its own connection) with the ``fake``
    backend at a fixed latency per batch, so the broker path is what is measured.
    scaling(N) = rollouts/s with N / (N x rollouts/s with 1). Goal >= 0.8.
@@ -48,7 +50,9 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-async def bare_rate(backend, cfg, batches: int) -> float:
+async def bare_rate(backend, cfg, batches: int, in_flight: int = 1) -> float:
+    """``backend.generate`` on the same batches with no broker, ``in_flight`` batches at once
+    (as many as the producer loop keeps in flight for this backend)."""
     from rlstream.producers.backends import SamplingSpec
     from rlstream.producers.feeder import build_prompts
     from rlstream.data import read_rows
@@ -56,10 +60,16 @@ async def bare_rate(backend, cfg, batches: int) -> float:
     spec = SamplingSpec.from_config(cfg)
     prompts = [backend.encode_prompt(p)[0] for p in build_prompts(read_rows(cfg.data_source.path), cfg)]
     b = cfg.producer.batch_prompts
+    todo = iter(range(batches))
     tokens, t0 = 0, time.perf_counter()
-    for i in range(batches):
-        groups = await backend.generate(prompts[i * b:(i + 1) * b], spec)
-        tokens += sum(len(c.token_ids) for g in groups for c in g)
+
+    async def worker():
+        nonlocal tokens
+        for i in todo:
+            groups = await backend.generate(prompts[i * b:(i + 1) * b], spec)
+            tokens += sum(len(c.token_ids) for g in groups for c in g)
+
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
     return tokens / (time.perf_counter() - t0)
 
 
@@ -109,16 +119,24 @@ async def bench(args, backends: dict, model_dir: Path, tmp: Path, url: str) -> d
     for name, backend in backends.items():
         data = write_prompts(tmp / f"{name}.jsonl", batches * 8)
         await bare_rate(backend, make_cfg("warm-up", model_dir, data, backend=name), batches)  # every shape once
-        bare = looped = 0.0
+        lanes = backend.concurrent_batches
+        serial = bare = looped = 0.0
         for rep in range(2 if args.quick else 3):  # interleaved, best of each: the machine is shared and noisy
             cfg = make_cfg(f"bench-{name}-{rep}-{os.getpid()}", model_dir, data, backend=name)
-            bare = max(bare, await bare_rate(backend, cfg, batches))
+            if lanes > 1:
+                serial = max(serial, await bare_rate(backend, cfg, batches))
+            bare = max(bare, await bare_rate(backend, cfg, batches, in_flight=lanes))
             looped = max(looped, await loop_rate(backend, cfg, url, batches))
+        serial = serial or bare
+        figures[f"{name}_bare_serial_tokens_per_s"] = serial
         figures[f"{name}_bare_tokens_per_s"] = bare
         figures[f"{name}_loop_tokens_per_s"] = looped
         figures[f"{name}_overhead_ratio"] = looped / bare
-        rows.append((name, bare, looped, looped / bare))
-    table("producer loop vs bare backend (tokens/s)", rows, ("backend", "bare", "through the loop", "ratio"))
+        figures[f"{name}_vs_serial_ratio"] = looped / serial
+        rows.append((name, lanes, serial, bare, looped, looped / bare, looped / serial))
+    table("producer loop vs bare backend (tokens/s)", rows,
+          ("backend", "batches in flight", "bare, one batch at a time", "bare, same batches in flight", "through the loop",
+           "ratio", "vs one at a time"))
 
     latency = 0.4  # seconds per batch: a short generation; 8 producers then make ~160 groups/s
     seconds = 2.0 if args.quick else 8.0
