@@ -171,7 +171,8 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
         # ZeRO 1-3: every rank writes the partition of the optimizer state it holds
         tensors, shard_meta = engine.optimizer_tensors()
         (tmp / TRAINER_DIR).mkdir(exist_ok=True)
-        save_file(tensors, str(tmp / TRAINER_DIR / optimizer_shard_name(engine.rank)), metadata={SHARD_META_KEY: json.dumps(shard_meta)})
+        save_file(tensors, str(tmp / TRAINER_DIR / optimizer_shard_name(engine.rank)),
+                  metadata={SHARD_META_KEY: json.dumps(shard_meta)})
         _barrier()
     if engine.rank == 0:
         model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)

@@ -279,13 +279,16 @@ class DeepSpeedEngine:
         bf16/fp32 working copy of this rank's partition), Adam moments and step."""
         if not self.optimizer_sharded:
             if "layout" in meta:
-                raise ValueError(f"the checkpoint holds partitioned ZeRO ({meta['layout']}) optimizer state; this engine is ZeRO stage 0")
+                raise ValueError(f"the checkpoint holds partitioned ZeRO ({meta['layout']}) optimizer state; "
+                                 "this engine is ZeRO stage 0")
             optimizer_from_tensors(self._base_opt, tensors, meta)
             return
         if meta.get("layout") != self._layout():
-            raise ValueError(f"the checkpoint's optimizer state ({meta.get('layout', 'unpartitioned')}) does not fit ZeRO stage {self.stage}")
+            have = meta.get("layout", "unpartitioned")
+            raise ValueError(f"the checkpoint's optimizer state ({have}) does not fit ZeRO stage {self.stage}")
         if meta["world_size"] != self.world_size or meta["rank"] != self.rank:
-            raise ValueError(f"optimizer partition of rank {meta['rank']}/{meta['world_size']} loaded on rank {self.rank}/{self.world_size}: "
+            raise ValueError(f"optimizer partition of rank {meta['rank']}/{meta['world_size']} "
+                             f"loaded on rank {self.rank}/{self.world_size}: "
                              "ZeRO partitions resume only at the same world size")
         masters = self._master_partitions()
         sizes = [int(m.numel()) for m in masters]

@@ -42,7 +42,8 @@ import torch
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import losses
-from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction, sequence_logps
+from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
+                                       sequence_logps)
 from rlstream.learner.checkpoint import LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import build_engine, lr_at
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample

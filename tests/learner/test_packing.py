@@ -127,7 +127,8 @@ def test_packed_forward_equals_each_document_alone(model):
     assert len(tbs) >= 2 and any(tb.input_ids.shape[0] == 2 for tb in tbs)
     assert sum(len(tb.doc_row) for tb in tbs) == 9
     assert max(int(tb.segments.max()) for tb in tbs) >= 2  # some row holds 3+ documents
-    assert packed_attention_mask(model, tbs[0].segments).dtype == (torch.bool if model.config._attn_implementation == "sdpa" else torch.float32)
+    want_dtype = torch.bool if model.config._attn_implementation == "sdpa" else torch.float32
+    assert packed_attention_mask(model, tbs[0].segments).dtype == want_dtype
     with torch.no_grad():
         packed = [forward_logprobs(model, tb).logprobs for tb in tbs]
         # each packed document's completion log-probs vs its own unpacked forward
@@ -155,7 +156,8 @@ def test_without_the_block_mask_documents_leak(model):
         # same ids and restarting positions, but a plain 2D mask: plain causal attention over the row
         leak_logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=tb.position_ids,
                             use_cache=False).logits
-    flat = leak_logits.reshape(-1, leak_logits.shape[-1])[(tb.doc_row.unsqueeze(1) * tb.input_ids.shape[1] + tb.gather_idx).reshape(-1)]
+    where = (tb.doc_row.unsqueeze(1) * tb.input_ids.shape[1] + tb.gather_idx).reshape(-1)
+    flat = leak_logits.reshape(-1, leak_logits.shape[-1])[where]
     leak = torch.log_softmax(flat.float(), -1).gather(-1, tb.targets.reshape(-1, 1)).reshape(tb.targets.shape)
     first = torch.tensor([_first_in_row(tb, d) for d in range(len(tb.doc_row))])
     m = tb.mask.bool()
