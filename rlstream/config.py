@@ -36,7 +36,9 @@ class Strict(BaseModel):
 class SFTParams(Strict):
     type: Literal["SFT"] = "SFT"
     packing: bool = False
-    """Concatenate examples into full-length rows (no padding)."""
+    """Pack examples into rows of up to ``learner.max_seq_len`` tokens (first-fit decreasing),
+    each with its own position ids and a block-diagonal causal mask, so far less padding is
+    computed; ``learner.micro_batch_size`` then counts packed rows. Needs SDPA or eager attention."""
     loss_aggregation: LossAggregation = "token-mean"
 
 

@@ -9,6 +9,18 @@ completion in the micro-batch), so every per-token tensor the losses see has the
 Right padding keeps every real token at the same position it would have alone (HF
 Llama numbers positions from the start), so a row's log-probs do not depend on which
 other rows share its micro-batch beyond float summation order.
+
+**Packing** (SFT ``algorithm_params.packing``, :func:`pack`): several documents share one
+input row of at most ``max_seq_len`` tokens. Documents are placed by *first-fit decreasing*
+(longest first, ties in input order; each goes into the first row it fits, else a new row),
+which wastes little room and is deterministic. Each document keeps the position ids it
+would have alone (they restart at 0), and attention is block-diagonal causal: a token sees
+only earlier tokens of its own document, passed to the model as an explicit 4D mask
+``[B, 1, L, L]`` (bool for SDPA, additive float for eager attention). The padding at a row's
+end is one more block that attends only to itself, so no query row is fully masked (SDPA
+would return NaN there). The per-token tensors stay one row per *document* ([D, T], with
+``doc_row`` naming the packed row it lives in), so losses, sequence counts and
+normalisers are exactly those of the unpacked batch.
 """
 
 from __future__ import annotations
@@ -48,13 +60,26 @@ class TokenBatch:
     old_logprobs: torch.Tensor     # [B, T] float (0 where padded / not given)
     rewards: torch.Tensor          # [B]
     advantages: torch.Tensor       # [B]
+    # packed batches only (B below is then the number of documents D; input rows are R):
+    position_ids: torch.Tensor | None = None  # [R, L] long: positions restarting at 0 per document
+    segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
+    doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum().item())
 
+    @property
+    def packed(self) -> bool:
+        return self.segments is not None
+
+    @property
+    def pad_tokens(self) -> int:
+        """Input positions that hold no real token."""
+        return int(self.input_ids.numel() - self.attention_mask.sum().item())
+
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(getattr(self, f).to(device) for f in self.__slots__))
+        return TokenBatch(*(None if (v := getattr(self, f)) is None else v.to(device) for f in self.__slots__))
 
 
 def truncate(prompt: np.ndarray, completion: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
@@ -101,6 +126,112 @@ def micro_batches(rows: list, size: int) -> list[list]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def pack_layout(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: document indices per packed row, each row's lengths summing to
+    at most ``capacity``. Longest first (ties in input order); a document goes into the first
+    row with room, else opens a new one. Within a row, documents are in placement order."""
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"a document of {max(lengths)} tokens does not fit in rows of {capacity}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack(rows: list[Row], pad_id: int, max_len: int, rows_per_batch: int) -> list[TokenBatch]:
+    """Pack ``rows`` (each first truncated as :func:`collate` does) into rows of at most
+    ``max_len`` tokens (:func:`pack_layout`), ``rows_per_batch`` packed rows per micro-batch."""
+    fitted = [truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len) for r in rows]
+    layout = pack_layout([len(p) + c for p, c in fitted], max_len)
+    return [_collate_packed(rows, fitted, chunk, pad_id) for chunk in micro_batches(layout, rows_per_batch)]
+
+
+def _collate_packed(rows: list[Row], fitted: list[tuple[np.ndarray, int]], layout: list[list[int]], pad_id: int) -> TokenBatch:
+    R = len(layout)
+    L = max(sum(len(fitted[i][0]) + fitted[i][1] for i in docs) for docs in layout)
+    docs = [i for row in layout for i in row]
+    D, T = len(docs), max(1, max(fitted[i][1] for i in docs))
+    input_ids = torch.full((R, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((R, L), dtype=torch.long)
+    position_ids = torch.zeros((R, L), dtype=torch.long)
+    segments = torch.full((R, L), -1, dtype=torch.long)
+    doc_row = torch.zeros(D, dtype=torch.long)
+    gather_idx = torch.zeros((D, T), dtype=torch.long)
+    targets = torch.zeros((D, T), dtype=torch.long)
+    mask = torch.zeros((D, T), dtype=torch.float32)
+    old = torch.zeros((D, T), dtype=torch.float32)
+    d = 0
+    for r, row_docs in enumerate(layout):
+        start = 0
+        for s, i in enumerate(row_docs):
+            p, c = fitted[i]
+            n = len(p)
+            comp = np.asarray(rows[i].completion_ids[:c], dtype=np.int64)
+            end = start + n + c
+            input_ids[r, start:start + n] = torch.from_numpy(np.asarray(p, dtype=np.int64))
+            input_ids[r, start + n:end] = torch.from_numpy(comp)
+            attention[r, start:end] = 1
+            position_ids[r, start:end] = torch.arange(n + c)
+            segments[r, start:end] = s
+            doc_row[d] = r
+            gather_idx[d, :c] = torch.arange(start + n - 1, start + n - 1 + c)
+            targets[d, :c] = torch.from_numpy(comp)
+            if rows[i].keep:
+                mask[d, :c] = 1.0
+            if rows[i].old_logprobs is not None:
+                old[d, :c] = torch.tensor(np.asarray(rows[i].old_logprobs[:c], dtype=np.float32))
+            start, d = end, d + 1
+        position_ids[r, start:] = torch.arange(L - start)  # the padding block: positions of its own
+    picked = [rows[i] for i in docs]
+    rewards = torch.tensor([r.reward for r in picked], dtype=torch.float32)
+    advantages = torch.tensor([r.advantage for r in picked], dtype=torch.float32)
+    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, position_ids, segments, doc_row)
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """``[R, 1, L, L]`` bool, True where query i may attend key j: same segment and j <= i."""
+    L = segments.shape[1]
+    same = segments.unsqueeze(2) == segments.unsqueeze(1)
+    causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def _hf_model(model):
+    """The transformers model inside DDP / DeepSpeed wrappers."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def packed_attention_mask(model, segments: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask in the form ``model``'s attention implementation takes
+    as a prepared 4D mask: bool for SDPA, additive float (0 / dtype min) for eager."""
+    allowed = block_causal_mask(segments)
+    hf = _hf_model(model)
+    impl = getattr(hf.config, "_attn_implementation", "sdpa")
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        dtype = hf.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"packing needs attn_implementation 'sdpa' or 'eager' (a 4D attention mask), not {impl!r}")
+
+
+def pad_fraction(tbs: list[TokenBatch]) -> float:
+    """Share of the forward passes' input positions that are padding."""
+    total = sum(tb.input_ids.numel() for tb in tbs)
+    return sum(tb.pad_tokens for tb in tbs) / total if total else 0.0
+
+
 @dataclass(slots=True)
 class TokenOutput:
     logprobs: torch.Tensor              # [B, T]
@@ -112,17 +243,27 @@ def forward_logprobs(model, tb: TokenBatch, *, keep_logits: bool = False, hidden
     """Per-token log-probs of the completion tokens under ``model`` [B, T].
 
     The log-softmax runs in float32 only at completion positions ([B, T, V], not [B, L, V]).
+    A packed batch is forwarded with its block-diagonal mask and restarting position ids;
+    its outputs are per document ([D, T]).
     """
-    out = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, output_hidden_states=hidden, use_cache=False)
-    logits = out.logits
-    V = logits.shape[-1]
-    logits_c = logits.gather(1, tb.gather_idx.unsqueeze(-1).expand(-1, -1, V)).float()
+    if tb.packed:
+        out = model(input_ids=tb.input_ids, attention_mask=packed_attention_mask(model, tb.segments),
+                    position_ids=tb.position_ids, output_hidden_states=hidden, use_cache=False)
+    else:
+        out = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, output_hidden_states=hidden, use_cache=False)
+    logits_c = _at_completions(out.logits, tb).float()
     logprobs = torch.log_softmax(logits_c, dim=-1).gather(-1, tb.targets.unsqueeze(-1)).squeeze(-1)
-    h = None
-    if hidden:
-        last = out.hidden_states[-1]
-        h = last.gather(1, tb.gather_idx.unsqueeze(-1).expand(-1, -1, last.shape[-1]))
+    h = _at_completions(out.hidden_states[-1], tb) if hidden else None
     return TokenOutput(logprobs, logits_c if keep_logits else None, h)
+
+
+def _at_completions(x: torch.Tensor, tb: TokenBatch) -> torch.Tensor:
+    """``x`` [rows, L, F] at the positions predicting completion tokens: [B, T, F] (per document when packed)."""
+    F = x.shape[-1]
+    if not tb.packed:
+        return x.gather(1, tb.gather_idx.unsqueeze(-1).expand(-1, -1, F))
+    flat = tb.doc_row.unsqueeze(1) * x.shape[1] + tb.gather_idx
+    return x.reshape(-1, F).index_select(0, flat.reshape(-1)).reshape(*flat.shape, F)
 
 
 def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,11 @@ A checkpoint directory holds:
 - the HF model (``config.json``, ``model.safetensors``, generation config) and the tokenizer,
   so ``AutoModelForCausalLM.from_pretrained(step_dir)`` works on it directly;
 - ``trainer/optimizer.safetensors``: the optimizer's tensors, with its non-tensor state in
-  ``learner_state.json`` (no pickle anywhere);
+  ``learner_state.json`` (no pickle anywhere). Under DeepSpeed ZeRO 1-3 the optimizer state
+  is partitioned over the ranks instead, and each rank writes its own partition:
+  ``trainer/optimizer_rank{r}.safetensors`` (fp32 master partitions + Adam moments, the
+  rank's JSON meta in the safetensors header); ``learner_state.json`` records the world size,
+  and a resume loads rank r's file on rank r (same world size required);
 - ``trainer/value_head.safetensors`` + ``trainer/value_optimizer.safetensors`` for PPO (in
   ``trainer/`` so the directory stays loadable by vLLM, which reads every top-level
   ``*.safetensors``);
@@ -33,11 +37,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 STATE_FILE = "learner_state.json"
 TRAINER_DIR = "trainer"
 STATE_VERSION = 1
+SHARD_META_KEY = "rlstream.optimizer"
 
 
 @dataclass
@@ -152,12 +158,23 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
     final = base / f"step_{state.step}"
     tmp = base / f"step_{state.step}.tmp"
     engine = learner.engine
-    model = engine.unwrapped
-    full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
-    if engine.rank == 0:  # only rank 0 touches the files
+    if engine.rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+    _barrier()
+    model = engine.unwrapped
+    full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
+    save_optimizer = learner.cfg.checkpoint.save_optimizer
+    sharded = save_optimizer and getattr(engine, "optimizer_sharded", False)
+    if sharded:
+        # ZeRO 1-3: every rank writes the partition of the optimizer state it holds
+        tensors, shard_meta = engine.optimizer_tensors()
+        (tmp / TRAINER_DIR).mkdir(exist_ok=True)
+        save_file(tensors, str(tmp / TRAINER_DIR / optimizer_shard_name(engine.rank)),
+                  metadata={SHARD_META_KEY: json.dumps(shard_meta)})
+        _barrier()
+    if engine.rank == 0:  # only rank 0 writes the model and the state
         model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
         if learner.tokenizer is not None:
             learner.tokenizer.save_pretrained(str(tmp))
@@ -166,7 +183,10 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
         # model directory and would fail on optimizer keys.
         trainer_dir = tmp / TRAINER_DIR
         trainer_dir.mkdir(exist_ok=True)
-        if learner.cfg.checkpoint.save_optimizer:
+        if sharded:
+            meta = {"sharded": True, "world_size": engine.world_size,
+                    "files": [optimizer_shard_name(r) for r in range(engine.world_size)]}
+        elif save_optimizer:
             tensors, meta = engine.optimizer_tensors()
             save_file(tensors, str(trainer_dir / "optimizer.safetensors"))
         extra: dict[str, Any] = {"optimizer": meta, "engine": engine.name}
@@ -226,10 +246,18 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
             _load_weights(model, weights)
     else:
         _load_weights(model, weights)
+    if hasattr(engine, "weights_loaded"):
+        engine.weights_loaded()
     trainer_dir = step_dir / TRAINER_DIR
     opt_file = trainer_dir / "optimizer.safetensors"
-    if opt_file.exists() and extra.get("optimizer"):
-        engine.load_optimizer_tensors(load_file(str(opt_file)), extra["optimizer"])
+    opt_meta = extra.get("optimizer") or {}
+    if opt_meta.get("sharded"):
+        if opt_meta["world_size"] != engine.world_size:
+            raise ValueError(f"{step_dir}: optimizer state partitioned over {opt_meta['world_size']} ranks, "
+                             f"this run has {engine.world_size}; resume with the same world size")
+        engine.load_optimizer_tensors(*load_optimizer_shard(trainer_dir / optimizer_shard_name(engine.rank)))
+    elif opt_file.exists() and opt_meta:
+        engine.load_optimizer_tensors(load_file(str(opt_file)), opt_meta)
     if learner.value_head is not None and (trainer_dir / "value_head.safetensors").exists():
         learner.value_head.load_state_dict(load_file(str(trainer_dir / "value_head.safetensors")))
         from rlstream.learner.engines import optimizer_from_tensors
@@ -238,6 +266,25 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
     restore_rng(state.rng)
     learner.state = state
     return state
+
+
+def optimizer_shard_name(rank: int) -> str:
+    return f"optimizer_rank{rank}.safetensors"
+
+
+def load_optimizer_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One rank's optimizer partition: its tensors and the JSON meta from the file's header."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {})[SHARD_META_KEY])
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def _barrier() -> None:
+    """All ranks meet here (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -229,26 +229,109 @@ class DeepSpeedEngine:
                 return _unique_cpu(model.state_dict())
         return _unique_cpu(model.state_dict())
 
-    def optimizer_tensors(self):
-        if self.stage in (1, 2):
-            # The ZeRO optimizer's own state_dict holds python objects; the fp32 partitions and
-            # Adam moments of the base optimizer are what a resume needs (one process).
-            tensors, meta = optimizer_to_tensors(self._base_opt)
-            for i, part in enumerate(self.optimizer.single_partition_of_fp32_groups):
-                tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
-            return tensors, meta
+    # ---- optimizer state (safetensors + JSON, never DeepSpeed's pickled save_checkpoint) ----
+    #
+    # ZeRO 1-3 partition the fp32 master weights and the Adam moments over the data-parallel
+    # ranks: rank r holds one flat fp32 partition per parameter sub-group (stage 1/2: a slice
+    # of the flattened group; stage 3: its slice of every parameter, concatenated) and the
+    # base AdamW keeps (exp_avg, exp_avg_sq, step) keyed by that flat tensor. Each rank saves
+    # its own partitions (``trainer/optimizer_rank{r}.safetensors``) rather than gathering
+    # them: nothing is materialised whole on one rank, and the layout is DeepSpeed's own
+    # rigid one, so a resume needs the same world size and stage family (checked).
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """True when each rank holds (and saves) only its partition of the optimizer state."""
+        return self.stage in (1, 2, 3)
+
+    def _master_partitions(self) -> list[torch.Tensor]:
         if self.stage == 3:
-            return {}, {"param_groups": [], "note": "ZeRO-3 optimizer state is not saved; a resume restarts the moments"}
-        return optimizer_to_tensors(self._base_opt)
+            if getattr(self.optimizer, "swap_optimizer", False):
+                raise NotImplementedError("ZeRO-3 optimizer state swapped to NVMe is not checkpointed; offload to cpu instead")
+            return list(self.optimizer.fp32_partitioned_groups_flat)
+        return list(self.optimizer.single_partition_of_fp32_groups)
+
+    def _layout(self) -> str:
+        return "zero3" if self.stage == 3 else "zero12"
+
+    def optimizer_tensors(self):
+        """This rank's optimizer state: ``fp32.<i>`` (master partition of sub-group i) and
+        ``state.<i>.<name>`` (its Adam tensors), plus JSON meta. Stage 0: the whole torch
+        optimizer (every rank holds the same)."""
+        if not self.optimizer_sharded:
+            return optimizer_to_tensors(self._base_opt)
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        masters = self._master_partitions()
+        for i, master in enumerate(masters):
+            tensors[f"fp32.{i}"] = master.detach().to("cpu", copy=True).contiguous()
+            for name, value in self._base_opt.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"state.{i}.{name}"] = value.detach().to("cpu", copy=True).contiguous()
+                else:
+                    scalars.setdefault(str(i), {})[name] = value
+        meta = {"layout": self._layout(), "stage": self.stage, "rank": self.rank, "world_size": self.world_size,
+                "partition_numel": [int(m.numel()) for m in masters], "scalars": scalars}
+        return tensors, meta
 
     def load_optimizer_tensors(self, tensors, meta) -> None:
-        if self.stage == 3 or not meta.get("param_groups"):
+        """Restore what :meth:`optimizer_tensors` gave on this rank: master weights (and the
+        bf16/fp32 working copy of this rank's partition), Adam moments and step."""
+        if not self.optimizer_sharded:
+            if "layout" in meta:
+                raise ValueError(f"the checkpoint holds partitioned ZeRO ({meta['layout']}) optimizer state; "
+                                 "this engine is ZeRO stage 0")
+            optimizer_from_tensors(self._base_opt, tensors, meta)
             return
-        fp32 = {k: v for k, v in tensors.items() if k.startswith("fp32.")}
-        optimizer_from_tensors(self._base_opt, {k: v for k, v in tensors.items() if not k.startswith("fp32.")}, meta)
-        if fp32:
-            for i, part in enumerate(self.optimizer.single_partition_of_fp32_groups):
-                part.data.copy_(fp32[f"fp32.{i}"])
+        if meta.get("layout") != self._layout():
+            have = meta.get("layout", "unpartitioned")
+            raise ValueError(f"the checkpoint's optimizer state ({have}) does not fit ZeRO stage {self.stage}")
+        if meta["world_size"] != self.world_size or meta["rank"] != self.rank:
+            raise ValueError(f"optimizer partition of rank {meta['rank']}/{meta['world_size']} "
+                             f"loaded on rank {self.rank}/{self.world_size}: "
+                             "ZeRO partitions resume only at the same world size")
+        masters = self._master_partitions()
+        sizes = [int(m.numel()) for m in masters]
+        if meta["partition_numel"] != sizes:
+            raise ValueError(f"optimizer partitions {meta['partition_numel']} do not match this model's {sizes}")
+        scalars = meta.get("scalars", {})
+        with torch.no_grad():
+            for i, master in enumerate(masters):
+                master.copy_(tensors[f"fp32.{i}"])
+                prefix = f"state.{i}."
+                state = {k[len(prefix):]: v.to(master.device) for k, v in tensors.items() if k.startswith(prefix)}
+                state.update(scalars.get(str(i), {}))
+                if state:
+                    self._base_opt.state[master] = state
+                else:
+                    self._base_opt.state.pop(master, None)
+            self._copy_masters_to_working()
+
+    def _copy_masters_to_working(self) -> None:
+        """The model computes with its own (bf16 or fp32) copy of this rank's partition: set it
+        from the restored masters, as DeepSpeed does after each step."""
+        opt = self.optimizer
+        if self.stage == 3:
+            for i, master in enumerate(opt.fp32_partitioned_groups_flat):
+                work = opt.fp16_partitioned_groups_flat[i]
+                if work is not None and work is not master and work.numel() > 0:
+                    work.data.copy_(master.data)
+                    for part, view in zip(opt.fp16_partitioned_groups[i], opt.unflatten(work, opt.fp16_partitioned_groups[i])):
+                        part.data = view.data
+            return
+        import torch.distributed as dist
+
+        for i, master in enumerate(opt.single_partition_of_fp32_groups):
+            pid = dist.get_rank(group=opt.real_dp_process_group[i])
+            opt.parallel_partitioned_bit16_groups[i][pid].data.copy_(master.data)
+
+    def weights_loaded(self) -> None:
+        """After the model's weights were overwritten (checkpoint load): refresh the fp32 master
+        partitions from them, so an optimizer step does not start from stale masters. (A
+        checkpoint's optimizer file, loaded next, then restores the exact fp32 masters.)"""
+        refresh = getattr(self.optimizer, "refresh_fp32_params", None)
+        if self.optimizer_sharded and refresh is not None:
+            refresh()
 
 
 def build_engine(model: torch.nn.Module, lcfg, accumulation: int = 1):

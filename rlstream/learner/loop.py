@@ -49,7 +49,8 @@ from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
 from rlstream.learner import losses
-from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, sequence_logps
+from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
+                                       sequence_logps)
 from rlstream.learner.checkpoint import LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import build_engine, lr_at
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
@@ -316,7 +317,11 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
     cfg = learner.cfg
     lcfg = cfg.learner
     rows = [Row(e.prompt_ids, e.completion_ids) for e in examples]
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    if cfg.algorithm_params.packing:
+        # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
+        tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
+    else:
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -336,6 +341,8 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
     out.pop("sft/tokens", None)
     out["loss/policy"] = out.get("loss/sft", 0.0)
     out["samples"], out["tokens"] = float(len(rows)), float(token_norm)
+    out["sft/pad_fraction"] = pad_fraction(tbs)
+    out["sft/forward_rows"] = float(sum(tb.input_ids.shape[0] for tb in tbs))
     return _finish_step(learner, out, grad_norm, stepped, len(rows), token_norm)
 
 
