@@ -203,7 +203,12 @@ class NatsConfig(Strict):
     """nats://host:port (comma-separated for a cluster). Absent: an embedded server."""
     user: str | None = None
     password: SecretStr | None = None
+    password_env: str | None = None
+    """Read the password from this environment variable at connect time (e.g. a Kubernetes
+    Secret mapped to an env var), so it never appears on a command line or in the config."""
     token: SecretStr | None = None
+    token_env: str | None = None
+    """Read the token from this environment variable at connect time."""
     creds_file: str | None = None
     tls: NatsTLS | None = None
     replicas: int = Field(1, ge=1, le=5)

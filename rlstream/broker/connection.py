@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 from typing import Any
 
@@ -26,6 +27,13 @@ def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+def _from_env(var: str, field: str) -> str:
+    value = os.environ.get(var)
+    if not value:
+        raise BrokerError(f"{field} names the environment variable {var}, which is not set")
+    return value
+
+
 def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstream") -> dict[str, Any]:
     """Keyword arguments for ``nats.connect`` (secrets read from SecretStr only here)."""
     target = url or cfg.url
@@ -43,8 +51,12 @@ def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstre
         opts["user"] = cfg.user
     if cfg.password is not None:
         opts["password"] = cfg.password.get_secret_value()
+    elif cfg.password_env:
+        opts["password"] = _from_env(cfg.password_env, "nats.password_env")
     if cfg.token is not None:
         opts["token"] = cfg.token.get_secret_value()
+    elif cfg.token_env:
+        opts["token"] = _from_env(cfg.token_env, "nats.token_env")
     if cfg.creds_file:
         opts["user_credentials"] = cfg.creds_file
     tls = _tls_context(cfg)

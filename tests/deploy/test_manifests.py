@@ -264,7 +264,9 @@ def test_container_commands_parse_with_the_cli_and_load_the_config(render, tmp_p
             path = tmp_path / "config.yaml"
             path.write_text(cm_text)
             cfg = load_config(path, args.set)
-            assert cfg.nats.user in users and cfg.nats.password.get_secret_value() == "pw", where
+            # the password comes from the env var at connect time: never on the command line
+            assert cfg.nats.user in users and cfg.nats.password is None and cfg.nats.password_env == "NATS_PASSWORD", where
+            assert not any("password=" in a for a in c.get("args", [])), f"{where}: a password on the command line"
             secret_key = next(e for e in c["env"] if e["name"] == "NATS_PASSWORD")["valueFrom"]["secretKeyRef"]["key"]
             assert secret_key == cfg.nats.user, f"{where}: password of {secret_key} used as user {cfg.nats.user}"
     assert {"feed", "producer", "scorer", "reward-server", "learner"} <= seen

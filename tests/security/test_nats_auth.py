@@ -33,6 +33,22 @@ async def test_user_password(tmp_path):
         server.stop()
 
 
+async def test_secrets_from_environment_variables(tmp_path, monkeypatch):
+    """Kubernetes maps a Secret to an env var; the config names the variable, never the value."""
+    server = start(tmp_path, 'authorization { user: "rl", password: "env-pw-1234" }\n')
+    try:
+        monkeypatch.setenv("RL_TEST_NATS_PASSWORD", "env-pw-1234")
+        cfg = NatsConfig(url=server.url, user="rl", password_env="RL_TEST_NATS_PASSWORD")
+        assert "env-pw-1234" not in cfg.model_dump_json()
+        nc = await connect(cfg)
+        await nc.close()
+        monkeypatch.delenv("RL_TEST_NATS_PASSWORD")
+        with pytest.raises(BrokerError, match="RL_TEST_NATS_PASSWORD, which is not set"):
+            await connect(cfg)
+    finally:
+        server.stop()
+
+
 async def test_token(tmp_path):
     server = start(tmp_path, 'authorization { token: "tok-123456" }\n')
     try:
