@@ -22,6 +22,13 @@ they are stored).
 SIGTERM finishes the batch in hand (generate, publish, ack) and exits. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
 deliveries); three failing batches in a row end the producer with an error.
+
+A batch that generates for longer than ``producer.generation_timeout_s`` means a hung
+backend (the in-progress acks would otherwise hold its prompts forever): the producer logs
+the error, raises ``alert/generation_timeouts``, naks the prompts (another producer, or
+this one restarted, gets them) and exits with ``EXIT_GENERATION_TIMEOUT`` (75), because a
+thread stuck inside a backend cannot be stopped from Python. ``rlstream run`` restarts it
+with a growing delay.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +53,8 @@ log = logging.getLogger(__name__)
 
 PACING_POLL_S = 0.15
 MAX_FAILED_BATCHES = 3
+EXIT_GENERATION_TIMEOUT = 75
+"""Exit code of a producer whose backend hung (EX_TEMPFAIL: restart it)."""
 OVERLAP_PUBLISH = False
 """Publish a batch while the next one generates. Off: on CPU the encoding and acks then
 compete with generation for the interpreter and cost more than they save (bench/producers.py)."""
@@ -66,12 +77,24 @@ def default_admit(cfg) -> int:
     return min(cfg.buffer.max_groups, cfg.learner.batch_groups * (cfg.max_staleness + 1))
 
 
+class GenerationTimeout(ProducerError):
+    """A generate call outlived ``producer.generation_timeout_s``: the backend is hung."""
+
+
 async def main(cfg, nats_url: str, component_id: str = "producer-0", **_: Any) -> int:
     # The model loads before we serve (and vLLM must be built in the main thread).
     backend = make_backend(cfg)
     try:
         async with Component(cfg, nats_url, "producer", component_id) as comp:
             await run(comp, backend, cfg)
+    except GenerationTimeout as exc:
+        # The naks and the alert are flushed (leaving the Component does that). The hung
+        # thread would block backend.close() and the interpreter's exit: leave at once.
+        log.error("producer %s: exiting with code %d to be restarted: %s", component_id, EXIT_GENERATION_TIMEOUT, exc)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_GENERATION_TIMEOUT)
     finally:
         await backend.close()
     return 0
@@ -166,8 +189,22 @@ async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, 
         log.error("producer %s: %s", comp.component_id, exc)
         return None
     t0 = time.monotonic()
+    timeout_s = comp.cfg.producer.generation_timeout_s
     try:
-        completions = await backend.generate([ids for ids, _ in encoded], spec)
+        completions = await asyncio.wait_for(backend.generate([ids for ids, _ in encoded], spec), timeout_s)
+    except asyncio.TimeoutError:
+        reason = (f"generation timed out after {timeout_s:g}s (producer.generation_timeout_s): "
+                  f"the {backend.name} backend is hung")
+        log.error("producer %s: %s; nak'ing %d prompts (%s)", comp.component_id, reason, len(deliveries),
+                  ", ".join(d.record.id for d in deliveries[:8]))
+        comp.reporter.inc("alert/generation_timeouts")
+        for d in deliveries:
+            await consumer.fail(d, reason)
+        try:
+            await comp.reporter.emit(dict(comp.reporter.values))
+        except Exception as exc:  # the broker away: the log line is the record
+            log.debug("alert not published: %s", exc)
+        raise GenerationTimeout(reason) from None
     except Exception as exc:  # generation failed: nak with backoff, dead-letter after max_deliver
         log.error("producer %s: generation failed: %s", comp.component_id, exc)
         for d in deliveries:
