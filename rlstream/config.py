@@ -255,10 +255,19 @@ class ProducerConfig(Strict):
     reloaded when no batch is generating."""
     in_progress_s: float | None = Field(None, gt=0)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
+    generation_timeout_s: float = Field(600.0, gt=0)
+    """A batch whose generation takes longer is treated as a hung backend: its prompts are
+    nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
+    producer exits with code 75 for its supervisor to restart it (a thread stuck in a
+    backend cannot be stopped from Python)."""
     fake_latency_s: float = Field(0.0, ge=0)
     """fake backend: seconds each batch takes."""
     fake_vocab_size: int = Field(512, ge=2)
     """fake backend: token ids are drawn from [0, fake_vocab_size)."""
+    fake_hang_file: str | None = None
+    """fake backend: when this file exists, the next batch removes it and blocks its thread
+    for ``fake_hang_s`` (a stuck engine; one hang per creation of the file)."""
+    fake_hang_s: float = Field(3600.0, gt=0)
 
 
 class ScorerConfig(Strict):

@@ -35,6 +35,8 @@ log = logging.getLogger("rlstream.run")
 HEARTBEAT_STALE_S = 120.0
 EXHAUSTED_AFTER_S = 20.0
 MAX_RESTARTS = 5
+EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
+"""Exit codes a component uses to say why it wants a restart (for the run's log)."""
 
 
 @dataclass
@@ -369,7 +371,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     stop.set()
                     break
                 c.restarts += 1
-                log.warning("%s exited with %s; restarting (%d/%d), log %s", c.name, code, c.restarts, MAX_RESTARTS, c.log_path)
+                why = f" ({EXIT_MEANINGS[code]})" if code in EXIT_MEANINGS else ""
+                log.warning("%s exited with %s%s; restarting (%d/%d), log %s", c.name, code, why, c.restarts, MAX_RESTARTS, c.log_path)
                 await asyncio.sleep(min(2.0 * c.restarts, 10.0))
                 c.start(env, resume=(c is learner))
             # hung components: a heartbeat that stopped while the process lives

@@ -21,13 +21,19 @@ It is written to ``step_N.tmp`` (every file fsync'ed), renamed to ``step_N`` and
 directory fsync'ed; only then are the records it covers acknowledged. Retention keeps the
 newest ``checkpoint.keep_last`` and deletes those older than ``checkpoint.max_age_days``, never
 the latest.
+
+A write that fails (disk full, ``ENOSPC``; file too large, ``EFBIG``; any I/O error) removes
+its ``step_N.tmp`` and raises :class:`CheckpointWriteError` naming the path and the errno; the
+previous checkpoints are untouched and nothing is acknowledged.
 """
 
 from __future__ import annotations
 
 import base64
+import errno as errno_names
 import json
 import os
+import re
 import random
 import shutil
 import time
@@ -37,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 STATE_FILE = "learner_state.json"
@@ -112,6 +118,23 @@ def restore_rng(rng: dict[str, Any]) -> None:
 # ---- writing -------------------------------------------------------------------------------
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its temporary directory is already removed)."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        code = getattr(cause, "errno", None)
+        if code is None:  # safetensors reports the OS error inside its message: "(os error 28)"
+            m = re.search(r"os error (\d+)", str(cause))
+            code = int(m.group(1)) if m else None
+        name = errno_names.errorcode.get(code, "?") if code is not None else "?"
+        super().__init__(code, f"cannot write checkpoint {path}: {name} (errno {code}): {cause}")
+        self.path = path
+        self.errno_name = name
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 def _fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
@@ -157,6 +180,18 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     final = base / f"step_{state.step}"
     tmp = base / f"step_{state.step}.tmp"
+    try:
+        _write(learner, state, tmp, final, base)
+    except (OSError, SafetensorError) as exc:
+        if learner.engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(final, exc) from exc
+    if learner.engine.rank == 0:
+        prune_checkpoints(run_dir, learner.cfg.checkpoint.keep_last, learner.cfg.checkpoint.max_age_days)
+    return final
+
+
+def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> None:
     engine = learner.engine
     if engine.rank == 0:
         if tmp.exists():
@@ -205,8 +240,6 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(base)
-        prune_checkpoints(run_dir, learner.cfg.checkpoint.keep_last, learner.cfg.checkpoint.max_age_days)
-    return final
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int, max_age_days: float | None, now: float | None = None) -> list[Path]:

@@ -51,7 +51,7 @@ from rlstream.learner import distributed as dist
 from rlstream.learner import losses
 from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
                                        sequence_logps)
-from rlstream.learner.checkpoint import LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import build_engine, lr_at
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
@@ -503,8 +503,13 @@ def _signals_to(stop: asyncio.Event, enabled: bool):
                 loop.remove_signal_handler(sig)
 
 
-async def _checkpoint(learner: Learner, buf) -> Path:
-    """Write a checkpoint (off the event loop), then ack what it holds."""
+async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
+    """Write a checkpoint (off the event loop), then ack what it holds.
+
+    A write that fails (disk full, file too large, any I/O error) is logged with the path and
+    the errno and raises ``alert/checkpoint_failures``; nothing is acked (the held records keep
+    their in-progress acks) and None is returned: training goes on and the next checkpoint
+    interval tries again, holding everything handled since the last durable one."""
     state = learner.state
     if buf is not None:
         state.next_seq = buf.next_seq
@@ -514,9 +519,23 @@ async def _checkpoint(learner: Learner, buf) -> Path:
             dist.send("checkpoint")
         return save_checkpoint(learner, learner.run_dir)
 
-    path = await asyncio.to_thread(save)
+    try:
+        path = await asyncio.to_thread(save)
+    except CheckpointWriteError as exc:
+        held = len(buf.handled) if buf is not None else 0
+        log.error("checkpoint at step %d failed: %s; %d trained records stay unacked (held in progress) "
+                  "until a checkpoint succeeds; retrying at the next interval", state.step, exc, held)
+        if comp is not None:
+            comp.reporter.inc("alert/checkpoint_failures")
+            comp.reporter.set("checkpoint/unacked_records", held)
+            await comp.reporter.emit({"alert/checkpoint_failures": comp.reporter.values["alert/checkpoint_failures"],
+                                      "checkpoint/unacked_records": float(held)}, state.step)
+        return None
     if buf is not None:
         await buf.ack_handled()
+    if comp is not None:
+        comp.reporter.set("checkpoint/unacked_records", 0)
+        comp.reporter.set("checkpoint/last_step", state.step)
     return path
 
 
@@ -572,6 +591,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         if ranks:
             dist.send("publish")
         return learner.engine.full_state_dict()
+
+    final_checkpoint_failed = False
 
     async with _maybe_component(cfg, nats_url, component_id) as comp:
         stop = comp.stop if comp is not None else asyncio.Event()
@@ -653,12 +674,13 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
                         # 5. maybe checkpoint, then ack what it holds
                         if state.step % cfg.checkpoint.interval == 0:
-                            await _checkpoint(learner, buf)
-                            last_checkpoint_step = state.step
+                            if await _checkpoint(learner, buf, comp) is not None:
+                                last_checkpoint_step = state.step
 
                 # clean exit: a final checkpoint holds everything handled, then it is acked
                 if state.step != last_checkpoint_step or (buf is not None and buf.handled):
-                    await _checkpoint(learner, buf)
+                    if await _checkpoint(learner, buf, comp) is None:
+                        final_checkpoint_failed = True
             finally:
                 if followers_running:
                     await asyncio.to_thread(dist.send, "stop")
@@ -680,5 +702,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     if offline:
         summary["dataset_size"] = len(examples)
         summary["epochs"] = epoch_summary(state, len(examples))
+    if final_checkpoint_failed:
+        # what was trained since the last durable checkpoint is unacked: it is redelivered to
+        # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
+        log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
+        return 1
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

@@ -5,32 +5,55 @@ one process run concurrently), then returns ``max_new_tokens`` tokens per sample
 uniformly from ``[0, fake_vocab_size)``. The log-probs are the true ones of that uniform
 policy, ``-log(V)``, so records pass every validation. Weight loads are recorded, not
 applied. Use it to measure the broker and the producer loop without the cost of a model.
+
+To inject a hung engine, set ``producer.fake_hang_file``: when that file exists, the next
+batch removes it (so one creation of the file makes exactly one hang, even with several
+producers) and blocks its worker thread for ``fake_hang_s`` seconds, the way a stuck
+generation call blocks a real backend's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import os
+import time
 
 import numpy as np
 
 from rlstream.producers.backends.base import Backend, Completion, SamplingSpec, WeightsSource
 from rlstream.schemas import Prompt
 
+log = logging.getLogger(__name__)
+
 
 class FakeBackend(Backend):
     name = "fake"
 
-    def __init__(self, latency_s: float = 0.0, vocab_size: int = 512, seed: int | None = None):
+    def __init__(self, latency_s: float = 0.0, vocab_size: int = 512, seed: int | None = None,
+                 hang_file: str | None = None, hang_s: float = 3600.0):
         self.latency_s = latency_s
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self.loaded_versions: list[int] = []
+        self.hang_file = hang_file
+        self.hang_s = hang_s
 
     @classmethod
     def from_config(cls, cfg) -> "FakeBackend":
         p = cfg.producer
-        return cls(p.fake_latency_s, p.fake_vocab_size, p.seed)
+        return cls(p.fake_latency_s, p.fake_vocab_size, p.seed, p.fake_hang_file, p.fake_hang_s)
+
+    def _hang_if_asked(self) -> None:
+        if not self.hang_file:
+            return
+        try:
+            os.unlink(self.hang_file)  # only one batch (of one producer) wins the file
+        except FileNotFoundError:
+            return
+        log.warning("fake backend: %s existed; this batch blocks its thread for %.0fs", self.hang_file, self.hang_s)
+        time.sleep(self.hang_s)
 
     def encode_prompt(self, prompt: Prompt) -> tuple[np.ndarray, str]:
         if len(prompt.prompt_ids):
@@ -40,6 +63,8 @@ class FakeBackend(Backend):
         return ids, text
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        if self.hang_file:
+            await asyncio.to_thread(self._hang_if_asked)
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         lp = np.full(spec.max_new_tokens, -math.log(self.vocab_size), np.float32)
