@@ -50,7 +50,7 @@ import numpy as np
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
 from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.producers.backends import Backend, ProducerError, SamplingSpec, WeightsSource, make_backend
-from rlstream.schemas import Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
+from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,9 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
     ``concurrent_batches``); they share the prompt consumer, the pacing bound and the weights.
     """
     p = cfg.producer
+    limits = Limits(vocab_size=backend.vocab_size) if backend.vocab_size else DEFAULT_LIMITS
     consumer = await Consumer(comp.js, comp.layout, Layout.PRODUCERS, Prompt, stage="producer",
-                              max_deliver=cfg.nats.max_deliver, publisher=comp.publisher).start()
+                              max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
     spec = SamplingSpec.from_config(cfg)
     sampling = spec.describe(backend.name)
     keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3

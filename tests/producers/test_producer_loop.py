@@ -302,3 +302,27 @@ async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, 
 
 async def _ge(coro, want):
     return (await coro) >= want
+
+
+async def test_prompt_ids_outside_the_models_vocabulary_are_dead_lettered_on_arrival(js, nats_server, run_id, config, dataset):
+    from rlstream.schemas import DeadLetter, Prompt
+
+    cfg, _ = config(data_source={"path": str(dataset(3))},
+                    producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 3, "fake_vocab_size": 64})
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    bad = Prompt(id="too-big", text="x", prompt_ids=np.array([5, 64], np.int32))  # 64 is outside [0, 64)
+    await js.publish(lay.prompts, bad.encode())
+    async with InProcess(cfg, nats_server.url, make_backend(cfg), "p1"):
+        await wait_until(lambda: _eq(rollout_count(js, lay), 3), 30)
+        dlq = await wait_until(lambda: _ge(_count(js, lay.dlq_stream), 1), 30)
+    assert dlq
+    letter = DeadLetter.decode((await js.get_msg(lay.dlq_stream, 1)).data)
+    assert letter.stage == "producer" and "prompt_ids" in letter.reason and "outside the vocabulary of 64" in letter.reason
+    assert Prompt.decode(letter.data).id == "too-big"
+    produced = [g.prompt_id for g in await read_rollouts(js, lay)]
+    assert len(produced) == 3 and "too-big" not in produced
+
+
+async def _count(js, stream):
+    return (await js.stream_info(stream)).state.messages

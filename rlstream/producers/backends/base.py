@@ -106,6 +106,9 @@ class Backend:
     can_reload: bool = True
     reload_note: str = ""
     tokenizer: Any = None
+    vocab_size: int | None = None
+    """The model's vocabulary, when known: prompts with token ids outside it are dead-lettered
+    on arrival instead of failing generation."""
 
     def encode_prompt(self, prompt: Prompt) -> tuple[np.ndarray, str]:
         """Token ids and text of a prompt: ``prompt_ids`` if given, else the chat template

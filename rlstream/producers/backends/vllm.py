@@ -66,6 +66,7 @@ class VLLMBackend(Backend):
         kwargs.update(engine_kwargs or {})
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.tokenizer = self.engine.get_tokenizer()
+        self.vocab_size = int(self.engine.model_config.get_vocab_size())
         self.seed = seed
         self.batches = 0
         self.requests = 0
