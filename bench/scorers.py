@@ -78,13 +78,19 @@ def _score_directly(rule: str, groups: list[RolloutGroup]) -> None:
             [rewards.exact_match(t, answer) for t in texts]
 
 
-async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], run: str, workdir: Path) -> float:
+async def staged(server_url: str, groups: list[RolloutGroup], run: str):
+    """A connection, and the run's layout with ``groups`` waiting on its rollouts stream."""
     nc = await connect(url=server_url, name="bench")
     js = nc.jetstream()
     lay = await ensure_layout(js, run)
     pub = Publisher(js)
     for i in range(0, len(groups), 256):
         await pub.publish_many([Outgoing(lay.rollouts, g.encode(), g.id) for g in groups[i:i + 256]])
+    return nc, js, lay
+
+
+async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], run: str, workdir: Path) -> float:
+    nc, js, lay = await staged(server_url, groups, run)
     cfg = workdir / f"{run}.yaml"
     cfg.write_text(yaml.safe_dump({
         "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
@@ -132,12 +138,7 @@ async def raw_scorer(server_url: str, run: str, n: int) -> None:
 
 async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> float:
     """Groups/s of :func:`raw_scorer` in its own process, timed like the scorer."""
-    nc = await connect(url=server_url, name="bench")
-    js = nc.jetstream()
-    lay = await ensure_layout(js, run)
-    pub = Publisher(js)
-    for i in range(0, len(groups), 256):
-        await pub.publish_many([Outgoing(lay.rollouts, g.encode(), g.id) for g in groups[i:i + 256]])
+    nc, js, lay = await staged(server_url, groups, run)
     proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", server_url, run, str(len(groups))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

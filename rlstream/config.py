@@ -275,6 +275,10 @@ class ScorerConfig(Strict):
     batch_groups: int = Field(16, ge=1)
     processes: int = Field(1, ge=0)
     """Worker processes for CPU-heavy rules (math-verify); 0 = in a thread."""
+    pipeline_batches: int = Field(2, ge=1, le=8)
+    """Batches in flight at once: the next batch is fetched and scored while the last one's
+    publish is acknowledged. A plain (non-async) Python reward function may then run in two
+    threads at once: set 1 if yours is not thread-safe."""
 
 
 class BufferConfig(Strict):

@@ -6,6 +6,8 @@ One linear loop: fetch up to ``scorer.batch_groups`` groups from the durable con
 ``scorers`` (shared by every scorer, so adding one adds throughput), skip ids already
 scored (acked again), score the rest off the event loop, publish the ScoredGroups with
 message id = group id, and ack each group once its publish is acked by JetStream.
+``scorer.pipeline_batches`` (default 2) copies of the loop run at once, so the next batch is
+fetched and scored while the last one waits for JetStream.
 
 Failure policy, per group:
 - the reward endpoint is unreachable after its retries: nak with backoff, so the group
@@ -113,88 +115,107 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
 
 
 async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str) -> None:
-    reporter, layout = comp.reporter, comp.layout
+    """``scorer.pipeline_batches`` lanes run :func:`score_batch` at once; they share the
+    consumer (one pull at a time), the set of recently scored ids and the figures."""
+    reporter = comp.reporter
     seen = RecentIds()
+    in_flight: set[str] = set()
     stats = RewardStats()
-    window_start, window_groups = time.monotonic(), 0
-    raised_dlq = 0  # groups this scorer dead-lettered itself (the consumer counts the rest)
+    fetching = asyncio.Lock()
+    figures = {"window_start": time.monotonic(), "window_groups": 0, "raised_dlq": 0}
     for key in ("scorer/failures", "scorer/dead_lettered", "scorer/duplicates_skipped", "scorer/groups"):
         reporter.set(key, 0)
     log.info("scorer %s: terms %s", component_id, [(t.name, t.weight) for t in scorer.terms])
 
-    while not comp.stop.is_set():
-        now = time.monotonic()
-        if now - window_start >= cfg.metrics.interval_s:
-            reporter.set("scorer/groups_per_s", window_groups / (now - window_start))
-            reporter.update(stats.summary())
-            window_start, window_groups = now, 0
+    async def lane() -> None:
+        while not comp.stop.is_set():
+            now = time.monotonic()
+            if now - figures["window_start"] >= cfg.metrics.interval_s:
+                reporter.set("scorer/groups_per_s", figures["window_groups"] / (now - figures["window_start"]))
+                reporter.update(stats.summary())
+                figures["window_start"], figures["window_groups"] = now, 0
+            async with fetching:
+                deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
+                # at-least-once delivery: a group scored before (or being scored by the other
+                # lane) is acked again, not re-scored
+                fresh: list[Delivery[RolloutGroup]] = []
+                for d in deliveries:
+                    if d.record.id in seen or d.record.id in in_flight:
+                        await d.ack()
+                        reporter.inc("scorer/duplicates_skipped")
+                    else:
+                        in_flight.add(d.record.id)
+                        fresh.append(d)
+            if not fresh:
+                continue
+            try:
+                await score_batch(cfg, comp, consumer, scorer, component_id, fresh, seen, stats, figures)
+            finally:
+                in_flight.difference_update(d.record.id for d in fresh)
 
-        deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
-        if not deliveries:
-            continue
-
-        # 1. at-least-once delivery: a group scored before is acked again, not re-scored
-        fresh: list[Delivery[RolloutGroup]] = []
-        batch_ids: set[str] = set()
-        for d in deliveries:
-            if d.record.id in seen or d.record.id in batch_ids:
-                await d.ack()
-                reporter.inc("scorer/duplicates_skipped")
-            else:
-                batch_ids.add(d.record.id)
-                fresh.append(d)
-        if not fresh:
-            continue
-
-        # 2. score, keeping the records with in-progress acks if it is slow
-        t0 = time.monotonic()
-        keep = asyncio.create_task(_keep_in_progress(fresh, cfg.nats.ack_wait_s / 3), name="scorer-in-progress")
-        try:
-            results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
-        except EndpointError as exc:
-            log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
-            for d in fresh:
-                if await consumer.fail(d, str(exc)):
-                    reporter.inc("scorer/dead_lettered")
-            reporter.inc("scorer/failures", len(fresh))
-            continue
-        finally:
-            keep.cancel()
-            await asyncio.gather(keep, return_exceptions=True)
-        score_s = time.monotonic() - t0
-
-        # 3. publish what scored (msg id = group id), then ack those groups
-        done: list[tuple[Delivery, ScoredGroup]] = []
-        failed: list[tuple[Delivery, str]] = []
-        for d, r in zip(fresh, results):
-            if isinstance(r, ScoredGroup):
-                r.score_s = score_s
-                done.append((d, r))
-            else:
-                failed.append((d, r))
-        await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id) for _, s in done])
-        acked = time.monotonic()
-        for d, s in done:
-            await d.ack()
-            seen.add(s.id)
-            stats.add(s)
-
-        # 4. a reward that raised: the group goes to the DLQ with the traceback
-        for d, tb in failed:
-            await dead_letter(comp.publisher, layout, "scorer", d.msg.subject, bytes(d.msg.data),
-                              f"reward function raised:\n{tb}", record_id=d.record.id, deliveries=d.deliveries)
-            await d.ack()
-            log.warning("group %s dead-lettered: %s", d.record.id, tb.strip().splitlines()[-1][:300])
-        if failed:
-            reporter.inc("scorer/failures", len(failed))
-            reporter.inc("scorer/dead_lettered", len(failed))
-
-        raised_dlq += len(failed)
-        reporter.set("dlq/count", consumer.dead_lettered + raised_dlq)
-        window_groups += len(done)
-        reporter.inc("scorer/groups", len(done))
-        if done:
-            reporter.set("scorer/latency_s", float(np.mean([acked - d.received for d, _ in done])))
-            reporter.set("scorer/score_s", score_s)
+    lanes = [asyncio.create_task(lane(), name=f"scorer-{component_id}-lane-{i}") for i in range(cfg.scorer.pipeline_batches)]
+    try:
+        await asyncio.gather(*lanes)
+    finally:
+        for t in lanes:
+            t.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
     reporter.update(stats.summary())
     log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))
+
+
+async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str,
+                      fresh: list[Delivery[RolloutGroup]], seen: RecentIds, stats: RewardStats, figures: dict) -> None:
+    """Score one batch, publish what scored, ack; dead-letter what raised."""
+    reporter, layout = comp.reporter, comp.layout
+
+    # 1. score, keeping the records with in-progress acks if it is slow
+    t0 = time.monotonic()
+    keep = asyncio.create_task(_keep_in_progress(fresh, cfg.nats.ack_wait_s / 3), name="scorer-in-progress")
+    try:
+        results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
+    except EndpointError as exc:
+        log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
+        for d in fresh:
+            if await consumer.fail(d, str(exc)):
+                reporter.inc("scorer/dead_lettered")
+        reporter.inc("scorer/failures", len(fresh))
+        return
+    finally:
+        keep.cancel()
+        await asyncio.gather(keep, return_exceptions=True)
+    score_s = time.monotonic() - t0
+
+    # 2. publish what scored (msg id = group id), then ack those groups
+    done: list[tuple[Delivery, ScoredGroup]] = []
+    failed: list[tuple[Delivery, str]] = []
+    for d, r in zip(fresh, results):
+        if isinstance(r, ScoredGroup):
+            r.score_s = score_s
+            done.append((d, r))
+        else:
+            failed.append((d, r))
+    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id) for _, s in done])
+    acked = time.monotonic()
+    for d, s in done:
+        await d.ack()
+        seen.add(s.id)
+        stats.add(s)
+
+    # 3. a reward that raised: the group goes to the DLQ with the traceback
+    for d, tb in failed:
+        await dead_letter(comp.publisher, layout, "scorer", d.msg.subject, bytes(d.msg.data),
+                          f"reward function raised:\n{tb}", record_id=d.record.id, deliveries=d.deliveries)
+        await d.ack()
+        log.warning("group %s dead-lettered: %s", d.record.id, tb.strip().splitlines()[-1][:300])
+    if failed:
+        reporter.inc("scorer/failures", len(failed))
+        reporter.inc("scorer/dead_lettered", len(failed))
+
+    figures["raised_dlq"] += len(failed)
+    reporter.set("dlq/count", consumer.dead_lettered + figures["raised_dlq"])
+    figures["window_groups"] += len(done)
+    reporter.inc("scorer/groups", len(done))
+    if done:
+        reporter.set("scorer/latency_s", float(np.mean([acked - d.received for d, _ in done])))
+        reporter.set("scorer/score_s", score_s)

@@ -36,6 +36,7 @@ import numpy as np
 
 from rlstream.config import Config, RewardTerm
 from rlstream.schemas import RolloutGroup, ScoredGroup
+from rlstream.schemas.records import FlatSamples
 from rlstream.scorers import rewards
 from rlstream.scorers.functions import RewardError, ScorerState, call_function, check_rewards, load_function
 from rlstream.scorers.http import EndpointError, RewardModelClient
@@ -46,22 +47,43 @@ _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
 
 @dataclass(slots=True)
 class Flat:
-    """A batch of groups flattened to one entry per completion (TRL's layout)."""
+    """A batch of groups flattened to one entry per completion (TRL's layout).
+
+    ``completion_ids`` (lists of ints) are built on first use: most rules read text only."""
 
     prompts: list[str]
     completions: list[str]
-    completion_ids: list[list[int]]
     finish_reasons: list[str]
     columns: dict[str, list[Any]]
     state: ScorerState
     sizes: list[int]
+    groups: list[RolloutGroup]
+    _ids: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
 
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        if self._ids is None:
+            self._ids = [s.completion_ids.tolist() for g in self.groups for s in g.samples]
+        return self._ids
+
+    @property
+    def lengths(self) -> list[int]:
+        """Completion lengths in tokens."""
+        if self._ids is not None:
+            return [len(ids) for ids in self._ids]
+        return [n for g in self.groups for n in _lengths(g)]
+
+
+def _lengths(g: RolloutGroup) -> list[int]:
+    samples = g.samples
+    return samples.lengths.tolist() if isinstance(samples, FlatSamples) else [len(s.completion_ids) for s in samples]
+
 
 def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | None = None) -> Flat:
-    prompts, completions, ids, reasons, sizes = [], [], [], [], []
+    prompts, completions, reasons, sizes = [], [], [], []
     names: list[str] = []
     for g in groups:
         for k in g.columns:
@@ -69,19 +91,22 @@ def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | No
                 names.append(k)
     columns: dict[str, list[Any]] = {k: [] for k in names}
     for g in groups:
-        sizes.append(len(g.samples))
-        for s in g.samples:
-            prompts.append(g.prompt_text)
-            text = s.text
-            if not text and decode is not None and len(s.completion_ids):
-                text = decode(s.completion_ids)
-            completions.append(text)
-            ids.append(s.completion_ids.tolist())
-            reasons.append(s.finish_reason)
-            for k in names:
-                columns[k].append(g.columns.get(k))
+        samples = g.samples
+        n = len(samples)
+        sizes.append(n)
+        prompts.extend([g.prompt_text] * n)
+        if isinstance(samples, FlatSamples):  # decoded from the wire: no per-sample objects needed
+            texts, why = samples.texts, samples.finish_reasons
+        else:
+            texts, why = [s.text for s in samples], [s.finish_reason for s in samples]
+        if decode is not None and not all(texts):
+            texts = [t or (decode(s.completion_ids) if len(s.completion_ids) else "") for t, s in zip(texts, samples)]
+        completions.extend(texts)
+        reasons.extend(why)
+        for k in names:
+            columns[k].extend([g.columns.get(k)] * n)
     version = max((g.policy_version for g in groups), default=0)
-    return Flat(prompts, completions, ids, reasons, columns, ScorerState(global_step=version, policy_version=version), sizes)
+    return Flat(prompts, completions, reasons, columns, ScorerState(global_step=version, policy_version=version), sizes, groups)
 
 
 # ---- terms -----------------------------------------------------------------------------
@@ -191,14 +216,14 @@ class Scorer:
             rewards.length_penalty(0, **q)  # bad settings fail at start
 
             def rule(flat, q=q):
-                return [rewards.length_penalty(len(ids), **q) for ids in flat.completion_ids]
+                return [rewards.length_penalty(n, **q) for n in flat.lengths]
         elif t.rule == "overlong":
             _check_params(t, {"max_length", "buffer", "factor"})
             q = overlong_settings(self.cfg, p)
             rewards.overlong_penalty(0, **q)  # bad settings fail at start
 
             def rule(flat, q=q):
-                return [rewards.overlong_penalty(len(ids), **q) for ids in flat.completion_ids]
+                return [rewards.overlong_penalty(n, **q) for n in flat.lengths]
         else:  # pragma: no cover - the config's Literal lists the rules
             raise RewardError(f"unknown rule {t.rule!r}")
 
@@ -279,10 +304,8 @@ class Scorer:
                 out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in errors))
                 continue
             components = {t.name: np.array([np.nan if v is None else v for v in r[gi]], dtype=np.float32) for t, r in zip(self.terms, per_term)}
-            total = np.zeros(len(group.samples), dtype=np.float64)
-            for t in self.terms:
-                total += t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0)
-            out.append(ScoredGroup(rollout=group, rewards=total.astype(np.float32), components=components,
+            total = sum(t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0) for t in self.terms)
+            out.append(ScoredGroup(rollout=group, rewards=np.asarray(total, dtype=np.float32), components=components,
                                    scorer_id=scorer_id, run=group.run))
         return out
 
