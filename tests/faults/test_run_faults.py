@@ -1,5 +1,6 @@
 """Faults during a real `rlstream run`: the (single, file-backed) nats-server killed with -9
-and restarted; bad records published on every subject while the run goes on."""
+and restarted; bad records published on every subject while the run goes on; a producer
+backend that hangs."""
 
 import asyncio
 import json
@@ -113,3 +114,36 @@ def test_bad_records_on_every_subject_go_to_the_dlq(tiny_model_dir, tmp_path):
     # the 4 bad rollouts were published by this test, not by producers: every fed prompt is
     # pending, produced, or (the 4 bad ones) dead-lettered
     assert acc["prompts_fed"] == acc["prompts_pending"] + (acc["rollouts_published"] - len(bad)) + acc["dlq_by_stage"]["producer"], acc
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_hung_producer_backend_is_timed_out_and_restarted_by_the_run(tiny_model_dir, tmp_path):
+    """A generation that never returns: the producer times out, naks, exits 75; the run's
+    supervisor restarts it and the run finishes with nothing lost."""
+    data = write_data(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    hang = tmp_path / "hang-now"
+    steps = 10
+    cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, [
+        "producer.backend=fake", "producer.fake_vocab_size=64", "producer.fake_latency_s=0.05",
+        f"producer.fake_hang_file={hang}", "producer.generation_timeout_s=3", "producer.count=1",
+        "checkpoint.interval=4", "nats.ack_wait_s=10"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_step(run_dir, 3, proc)
+        hang.touch()  # the next batch takes the file and blocks its worker thread for good
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert not hang.exists()  # the hang happened
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] and summary["steps"] == steps
+    assert summary["restarts"].get("producer-0", 0) >= 1, summary["restarts"]
+    assert summary["groups_trained_twice"] == 0
+    acc = summary["accounting"]
+    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("producer-0*"))
+    assert "generation timed out after 3s" in logs and "exiting with code 75" in logs
