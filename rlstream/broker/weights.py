@@ -2,18 +2,28 @@
 
 nats-py's ``ObjectStore.get`` concatenates bytes chunk by chunk (quadratic) and reads at
 7-40 MB/s. :func:`get_object` reads the chunk subject ``$O.<bucket>.C.<nuid>`` of stream
-``OBJ_<bucket>`` with a pull consumer in large batches into one preallocated buffer and
+``OBJ_<bucket>`` with batched direct gets into one preallocated buffer and
 checks the SHA-256 digest, at the speed of the broker.
+
+Nothing here leaves state behind on the server. Each nats-server consumer costs megabytes of
+server memory until it expires, and the learner publishes (and prunes) a version every step
+while every producer reads each one, so: :func:`get_object` reads with direct gets, not a
+consumer; :func:`list_objects` reads the stream's meta subjects with one STREAM.INFO and a message
+get per live object instead of nats-py's ``store.list()`` (a watcher whose ordered consumer is
+never deleted); :func:`delete_object` purges the object's meta subject along with its chunks, so
+pruned versions leave no tombstones and the stream holds only the objects that exist.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectMeta, ObjectMetaOptions
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
+from nats.js.errors import NotFoundError
 
 from rlstream.broker.errors import BrokerError
 
@@ -28,21 +38,52 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes, 
     return info.size
 
 
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
 async def delete_object(js: JetStreamContext, bucket: str, name: str) -> None:
-    store = await js.object_store(bucket)
-    await store.delete(name)
+    """Remove ``name`` entirely: its chunks, then its meta subject (no tombstone is kept)."""
+    stream = f"OBJ_{bucket}"
+    meta_subject = _meta_subject(bucket, name)
+    try:
+        msg = await js.get_last_msg(stream, meta_subject)
+    except NotFoundError:
+        return
+    nuid = json.loads(msg.data or b"{}").get("nuid")
+    if nuid:
+        await js.purge_stream(stream, subject=f"$O.{bucket}.C.{nuid}")
+    await js.purge_stream(stream, subject=meta_subject)
 
 
 async def list_objects(js: JetStreamContext, bucket: str) -> list[str]:
-    store = await js.object_store(bucket)
+    """Names of the objects in ``bucket`` (deleted ones left out), without creating a consumer."""
+    stream = f"OBJ_{bucket}"
+    prefix = f"$O.{bucket}.M."
     try:
-        return [o.name for o in await store.list() if not o.deleted]
-    except Exception:  # nats-py raises NotFoundError for an empty bucket
+        info = await js.stream_info(stream, subjects_filter=prefix + ">")
+    except NotFoundError:
         return []
+    names = []
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            msg = await js.get_last_msg(stream, subject)
+        except NotFoundError:  # deleted between the two requests
+            continue
+        meta = ObjectInfo.from_response(json.loads(msg.data))
+        if not meta.deleted:
+            names.append(meta.name)
+    return names
 
 
-async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 64) -> bytes:
-    """Read an object fast and verify its digest."""
+async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 64, timeout: float = 5.0) -> bytes:
+    """Read an object fast and verify its digest.
+
+    The chunks come from batched direct gets (``$JS.API.DIRECT.GET`` with ``next_by_subj`` and
+    ``batch``, nats-server 2.11+; object-store streams allow direct gets): no consumer is
+    created, so a read leaves nothing behind on the server and needs no permission beyond
+    reading.
+    """
     store = await js.object_store(bucket)
     info = await store.get_info(name)
     if not info.nuid:
@@ -52,27 +93,38 @@ async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 
         return bytes(buf)
     stream = f"OBJ_{bucket}"
     subject = f"$O.{bucket}.C.{info.nuid}"
-    sub = await js.pull_subscribe(
-        subject, durable=None, stream=stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0),
-    )
+    api = f"{getattr(js, '_prefix', None) or '$JS.API'}.DIRECT.GET.{stream}"
+    nc = js._nc
     h = hashlib.sha256()
     offset = 0
-    try:
-        while offset < info.size:
-            try:
-                msgs = await sub.fetch(batch, timeout=5.0)
-            except nats.errors.TimeoutError:
-                raise BrokerError(f"object {bucket}/{name}: chunks stopped at {offset} of {info.size} bytes") from None
-            for msg in msgs:
+    seq = 1
+    while offset < info.size:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, pending_msgs_limit=4 * batch, pending_bytes_limit=(4 * batch + 8) * CHUNK_SIZE)
+        try:
+            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": batch * CHUNK_SIZE}
+            await nc.publish(api, json.dumps(request).encode(), reply=inbox)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    raise BrokerError(f"object {bucket}/{name}: chunks stopped at {offset} of {info.size} bytes") from None
+                headers = msg.headers or {}
+                status = headers.get("Status")
+                if status:  # 204 end of batch; 404 nothing (more) on the subject; 408/413 a bad request
+                    if status != "204":
+                        why = f"{status} {headers.get('Description', '')}".strip()
+                        raise BrokerError(f"object {bucket}/{name}: chunks stopped at {offset} of {info.size} bytes (direct get: {why})")
+                    break
                 n = len(msg.data)
                 if offset + n > info.size:
                     raise BrokerError(f"object {bucket}/{name}: more data than its size {info.size}")
                 buf[offset:offset + n] = msg.data
                 h.update(msg.data)
                 offset += n
-    finally:
-        await sub.unsubscribe()
+                seq = int(headers["Nats-Sequence"]) + 1
+        finally:
+            await sub.unsubscribe()
     digest = info.digest or ""
     want = base64.urlsafe_b64decode(digest.split("=", 1)[1]) if "=" in digest else None
     if want is not None and h.digest() != want:
