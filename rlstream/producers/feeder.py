@@ -16,6 +16,7 @@ fails the whole feed before anything is published, naming the row and the column
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import random
@@ -60,9 +61,18 @@ def _messages(value: Any, row: int, column: str, where: str) -> list[dict[str, s
 
 def build_prompts(rows: list[dict[str, Any]], cfg, *, where: str = "dataset", key: str = "data", run: str = "") -> list[Prompt]:
     """Every prompt of every epoch, in publish order. Pure: no I/O."""
+    return list(iter_prompts(check_rows(rows, cfg, where), cfg, key=key, run=run))
+
+
+Row = tuple[str, "list[dict[str, str]] | None", dict[str, Any]]
+
+
+def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[Row]:
+    """(text, messages, columns) per row; a row with neither column, or an empty prompt,
+    raises :class:`DatasetError` naming the row and the column."""
     ds = cfg.data_source
     pc, mc = ds.prompt_column, ds.messages_column
-    base: list[tuple[str, list[dict[str, str]] | None, dict[str, Any]]] = []
+    base: list[Row] = []
     for i, row in enumerate(rows):
         if pc in row and row[pc] is not None:
             text = row[pc]
@@ -77,16 +87,21 @@ def build_prompts(rows: list[dict[str, Any]], cfg, *, where: str = "dataset", ke
             raise DatasetError(f"{where}: row {i} has no column {pc!r} (nor {mc!r}); columns: {sorted(row)}")
         columns = {k: _plain(v) for k, v in row.items() if k not in (pc, mc)}
         base.append((text, messages, columns))
-    out = []
+    return base
+
+
+def iter_prompts(base: list[Row], cfg, *, key: str = "data", run: str = ""):
+    """The prompts of every epoch in publish order, one at a time (many epochs of a large
+    dataset never sit in memory at once)."""
+    ds = cfg.data_source
     for epoch in range(ds.epochs):
         order = list(range(len(base)))
         if ds.shuffle_seed is not None:
             random.Random(ds.shuffle_seed + epoch).shuffle(order)
         for i in order:
             text, messages, columns = base[i]
-            out.append(Prompt(id=prompt_id(key, epoch, i), text=text, columns=columns, epoch=epoch, index=i,
-                              run=run, messages=messages))
-    return out
+            yield Prompt(id=prompt_id(key, epoch, i), text=text, columns=columns, epoch=epoch, index=i,
+                         run=run, messages=messages)
 
 
 async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
@@ -96,7 +111,9 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
     if not ds.path:
         raise DatasetError("data_source.path is not set: nothing to feed")
     rows = read_rows(ds.path, ds.split, ds.limit)
-    prompts = build_prompts(rows, cfg, where=str(ds.path), key=dataset_key(ds.path, ds.split), run=layout.run)
+    base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
+    total = len(base) * ds.epochs
+    prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
     publisher = Publisher(js)
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
@@ -105,11 +122,10 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
 
         bar = Progress(transient=False)
         bar.start()
-        task = bar.add_task(f"feeding {Path(ds.path).name}", total=len(prompts))
+        task = bar.add_task(f"feeding {Path(ds.path).name}", total=total)
     duplicates = 0
     try:
-        for start in range(0, len(prompts), CHUNK):
-            chunk = prompts[start:start + CHUNK]
+        while chunk := list(itertools.islice(prompts, CHUNK)):
             acks = await publisher.publish_many([Outgoing(layout.prompts, p.encode(), p.id) for p in chunk])
             duplicates += sum(1 for a in acks if getattr(a, "duplicate", False))
             if bar is not None:
@@ -118,8 +134,8 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
         if bar is not None:
             bar.stop()
     log.info("fed %d prompts (%d epochs of %d rows; %d were already there) to %s",
-             len(prompts), ds.epochs, len(rows), duplicates, layout.prompts)
-    return len(prompts)
+             total, ds.epochs, len(rows), duplicates, layout.prompts)
+    return total
 
 
 async def main(cfg, nats_url: str, component_id: str = "feeder", **_: Any) -> int:
