@@ -121,7 +121,7 @@ async def bench(args, backends: dict, model_dir: Path, tmp: Path, url: str) -> d
         await bare_rate(backend, make_cfg("warm-up", model_dir, data, backend=name), batches)  # every shape once
         lanes = backend.concurrent_batches
         serial = bare = looped = 0.0
-        for rep in range(2 if args.quick else 3):  # interleaved, best of each: the machine is shared and noisy
+        for rep in range(2 if args.quick else 5):  # interleaved, best of each: the machine is shared and noisy
             cfg = make_cfg(f"bench-{name}-{rep}-{os.getpid()}", model_dir, data, backend=name)
             if lanes > 1:
                 serial = max(serial, await bare_rate(backend, cfg, batches))
