@@ -149,6 +149,8 @@ async def bench(args, backends: dict, model_dir: Path, tmp: Path, url: str) -> d
         figures[f"rollouts_per_s_{n}"] = rates[n]
         if n > 1:
             figures[f"scaling_{n}"] = rates[n] / (n * rates[1])
+    for backend in backends.values():  # engines shut down here, not at interpreter exit
+        await backend.close()
     return figures
 
 
