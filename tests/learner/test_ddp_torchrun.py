@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from rlstream.learner.distributed import Message, schedule
 from rlstream.learner.loop import main
 from test_loop_groups import make_cfg, publish_groups, sample_groups
+from learner_helpers import kv_int
 
 
 def _env() -> dict[str, str]:
@@ -129,18 +130,6 @@ def recorded(tiny_model_dir):
     return sample_groups(tiny_model_dir, 6, 4, max_new_tokens=8, seed=21)
 
 
-async def _kv(url, cfg, key):
-    from rlstream.broker import connect
-    from rlstream.broker.layout import Layout
-
-    nc = await connect(cfg.nats, url)
-    try:
-        kv = await nc.jetstream().key_value(Layout(cfg.run).state_bucket)
-        return int((await kv.get(key)).value)
-    finally:
-        await nc.close()
-
-
 def _grpo_cfg(model_dir, run, mode="RL_GRPO", **learner):
     # 3 groups x 4 samples = 12 rows per step, micro-batch 4 -> 3 micro-batches (2 + 1 over 2 ranks);
     # PPO: 12 one-sample groups per step, the same 12 rows
@@ -190,8 +179,8 @@ def test_rl_two_ranks_from_the_stream_equal_one_process(mode, tiny_model_dir, tm
     assert summary["trained_ids_count"] == len(recorded) and summary["duplicates_skipped"] == 1
     # published once per step by rank 0 (policy.version 1, 2), checkpoints after each step
     assert summary["policy_version"] == 2 and [m["policy_version"] for m in metrics] == [1, 2]
-    assert asyncio.run(_kv(nats_server.url, two_cfg, "policy.version")) == 2
-    assert asyncio.run(_kv(nats_server.url, two_cfg, "learner.step")) == 2
+    assert asyncio.run(kv_int(nats_server.url, two_cfg, "policy.version")) == 2
+    assert asyncio.run(kv_int(nats_server.url, two_cfg, "learner.step")) == 2
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step_1", "step_2"]
     assert "rank 1: stopped after 2 steps" in proc.stderr + proc.stdout
 

@@ -18,6 +18,7 @@ import pytest
 
 from rlstream.learner.loop import main
 from test_loop_groups import advantage_logprob_gap, make_cfg, publish_groups, sample_groups
+from learner_helpers import kv_int
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +86,6 @@ def test_rl_mode_learns_from_rule_rewards(mode, tiny_model_dir, tmp_path, nats_s
         assert key in metrics[-1], key
 
 
-async def _kv(url, cfg, key):
-    from rlstream.broker import connect
-    from rlstream.broker.layout import Layout
-
-    nc = await connect(cfg.nats, url)
-    try:
-        kv = await nc.jetstream().key_value(Layout(cfg.run).state_bucket)
-        return int((await kv.get(key)).value)
-    finally:
-        await nc.close()
-
-
 def test_stale_groups_dropped_and_pacing_written(tiny_model_dir, tmp_path, nats_server, run_id, recorded):
     # max_staleness 0 (synchronous): after version 1 is published, version-0 groups are too old
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 8, "max_staleness": 0},
@@ -111,6 +100,6 @@ def test_stale_groups_dropped_and_pacing_written(tiny_model_dir, tmp_path, nats_
     assert metrics[1]["buffer/dropped_stale"] == 4.0
     assert metrics[1]["buffer/staleness_max"] == 0.0
     # pacing: admit = groups consumed (2 + 4 dropped + 2) + min(max_groups 64, batch_groups 2 * (0 + 1)) = 10
-    assert asyncio.run(_kv(nats_server.url, cfg, "pacing.admit")) == 10
-    assert asyncio.run(_kv(nats_server.url, cfg, "learner.step")) == 2
-    assert asyncio.run(_kv(nats_server.url, cfg, "policy.version")) == 2
+    assert asyncio.run(kv_int(nats_server.url, cfg, "pacing.admit")) == 10
+    assert asyncio.run(kv_int(nats_server.url, cfg, "learner.step")) == 2
+    assert asyncio.run(kv_int(nats_server.url, cfg, "policy.version")) == 2
