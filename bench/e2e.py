@@ -147,12 +147,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the three)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--async-staleness", type=int, default=2, help="max_staleness of the async run (default 2)")
     args = p.parse_args()
     steps = args.steps or (25 if args.quick else 120)
     window = 3 if args.quick else 10
     ckpt, prompts = prepare()
     runs = {
-        "rlstream async": rlstream_race("async", ckpt, prompts, steps, staleness=2),
+        "rlstream async": rlstream_race("async", ckpt, prompts, steps, staleness=args.async_staleness),
         "rlstream sync": rlstream_race("sync", ckpt, prompts, steps, staleness=0),
     }
     if not args.skip_trl:
