@@ -264,6 +264,21 @@ class RolloutGroup(Record):
             return self.samples.ends[-1]
         return sum(len(s.completion_ids) for s in self.samples)
 
+    # Per-sample fields read without building Sample views for a decoded group.
+    def lengths(self) -> list[int]:
+        """Completion lengths in tokens."""
+        if isinstance(self.samples, FlatSamples):
+            return self.samples.lengths.tolist()
+        return [len(s.completion_ids) for s in self.samples]
+
+    def texts(self) -> list[str]:
+        return self.samples.texts if isinstance(self.samples, FlatSamples) else [s.text for s in self.samples]
+
+    def finish_reasons(self) -> list[str]:
+        if isinstance(self.samples, FlatSamples):
+            return self.samples.finish_reasons
+        return [s.finish_reason for s in self.samples]
+
     def _fields(self):
         samples = self.samples
         if isinstance(samples, FlatSamples):
@@ -281,8 +296,8 @@ class RolloutGroup(Record):
             "lengths": pack_array(lengths, INT32),
             "completion_ids": pack_array(ids, INT32),
             "logprobs": pack_array(lps, FLOAT32),
-            "finish_reasons": samples.finish_reasons if isinstance(samples, FlatSamples) else [s.finish_reason for s in samples],
-            "texts": samples.texts if isinstance(samples, FlatSamples) else [s.text for s in samples],
+            "finish_reasons": self.finish_reasons(),
+            "texts": self.texts(),
             "timings": self.timings,
         }
 

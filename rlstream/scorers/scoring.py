@@ -36,7 +36,6 @@ import numpy as np
 
 from rlstream.config import Config, RewardTerm
 from rlstream.schemas import RolloutGroup, ScoredGroup
-from rlstream.schemas.records import FlatSamples
 from rlstream.scorers import rewards
 from rlstream.scorers.functions import RewardError, ScorerState, call_function, check_rewards, load_function
 from rlstream.scorers.http import EndpointError, RewardModelClient
@@ -74,12 +73,7 @@ class Flat:
         """Completion lengths in tokens."""
         if self._ids is not None:
             return [len(ids) for ids in self._ids]
-        return [n for g in self.groups for n in _lengths(g)]
-
-
-def _lengths(g: RolloutGroup) -> list[int]:
-    samples = g.samples
-    return samples.lengths.tolist() if isinstance(samples, FlatSamples) else [len(s.completion_ids) for s in samples]
+        return [n for g in self.groups for n in g.lengths()]
 
 
 def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | None = None) -> Flat:
@@ -95,10 +89,7 @@ def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | No
         n = len(samples)
         sizes.append(n)
         prompts.extend([g.prompt_text] * n)
-        if isinstance(samples, FlatSamples):  # decoded from the wire: no per-sample objects needed
-            texts, why = samples.texts, samples.finish_reasons
-        else:
-            texts, why = [s.text for s in samples], [s.finish_reason for s in samples]
+        texts, why = g.texts(), g.finish_reasons()  # no per-sample objects for a decoded group
         if decode is not None and not all(texts):
             texts = [t or (decode(s.completion_ids) if len(s.completion_ids) else "") for t, s in zip(texts, samples)]
         completions.extend(texts)
