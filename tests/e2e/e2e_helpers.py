@@ -30,6 +30,16 @@ def run_cmd(config: str, run_dir: Path, model: Path, data: Path, steps: int, ext
     return cmd
 
 
+def finished_summary(run_dir: Path, steps: int) -> dict:
+    """The run's summary, checked: it finished all ``steps``, nothing lost, nothing trained twice."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True and summary["steps"] == steps, summary
+    assert summary["groups_trained_twice"] == 0
+    acc = summary["accounting"]
+    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
+    return summary
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []

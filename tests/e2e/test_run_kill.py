@@ -1,14 +1,13 @@
 """kill -9 each kind of component during `rlstream run`: the run finishes, restarted
 components catch up, and the accounting shows no prompt lost and no group trained twice."""
 
-import json
 import os
 import signal
 import subprocess
 
 import pytest
 
-from e2e_helpers import child, read_jsonl, run_cmd, wait_for_step, write_data
+from e2e_helpers import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
 
 
 @pytest.mark.e2e
@@ -32,12 +31,9 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ok"] is True and summary["steps"] == steps
+    summary = finished_summary(run_dir, steps)
     assert set(summary["restarts"]) == {"producer-0", "scorer-0", "learner"}, summary["restarts"]
-    assert summary["groups_trained_twice"] == 0
     acc = summary["accounting"]
-    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
     assert acc["prompts_fed"] == acc["prompts_pending"] + acc["rollouts_published"]
     # the learner resumed from its checkpoint: the steps after it were trained again, once
     learner_log = (run_dir / "logs" / "learner.log").read_text()

@@ -39,6 +39,9 @@ from rlstream.schemas.codec import FLOAT32, INT32, pack_array
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
 from test_loop_groups import sample_groups  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_helpers import read_jsonl  # noqa: E402
+
 EXAMPLES = 30
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
@@ -398,15 +401,7 @@ def learner_live(nats_server, tiny_model_dir, tmp_path_factory):
 
 
 async def trained(live: Live, js) -> list[str]:
-    path = live.run_dir / "metrics.jsonl"  # type: ignore[attr-defined]
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written
+    rows = read_jsonl(live.run_dir / "metrics.jsonl")  # type: ignore[attr-defined]
     return [g for r in rows for g in r["group_ids"]]
 
 

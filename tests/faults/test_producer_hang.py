@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlstream.broker import Layout, connect, ensure_layout
+from rlstream.broker import connect, ensure_layout
 from rlstream.config import NatsConfig, parse_config
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import EXIT_GENERATION_TIMEOUT
-from rlstream.schemas import MetricEvent, RolloutGroup
+from rlstream.schemas import MetricEvent
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "producers"))
+from producer_helpers import read_rollouts, wait_until  # noqa: E402
 
 
 
@@ -54,20 +57,6 @@ def start_producer(cfg_path: Path, url: str, cid: str, log_path: Path) -> subpro
     return proc
 
 
-async def wait_for(pred, timeout: float, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await pred()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(every)
-
-
-async def read_rollouts(js, lay: Layout) -> list[RolloutGroup]:
-    last = (await js.stream_info(lay.rollouts_stream)).state.last_seq
-    return [RolloutGroup.decode((await js.get_msg(lay.rollouts_stream, seq)).data) for seq in range(1, last + 1)]
-
-
 @pytest.mark.slow
 async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_restart(nats_server, run_id, tiny_model_dir, tmp_path):
     n = 15
@@ -95,7 +84,7 @@ async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_r
             return [cid for cid, p in procs.items() if p.poll() is not None]
 
         t0 = time.monotonic()
-        exited = await wait_for(one_exited, 60)
+        exited = await wait_until(one_exited, 60)
         hung_for = time.monotonic() - t0
         assert len(exited) == 1, {cid: logs[cid].read_text()[-2000:] for cid in procs}
         hung = exited[0]
@@ -109,7 +98,7 @@ async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_r
         naked = m.group(2).split(", ")
         assert int(m.group(1)) == len(naked) >= 1
         assert f"exiting with code {EXIT_GENERATION_TIMEOUT} to be restarted" in log_text
-        assert await wait_for(lambda: _true(alerts), 10)
+        assert await wait_until(lambda: _true(alerts), 10)
         assert {ev.component_id for ev in alerts} == {hung}
         # the survivor goes on; the supervisor's part: start the hung one again
         assert procs[other].poll() is None
@@ -118,7 +107,7 @@ async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_r
         async def all_produced():
             return (await js.stream_info(lay.rollouts_stream)).state.messages == n
 
-        assert await wait_for(all_produced, 90), (await js.stream_info(lay.rollouts_stream)).state
+        assert await wait_until(all_produced, 90), (await js.stream_info(lay.rollouts_stream)).state
         await asyncio.sleep(1.0)  # anything produced twice would land by now (and be refused by id)
         groups = await read_rollouts(js, lay)
         info = await js.consumer_info(lay.prompts_stream, "producers")

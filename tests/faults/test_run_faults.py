@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import run_cmd, wait_for_step, write_data  # noqa: E402
+from e2e_helpers import finished_summary, run_cmd, wait_for_step, write_data  # noqa: E402
 
 from rlstream.broker import EmbeddedServer, Layout, connect, ensure_layout  # noqa: E402
 from rlstream.schemas import DeadLetter, Prompt  # noqa: E402
@@ -44,11 +44,7 @@ def test_broker_killed_and_restarted_mid_run(tiny_model_dir, tmp_path):
             proc.kill()
         server.stop()
     assert proc.returncode == 0, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ok"] and summary["steps"] == steps
-    assert summary["groups_trained_twice"] == 0
-    acc = summary["accounting"]
-    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
+    summary = finished_summary(run_dir, steps)
     print(f"broker down 3s; training resumed {stall:.1f}s after the kill; redelivered {summary['redelivered']}")
 
 
@@ -139,11 +135,7 @@ def test_hung_producer_backend_is_timed_out_and_restarted_by_the_run(tiny_model_
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
     assert not hang.exists()  # the hang happened
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ok"] and summary["steps"] == steps
+    summary = finished_summary(run_dir, steps)
     assert summary["restarts"].get("producer-0", 0) >= 1, summary["restarts"]
-    assert summary["groups_trained_twice"] == 0
-    acc = summary["accounting"]
-    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("producer-0*"))
     assert "generation timed out after 3s" in logs and "exiting with code 75" in logs

@@ -21,3 +21,11 @@ async def wait_until(pred, timeout: float, every: float = 0.1):
 
 async def layout_for(js, run_id, ack_wait_s: float = 30):
     return await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait_s))
+
+
+async def read_rollouts(js, lay) -> list:
+    """Every RolloutGroup in the run's rollouts stream, in stream order."""
+    from rlstream.schemas import RolloutGroup
+
+    last = (await js.stream_info(lay.rollouts_stream)).state.last_seq
+    return [RolloutGroup.decode((await js.get_msg(lay.rollouts_stream, seq)).data) for seq in range(1, last + 1)]

@@ -15,18 +15,13 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from producer_helpers import layout_for, wait_until
+from producer_helpers import layout_for, read_rollouts, wait_until
 from rlstream.broker import Component, RunState, put_object
 from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.producers.backends import make_backend
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import run
-from rlstream.schemas import RolloutGroup, WeightsAnnouncement
-
-
-async def read_rollouts(js, lay) -> list[RolloutGroup]:
-    last = (await js.stream_info(lay.rollouts_stream)).state.last_seq
-    return [RolloutGroup.decode((await js.get_msg(lay.rollouts_stream, seq)).data) for seq in range(1, last + 1)]
+from rlstream.schemas import WeightsAnnouncement
 
 
 async def rollout_count(js, lay) -> int:

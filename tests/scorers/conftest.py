@@ -3,27 +3,16 @@ serving the tiny reward model in a subprocess."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from rlstream.broker import connect
 from rlstream.broker.server import free_port
-
-HERE = Path(__file__).parent
-
-
-def scorer_env() -> dict[str, str]:
-    """The environment of a subprocess that imports this directory's reward functions."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    return env
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:

@@ -1,4 +1,7 @@
-"""Rollout groups and configs for the scorer tests."""
+"""Rollout groups, configs and subprocess environments for the scorer tests."""
+
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -18,3 +21,10 @@ def config(reward_function: dict, run: str = "run", **sections):
     data = {"run": run, "training_mode": sections.pop("training_mode", "RL_GRPO"), "model_checkpoint_path": "unused",
             "reward_function": reward_function, **sections}
     return parse_config(data)
+
+
+def scorer_env() -> dict[str, str]:
+    """The environment of a subprocess that imports this directory's reward functions."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    return env

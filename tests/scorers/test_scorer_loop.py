@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 import yaml
-from conftest import scorer_env
-from scorer_helpers import config, group
+from scorer_helpers import config, group, scorer_env
 
 from rlstream.broker import Outgoing, Publisher, ensure_layout
 from rlstream.broker.server import free_port
