@@ -219,6 +219,9 @@ class NatsConfig(Strict):
     max_payload_mb: int = Field(8, ge=1, le=64)
     retention_days: float = Field(7.0, gt=0)
     """How long rollouts and scored groups are kept for replay."""
+    layout_wait_s: float = Field(300.0, gt=0, le=86400)
+    """On a server with per-role permissions, how long a component waits at start for the
+    learner (or the operator) to lay out the run's streams, KV bucket and object store."""
 
 
 class ProducerConfig(Strict):

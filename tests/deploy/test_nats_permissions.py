@@ -92,6 +92,8 @@ async def snapshot(js, runs: list[str]) -> dict:
         out["streams"][info.config.name] = (json.dumps(cfg, sort_keys=True), info.state.messages, info.state.last_seq)
         for ci in await js.consumers_info(info.config.name):
             c = ci.config
+            if (c.deliver_subject or "").startswith("_INBOX.operator."):
+                continue  # the operator's own KV key listing (this snapshot)
             out["consumers"][(info.config.name, ci.name)] = (
                 c.ack_wait, c.max_deliver, c.filter_subject, c.deliver_subject, ci.delivered.stream_seq,
                 ci.num_ack_pending, ci.num_redelivered, ci.num_pending)
@@ -176,16 +178,21 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
         if not (role == "learner" and name.startswith("OBJ_")):
             add(f"$JS.API.STREAM.PURGE.{name}", b"", f"purge {name}")
     # every other role's durable consumer: reconfigure, delete, pull, ack, nak, terminate
+    # (only the learner lays out the consumers; even its own one a component cannot
+    # reconfigure, e.g. into a push consumer that delivers into another subject)
     for r, layout in ((run, lay), (OTHER_RUN, other)):
         for durable, (stream, subject) in layout.consumers().items():
+            if r == OTHER_RUN or role != "learner":
+                cc = json.dumps({"stream_name": stream, "config": {
+                    "durable_name": durable, "ack_policy": "explicit", "ack_wait": 1_000_000_000, "max_deliver": 1,
+                    "filter_subject": subject, "deliver_subject": f"rl.{run}.scored"}}).encode()
+                add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{subject}", cc, f"reconfigure {durable}")
+                add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
+                add(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
+            add(f"$JS.API.CONSUMER.CREATE.{stream}.evil.{subject}", b"{}", "a consumer of its own naming")
+            add(f"$JS.API.CONSUMER.DELETE.{stream}.{durable}", b"", f"delete {durable}")
             if r == run and OWN_DURABLE.get(role) == durable:
                 continue
-            cc = json.dumps({"stream_name": stream, "config": {"durable_name": durable, "ack_policy": "explicit", "ack_wait": 1_000_000_000,
-                                                                "max_deliver": 1, "filter_subject": subject}}).encode()
-            add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{subject}", cc, f"reconfigure {durable}")
-            add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
-            add(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
-            add(f"$JS.API.CONSUMER.DELETE.{stream}.{durable}", b"", f"delete {durable}")
             add(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", b'{"batch": 1}', f"pull from {durable}")
             for verb in (b"+ACK", b"-NAK", b"+TERM"):
                 add(replies[(r, durable)], verb, f"{verb.decode()} a delivery of {durable}")
@@ -262,8 +269,8 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
 
 
 async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured):
-    """The learner lays out the run (streams, KV, object store, its own consumer); every
-    other component waits for that layout, then creates only its own durable consumer."""
+    """The learner lays out the run (streams, KV, object store, the durable consumers); every
+    other component waits for that layout and binds to it, creating nothing."""
     from rlstream.broker.layout import bind_layout
 
     server, passwords = secured
@@ -280,12 +287,12 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
             await bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=1.0)
         assert not await ojs.streams_info()
         waiting = asyncio.create_task(bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=30))
-        lay = await ensure_layout(ljs, run, cfg, durables=(Layout.LEARNER,))
+        lay = await ensure_layout(ljs, run, cfg)
         assert (await waiting).run == run
         await bind_layout(sjs, run, cfg, durable=Layout.SCORERS, wait_s=5)
         await bind_layout(fjs, run, cfg, durable=None, wait_s=5)
         assert {ci.name for ci in await ojs.consumers_info(lay.prompts_stream)} == {Layout.PRODUCERS}
-        assert {ci.name for ci in await ojs.consumers_info(lay.scored_stream)} == {Layout.LEARNER}
+        assert (await ojs.consumer_info(lay.prompts_stream, Layout.PRODUCERS)).config.ack_wait == 30
 
         # the whole path, each step by its own role
         assert (await fjs.publish(lay.prompts, b"p")).seq == 1
@@ -351,3 +358,66 @@ async def test_wrong_credentials_give_a_clear_broker_error(secured):
         assert "127.0.0.1" in str(exc)
     else:
         raise AssertionError("the producer's password opened the learner's account")
+
+
+async def test_components_run_under_their_roles_without_a_permission_error(secured, caplog, monkeypatch):
+    """Each rlstream Component with its role's credentials: the producer, scorer and feeder
+    start before the learner and wait for its layout; then each binds its consumer,
+    reports metrics and heartbeats, and no request of theirs is refused."""
+    from rlstream.broker import Component, Consumer
+    from rlstream.config import parse_config
+    from rlstream.schemas import Prompt
+
+    server, passwords = secured
+    run = shipped_run()
+    for role in COMPONENTS:
+        monkeypatch.setenv(f"TEST_{role.upper()}_PW", passwords[role])
+
+    def cfg(role):
+        return parse_config({
+            "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
+            "nats": {"url": server.urls, "user": role, "password_env": f"TEST_{role.upper()}_PW", "layout_wait_s": 60},
+            "metrics": {"prometheus_port": None, "interval_s": 0.2}, "algorithm_params": {"group_size": 2}})
+
+    async def component(role):
+        comp = Component(cfg(role), server.urls, role, f"{role[0]}0", handle_signals=False)
+        return await comp.__aenter__()
+
+    caplog.set_level("WARNING")
+    waiting = [asyncio.create_task(component(role)) for role in ("producer", "scorer", "feeder")]
+    await asyncio.sleep(0.5)
+    assert not any(t.done() for t in waiting)  # nothing to bind to before the learner
+    learner = await component("learner")
+    comps = {"learner": learner, **{c.component: c for c in await asyncio.gather(*waiting)}}
+    op, ojs, _ = await _client(server, passwords, "operator")
+    try:
+        lay = learner.layout
+        await comps["feeder"].publisher.publish(lay.prompts, Prompt(id="p1", text="1+1", run=run).encode(), "p1")
+        consumer = await Consumer(comps["producer"].js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+        deadline = time.monotonic() + 10
+        got = []
+        while not got and time.monotonic() < deadline:
+            got = await consumer.fetch(1, timeout=0.5)
+        (delivery,) = got
+        await delivery.in_progress()
+        await delivery.ack()
+        for durable, role in ((Layout.SCORERS, "scorer"), (Layout.LEARNER, "learner")):
+            c = await Consumer(comps[role].js, lay, durable, Prompt, stage=role).start()
+            assert await c.fetch(1, timeout=0.2) == []
+        kv = await ojs.key_value(lay.state_bucket)
+        deadline = time.monotonic() + 15
+        want = {f"heartbeat.{r}.{r[0]}0" for r in COMPONENTS}
+        while time.monotonic() < deadline:
+            keys = set(await kv.keys())
+            metrics = (await ojs.stream_info(lay.metrics_stream, subjects_filter=lay.metrics_all)).state.subjects or {}
+            if want <= keys and {lay.metrics(r, f"{r[0]}0") for r in COMPONENTS} <= set(metrics):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"heartbeats or metrics missing: {want - keys}, {sorted(metrics)}")
+    finally:
+        for c in comps.values():
+            await c.__aexit__(None, None, None)
+        await op.close()
+    refused = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
+    assert not refused, refused
