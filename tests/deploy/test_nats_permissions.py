@@ -421,3 +421,31 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
         await op.close()
     refused = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
     assert not refused, refused
+
+
+def test_the_shipped_accounts_are_rendered_for_the_deployed_run():
+    """deploy/nats/accounts.conf is what the renderer writes for the run of the Kubernetes
+    ConfigMap (so the permissions name the run the components use), and no wildcard run."""
+    import yaml
+
+    from rlstream.broker.accounts import render_accounts
+
+    cm = yaml.safe_load((ACCOUNTS.parents[1] / "k8s" / "base" / "rlstream-config.yaml").read_text())
+    run = yaml.safe_load(cm["data"]["config.yaml"])["run"]
+    assert ACCOUNTS.read_text() == render_accounts(run), "regenerate: python -m rlstream.broker.accounts --run " + run
+    assert "rl.*" not in ACCOUNTS.read_text() and '"$JS.ACK.>"' not in ACCOUNTS.read_text()
+
+
+async def test_the_runs_account_has_jetstream_limits(secured):
+    """The run's account caps memory, storage, streams and consumers (set per run)."""
+    from rlstream.broker.accounts import AccountLimits
+
+    server, passwords = secured
+    nc, js, _ = await _client(server, passwords, "learner")
+    try:
+        info = await js.account_info()
+        want = AccountLimits()
+        assert info.limits.max_streams == want.max_streams and info.limits.max_consumers == want.max_consumers
+        assert (info.limits.max_memory, info.limits.max_storage) == (10**9, 200 * 10**9)  # "1G", "200G" (decimal)
+    finally:
+        await nc.close()
