@@ -8,7 +8,8 @@ import typing
 import pytest
 import torch
 
-from rlstream.config import DAPOParams, DPOParams, GRPOParams, GSPOParams, LossAggregation, PPOParams
+from rlstream.config import (DAPOParams, DPOParams, GeometricMask, GRPOParams, GSPOParams, IcePop, LossAggregation, NoCorrection,
+                             PPOParams, SequenceMIS, SequenceTIS, TokenMask, TokenMIS, TokenTIS)
 from rlstream.learner.losses import (
     AGGREGATIONS,
     PolicyBatch,
@@ -18,7 +19,7 @@ from rlstream.learner.losses import (
     entropy_from_logits,
     gspo_loss,
     grpo_loss,
-    importance_weights,
+    correction_weights,
     kl_k3,
     policy_loss_fn,
     ppo_loss,
@@ -136,19 +137,18 @@ def test_clipped_surrogate_boundaries(advantage, ratio, loss, clipped, grad):
     assert r.grad.item() == pytest.approx(grad)
 
 
-def test_importance_weights_modes():
-    log_w = torch.log(torch.tensor([3.0, 1.5, 0.25, 0.5]))
+def test_correction_weights_token_modes():
+    log_w = torch.log(torch.tensor([[3.0, 1.5, 0.25, 0.5]]))
+    mask = torch.ones(1, 4)
     # cap 2: tis truncates 3 -> 2; mask keeps only [1/2, 2] -> 1.5 and 0.5 (the boundary) kept
-    w, truncated, masked = importance_weights(log_w, "tis", 2.0)
-    close(w, [2.0, 1.5, 0.25, 0.5])
-    assert truncated.tolist() == [True, False, False, False] and not masked.any()
-    w, truncated, masked = importance_weights(log_w, "mask", 2.0)
-    close(w, [0.0, 1.0, 0.0, 1.0])
-    assert masked.tolist() == [True, False, True, False] and not truncated.any()
-    w, _, _ = importance_weights(log_w, "none", 2.0)
-    close(w, [1.0, 1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match="off_policy_correction"):
-        importance_weights(log_w, "bogus", 2.0)
+    w, truncated, masked = correction_weights(log_w, mask, TokenTIS(cap=2.0))
+    close(w, [[2.0, 1.5, 0.25, 0.5]])
+    assert truncated.tolist() == [[True, False, False, False]] and not masked.any()
+    w, truncated, masked = correction_weights(log_w, mask, TokenMask(cap=2.0))
+    close(w, [[0.0, 1.0, 0.0, 1.0]])
+    assert masked.tolist() == [[True, False, True, False]] and not truncated.any()
+    w, _, _ = correction_weights(log_w, mask, NoCorrection())
+    close(w, [[1.0, 1.0, 1.0, 1.0]])
 
 
 # ---- policy losses: clipping ------------------------------------------------------------------
