@@ -394,23 +394,27 @@ def offpolicy_metrics(
             out["offpolicy/fresh_frac"] = _mean(fresh, mask)
             out["offpolicy/mismatch_kl_fresh_part"] = _mean(kl * fresh, mask)
             out["offpolicy/mismatch_kl_stale_part"] = _mean(kl * (1.0 - fresh), mask)
-        finish_offpolicy_metrics(out, inplace=True)
+        out.update(finish_offpolicy_metrics(out))
     return out
 
 
-def finish_offpolicy_metrics(metrics: dict[str, float], *, inplace: bool = False) -> dict[str, float]:
+def finish_offpolicy_metrics(metrics: dict[str, float], *, drop_parts: bool = False) -> dict[str, float]:
     """Form the step's ratios from token-mean metrics merged over micro-batches: ``is/ess``,
     ``is/ess_raw``, ``offpolicy/mismatch_kl_fresh`` and ``offpolicy/mismatch_kl_stale`` (mean k3
-    over lag-0 / lagging tokens; 0 where there are none). Drops the ``*_part`` helpers."""
-    out = metrics if inplace else dict(metrics)
+    over lag-0 / lagging tokens; 0 where there are none). A new dict; ``drop_parts`` leaves out
+    the ``*_part`` helpers (once the whole step is merged)."""
+    out = dict(metrics)
     if "is/weight_sq_mean" in out:
         out["is/ess"] = effective_sample_size(out["is/weight_mean"], out["is/weight_sq_mean"])
     if "is/raw_weight_sq_mean" in out:
         out["is/ess_raw"] = effective_sample_size(out["is/raw_weight_mean"], out["is/raw_weight_sq_mean"])
     if "offpolicy/fresh_frac" in out:
         fresh = out["offpolicy/fresh_frac"]
-        fresh_part = out.pop("offpolicy/mismatch_kl_fresh_part", 0.0)
-        stale_part = out.pop("offpolicy/mismatch_kl_stale_part", 0.0)
+        fresh_part = out.get("offpolicy/mismatch_kl_fresh_part", 0.0)
+        stale_part = out.get("offpolicy/mismatch_kl_stale_part", 0.0)
+        if drop_parts:
+            out.pop("offpolicy/mismatch_kl_fresh_part", None)
+            out.pop("offpolicy/mismatch_kl_stale_part", None)
         out["offpolicy/mismatch_kl_fresh"] = fresh_part / fresh if fresh > 0 else 0.0
         out["offpolicy/mismatch_kl_stale"] = stale_part / (1.0 - fresh) if fresh < 1 else 0.0
     return out
