@@ -291,6 +291,10 @@ async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, 
                                       size=2, sha256=hashlib.sha256(b"v%d" % version).hexdigest())
             await state.kv.put(WEIGHTS_LATEST, ann.encode())
             await state.set_policy_version(version)
+
+            async def loaded(v=version):  # before the next version, or a slow machine loads only the newer
+                return backend.loaded_versions[-1:] == [v]
+            await wait_until(loaded, 60)
         await wait_until(lambda: _eq(rollout_count(js, lay), n), 60)
     groups = await read_rollouts(js, lay)
     assert sorted(g.prompt_id for g in groups) == sorted({g.prompt_id for g in groups}) and len(groups) == n
