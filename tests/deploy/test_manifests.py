@@ -409,7 +409,7 @@ def test_network_policies_deny_by_default_and_keep_nats_monitoring_private(rende
     # NATS clients: the rlstream components (the reward server has no business there)
     peers = _allowed_from(objs, nats, 4222, "client")
     assert peers is not None and all(set(p) == {"podSelector"} for p in peers)
-    reach = lambda who, peers: any(_selects(p["podSelector"], pods[who]) for p in peers if "podSelector" in p)  # noqa: E731
+    reach = lambda who, peers: any(_selects(p["podSelector"], pods[who]) for p in peers if "podSelector" in p)
     for who in ("Job/feeder", "Deployment/producers", "Deployment/scorers", "PyTorchJob/learner/Master"):
         assert reach(who, peers), f"{who} cannot reach NATS"
     assert not reach("Deployment/reward-server", peers)

@@ -240,7 +240,7 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
     server, passwords = secured
     run = shipped_run()
     op, ojs, _ = await prepared(server, passwords, run)
-    nc, pjs, denials = await _client(server, passwords, "producer")
+    nc, pjs, _ = await _client(server, passwords, "producer")
     lay = Layout(run)
     try:
         from nats.js.api import RePublish, StreamConfig
@@ -328,7 +328,7 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
 async def test_components_cannot_delete_streams_but_the_operator_can(secured):
     server, passwords = secured
     run = shipped_run()
-    learner, ljs, denials = await _client(server, passwords, "learner")
+    learner, ljs, _ = await _client(server, passwords, "learner")
     operator, ojs, _ = await _client(server, passwords, "operator")
     try:
         lay = await ensure_layout(ojs, run, NatsConfig())

@@ -7,6 +7,7 @@ written by the test as the learner would)."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -108,12 +109,10 @@ async def test_weights_that_are_not_the_runs_own_are_refused_and_the_producer_ke
 
 
 async def test_weights_in_the_runs_shared_folder_are_checked_and_loaded(producer):
-    folder = producer.cfg.learner.shared_path + f"/{producer.layout.run}/policy-v000003"
-    import os
-    os.makedirs(folder)
-    with open(folder + "/model.safetensors", "wb") as f:
-        f.write(WEIGHTS)
+    folder = Path(producer.cfg.learner.shared_path, producer.layout.run, "policy-v000003")
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(WEIGHTS)
     await announce(producer, 3, f"file://{folder}")
     backend = Loader()
     assert await sync_weights(producer, backend, 0, ProducerStats()) == 3
-    assert backend.loaded[0].path == folder
+    assert backend.loaded[0].path == str(folder)
