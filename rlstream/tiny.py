@@ -13,10 +13,14 @@ from typing import Iterable
 
 ARITHMETIC_CHARS = "0123456789+-*=?. "
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}A:{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+"""ChatML, as Qwen's instruct models write it: every role (system, user, assistant, tool) is kept,
+and ``<|im_start|>``/``<|im_end|>`` are single special tokens."""
+CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
 
 
 def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
@@ -43,12 +47,13 @@ def build_tokenizer(out_dir: str | Path, corpus: Iterable[str] | None = None, vo
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    special = ["<pad>", "<s>", "</s>"]
+    special = ["<pad>", "<s>", "</s>", *CHAT_MARKERS]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(list(corpus or default_corpus()), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=CHAT_MARKERS)
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     fast.save_pretrained(str(out_dir))

@@ -1,9 +1,9 @@
 """The feeder: publish a prompt dataset to the run's work queue.
 
 ``rlstream feed CONFIG`` reads ``data_source.path`` (jsonl, json, parquet or an HF
-``datasets`` directory), takes the prompt from ``data_source.prompt_column`` (plain text)
-or ``data_source.messages_column`` (chat turns, rendered later with the producer model's
-chat template), carries every other column along in ``Prompt.columns`` (reward functions
+``datasets`` directory), takes the prompt from ``data_source.prompt_column`` (plain text, or
+TRL's conversational list of turns) or ``data_source.messages_column`` (chat turns); turns are
+rendered later with the producer model's chat template, as TRL's GRPOTrainer renders them, carries every other column along in ``Prompt.columns`` (reward functions
 read e.g. ``answer`` there), and publishes ``data_source.epochs`` passes, each shuffled
 with ``shuffle_seed + epoch`` (no shuffling when the seed is null).
 
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlstream import chat
 from rlstream.broker import Component, Layout, Outgoing, Publisher
 from rlstream.data import DatasetError, read_rows
 from rlstream.schemas import Prompt
@@ -49,14 +50,10 @@ def _plain(value: Any) -> Any:
 
 
 def _messages(value: Any, row: int, column: str, where: str) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise DatasetError(f"{where}: row {row} column {column!r} must be a non-empty list of {{role, content}} turns")
-    out = []
-    for j, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DatasetError(f"{where}: row {row} column {column!r} turn {j} is not {{role: str, content: str}}")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
+    try:
+        return chat.check_messages(value, f"{where}: row {row} column {column!r}")
+    except chat.ChatError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 def build_prompts(rows: list[dict[str, Any]], cfg, *, where: str = "dataset", key: str = "data", run: str = "") -> list[Prompt]:
@@ -74,7 +71,9 @@ def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[
     pc, mc = ds.prompt_column, ds.messages_column
     base: list[Row] = []
     for i, row in enumerate(rows):
-        if pc in row and row[pc] is not None:
+        if pc in row and chat.is_conversational(row[pc]):  # TRL's conversational prompt
+            text, messages = "", _messages(row[pc], i, pc, where)
+        elif pc in row and row[pc] is not None:
             text = row[pc]
             if not isinstance(text, str):
                 raise DatasetError(f"{where}: row {i} column {pc!r} must be a string, got {type(text).__name__}")

@@ -295,6 +295,7 @@ async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, 
             samples=[Sample(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in samples],
             policy_version=version, producer_id=comp.component_id, columns=prompt.columns,
             sampling=sampling, run=comp.layout.run, timings={"generate": generate_s},
+            prompt_messages=prompt.messages,
         ))
     return groups
 

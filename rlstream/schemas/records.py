@@ -237,10 +237,12 @@ class RolloutGroup(Record):
     On the wire the samples are flat: ``lengths`` [G], ``completion_ids`` and
     ``logprobs`` [sum(lengths)], ``finish_reasons`` and ``texts`` [G].
     v1: up to ``sampling``. v2: + timings (seconds per phase, e.g. ``generate``).
+    v3: + prompt_messages (the prompt's chat turns when it was conversational; reward
+    functions get them as TRL's ``prompts``).
     """
 
     SCHEMA: ClassVar[str] = "rollout_group"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     id: str
     prompt_id: str
@@ -254,6 +256,7 @@ class RolloutGroup(Record):
     run: str = ""
     ts: float = field(default_factory=_now)
     timings: dict[str, float] = field(default_factory=dict)
+    prompt_messages: list[dict[str, Any]] | None = None
 
     @property
     def group_size(self) -> int:
@@ -299,6 +302,7 @@ class RolloutGroup(Record):
             "finish_reasons": self.finish_reasons(),
             "texts": self.texts(),
             "timings": self.timings,
+            "prompt_messages": self.prompt_messages,
         }
 
     @classmethod
@@ -372,6 +376,9 @@ class RolloutGroup(Record):
             raise RecordError(f"{path}policy_version", f"{w.policy_version} is below the minimum 0")
         if max(len(w.id), len(w.prompt_id), len(w.prompt_text)) > limits.max_string:
             raise RecordError(f"{path}prompt_text", f"a string exceeds {limits.max_string} chars")
+        for i, m in enumerate(w.prompt_messages or ()):
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise RecordError(f"{path}prompt_messages[{i}]", "expected {role: str, content: str}")
         samples = FlatSamples(length_array, ids, lps, ends, reasons, texts)
         if not math.isfinite(w.ts):
             raise RecordError(f"{path}ts", f"{w.ts} is not finite")
@@ -379,6 +386,7 @@ class RolloutGroup(Record):
             id=w.id, run=w.run, ts=w.ts, prompt_id=w.prompt_id, prompt_text=w.prompt_text,
             prompt_ids=prompt_ids, samples=samples, policy_version=w.policy_version,
             producer_id=w.producer_id, columns=w.columns, sampling=w.sampling, timings=w.timings,
+            prompt_messages=w.prompt_messages,
         )
         return group, (prompt_ids, ids, lps)
 

@@ -41,6 +41,7 @@ class RolloutWire(msgspec.Struct, kw_only=True):
     columns: dict[str, Any] = {}
     sampling: dict[str, Any] = {}
     timings: dict[str, float] = {}  # v2
+    prompt_messages: list[dict[str, Any]] | None = None  # v3
 
 
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}

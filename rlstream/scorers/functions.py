@@ -6,7 +6,9 @@ called once per batch of completions as::
     fn(prompts=[...], completions=[...], completion_ids=[[...], ...], trainer_state=state,
        **columns, **params) -> list[float | None]
 
-exactly as TRL 1.x does (``prompts`` repeats each prompt once per completion; every
+exactly as TRL 1.x does (``prompts`` repeats each prompt once per completion; for a
+conversational prompt ``prompts`` holds its list of turns and each completion is
+``[{"role": "assistant", "content": text}]``, else both are strings; every
 dataset column arrives as a list with one entry per completion; ``params`` are the
 term's ``params``). ``async def`` functions are awaited. ``None`` (or NaN) means "no
 reward" for that completion. ``trainer_state`` is a :class:`ScorerState`: its
@@ -87,8 +89,8 @@ async def call_function(
     name: str,
     fn: Callable[..., Any],
     *,
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Any],
+    completions: list[Any],
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
     state: ScorerState,

@@ -48,7 +48,11 @@ _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
 class Flat:
     """A batch of groups flattened to one entry per completion (TRL's layout).
 
-    ``completion_ids`` (lists of ints) are built on first use: most rules read text only."""
+    ``prompts`` and ``completions`` are text (what rules and the reward model read).
+    ``completion_ids`` (lists of ints) are built on first use: most rules read text only.
+    :attr:`trl_prompts` and :attr:`trl_completions` are what a Python reward function gets,
+    as TRL passes them: for a conversational prompt, its turns and
+    ``[{"role": "assistant", "content": text}]``; for plain text, the strings."""
 
     prompts: list[str]
     completions: list[str]
@@ -67,6 +71,15 @@ class Flat:
         if self._ids is None:
             self._ids = [s.completion_ids.tolist() for g in self.groups for s in g.samples]
         return self._ids
+
+    @property
+    def trl_prompts(self) -> list[Any]:
+        return [g.prompt_messages if g.prompt_messages else g.prompt_text for g, n in zip(self.groups, self.sizes) for _ in range(n)]
+
+    @property
+    def trl_completions(self) -> list[Any]:
+        chat = [bool(g.prompt_messages) for g, n in zip(self.groups, self.sizes) for _ in range(n)]
+        return [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(self.completions, chat)]
 
     @property
     def lengths(self) -> list[int]:
@@ -176,7 +189,7 @@ class Scorer:
             fn = load_function(t.function)
 
             async def run_function(flat: Flat, fn=fn, name=t.name, params=p):
-                return await call_function(name, fn, prompts=flat.prompts, completions=flat.completions,
+                return await call_function(name, fn, prompts=flat.trl_prompts, completions=flat.trl_completions,
                                            completion_ids=flat.completion_ids, columns=flat.columns,
                                            state=flat.state, params=params)
 

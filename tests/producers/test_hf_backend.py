@@ -49,7 +49,7 @@ async def test_logprobs_match_teacher_forcing(backend, tiny_model_dir):
 
 async def test_greedy_is_deterministic_and_chat_prompts_use_the_template(backend):
     ids, text = backend.encode_prompt(Prompt(id="c", text="", messages=[{"role": "user", "content": "1 + 1?"}]))
-    assert text == "Q: 1 + 1?\nA:"  # the tiny tokenizer's chat template
+    assert text == "<|im_start|>user\n1 + 1?<|im_end|>\n<|im_start|>assistant\n"  # the tiny tokenizer's chat template
     spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.0)
     (g1,), (g2,) = await backend.generate([ids], spec), await backend.generate([ids], spec)
     assert np.array_equal(g1[0].token_ids, g1[1].token_ids) and np.array_equal(g1[0].token_ids, g2[0].token_ids)

@@ -54,7 +54,7 @@ def engine_run(tiny_model_dir, models, tmp_path_factory):
 def test_vllm_logprobs_match_hf_teacher_forcing(engine_run, models):
     base = models[0]
     (ids_a, text_a), (ids_b, text_b) = engine_run["prompts"]
-    assert text_b == "Q: 1 + 1?\nA:"  # chat messages went through the model's template
+    assert text_b == "<|im_start|>user\n1 + 1?<|im_end|>\n<|im_start|>assistant\n"  # chat messages went through the model's template
     for (prompt_ids, _), group in zip(engine_run["prompts"], engine_run["before"]):
         assert len(group) == 3
         for c in group:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from rlstream import chat
 from rlstream.schemas import Prompt
 
 LOGPROBS_KIND = "raw"
@@ -117,10 +118,11 @@ class Backend:
             text = prompt.text or (self.tokenizer.decode(prompt.prompt_ids.tolist()) if self.tokenizer is not None else "")
             return np.asarray(prompt.prompt_ids, np.int32), text
         if prompt.messages:
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ProducerError(f"prompt {prompt.id} has chat messages but the tokenizer has no chat template")
-            text = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
-            return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32), text
+            try:
+                ids, text = chat.prompt_ids(self.tokenizer, prompt.messages)
+            except chat.ChatError as exc:
+                raise ProducerError(f"prompt {prompt.id}: {exc}") from None
+            return np.asarray(ids, np.int32), text
         if not prompt.text:
             raise ProducerError(f"prompt {prompt.id} has no text, messages or prompt_ids")
         return np.asarray(self.tokenizer(prompt.text)["input_ids"], np.int32), prompt.text
