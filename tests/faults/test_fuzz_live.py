@@ -70,7 +70,7 @@ def good_prompt(i: int) -> Prompt:
 
 def good_rollout(i: int) -> RolloutGroup:
     samples = [Sample(np.arange(n, dtype=np.int32) % 100, np.full(n, -0.5, np.float32), "stop", str(2 * i)) for n in (3, 4)]
-    return RolloutGroup(id=f"rollout-{i:04d}", prompt_id=f"rollout-{i:04d}", prompt_text=f"Q: What is {i} + {i}? A:",
+    return RolloutGroup.from_samples(id=f"rollout-{i:04d}", prompt_id=f"rollout-{i:04d}", prompt_text=f"Q: What is {i} + {i}? A:",
                         prompt_ids=np.array([1, 2, 3], np.int32), samples=samples, policy_version=0, columns={"answer": str(2 * i)})
 
 
