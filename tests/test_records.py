@@ -5,10 +5,20 @@ import numpy as np
 import pytest
 
 from rlstream.schemas import (
-    DeadLetter, Limits, MetricEvent, PreferencePair, Prompt, RecordError, RolloutGroup, Sample,
-    ScoredGroup, SFTExample, WeightsAnnouncement, decode_any,
+    DeadLetter,
+    Limits,
+    MetricEvent,
+    PreferencePair,
+    Prompt,
+    RecordError,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    SFTExample,
+    WeightsAnnouncement,
+    decode_any,
 )
-from rlstream.schemas.codec import pack_array, INT32, FLOAT32
+from rlstream.schemas.codec import FLOAT32, INT32, pack_array
 
 
 def make_group(g=3, n=5, version=2) -> RolloutGroup:

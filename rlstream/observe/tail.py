@@ -26,7 +26,6 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
-import numpy as np
 from rich.console import Console
 from rich.text import Text
 

@@ -111,6 +111,7 @@ TokenIds = Annotated[np.ndarray, ArrayOf(INT32, "tokens")]
 LogProbs = Annotated[np.ndarray, ArrayOf(FLOAT32, "logprobs")]
 Floats = Annotated[np.ndarray, ArrayOf(FLOAT32, "finite")]
 Counts = Annotated[np.ndarray, ArrayOf(INT32)]
+MaybeFloats = Annotated[np.ndarray, ArrayOf(FLOAT32)]  # NaN where there is no value (a reward term that did not apply)
 Columns = Annotated[dict[str, Any], FreeForm()]
 
 _ARRAY, _ARRAY_MAP, _FREE, _RECORD = "array", "array_map", "free", "record"
@@ -308,7 +309,8 @@ def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: s
         if depth > limits.max_depth:
             raise RecordError(path + name, f"nested deeper than the limit of {limits.max_depth}")
         if elements > budget:
-            raise RecordError(path + name, f"holds more than {limits.max_elements} elements (the limit, all free-form fields together)")
+            raise RecordError(path + name, f"holds more than {limits.max_elements} elements "
+                                           "(the limit, all free-form fields together)")
         budget -= elements
 
 
@@ -335,6 +337,14 @@ def _field(msg: str, path: str) -> str:
         if part not in _NESTED:
             break
     return path + ".".join(out) if out else path + "<payload>"
+
+
+def _message(msg: str) -> str:
+    """A msgspec error in the words of the rest of the codec (``expected int, got str``, ``missing``)."""
+    if _MISSING.search(msg):
+        return "missing"
+    msg = msg.split(" - at ")[0].replace("`", "")
+    return msg[:1].lower() + msg[1:]
 
 
 _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollout``)
@@ -452,7 +462,8 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         plan = plan_of(type(self))
         out = [(path + n, getattr(self, n), spec.check) for n, spec in plan.arrays if spec.check]
         for n, spec in plan.array_maps:
-            out.extend((f"{path}{n}.{k}", a, spec.check) for k, a in getattr(self, n).items())
+            if spec.check:
+                out.extend((f"{path}{n}.{k}", a, spec.check) for k, a in getattr(self, n).items())
         for n, _ in plan.records:
             out.extend(getattr(self, n).value_arrays(f"{path}{n}."))
         return out
@@ -562,7 +573,7 @@ def _wire_decode(decoder: msgspec.msgpack.Decoder, data: Any) -> Any:
         text = str(exc)
         if text.startswith("Expected `object`") and " - at " not in text:
             raise RecordError("<payload>", "expected a map, got " + text.split("got ")[-1].strip("`")) from None
-        raise RecordError(_field(text, ""), text.split(" - at ")[0]) from None
+        raise RecordError(_field(text, ""), _message(text)) from None
     except RecursionError:  # msgspec parses no deeper than Python's recursion limit, even to skip
         raise RecordError("<payload>", "nested too deep to decode") from None
     except msgspec.DecodeError as exc:

@@ -30,6 +30,7 @@ from rlstream.schemas.codec import (
     Floats,
     Limits,
     LogProbs,
+    MaybeFloats,
     Record,
     RecordError,
     TokenIds,
@@ -131,12 +132,19 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     def from_samples(cls, samples: Iterable[Sample], **fields: Any) -> "RolloutGroup":
         """A group from per-sample arrays; ``fields`` are the other fields."""
         samples = list(samples)
+        ids = [np.asarray(s.completion_ids, INT32) for s in samples]
+        lps = [np.asarray(s.logprobs, FLOAT32) for s in samples]
         return cls(
-            lengths=np.fromiter((len(s.completion_ids) for s in samples), dtype=INT32, count=len(samples)),
-            completion_ids=np.concatenate([np.asarray(s.completion_ids, INT32) for s in samples]) if samples else np.zeros(0, INT32),
-            logprobs=np.concatenate([np.asarray(s.logprobs, FLOAT32) for s in samples]) if samples else np.zeros(0, FLOAT32),
+            lengths=np.fromiter((len(a) for a in ids), dtype=INT32, count=len(ids)),
+            completion_ids=np.concatenate(ids) if ids else np.zeros(0, INT32),
+            logprobs=np.concatenate(lps) if lps else np.zeros(0, FLOAT32),
             finish_reasons=[s.finish_reason for s in samples], texts=[s.text for s in samples], **fields,
         )
+
+    def with_samples(self, samples: Iterable[Sample], **changes: Any) -> "RolloutGroup":
+        """A copy of this group holding ``samples`` instead, with ``changes`` to its other fields."""
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f not in _SAMPLE_FIELDS}
+        return RolloutGroup.from_samples(samples, **{**fields, **changes})
 
     @property
     def group_size(self) -> int:
@@ -177,6 +185,9 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         _min(self.policy_version, 0, f"{path}policy_version")
 
 
+_SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts"})
+
+
 class ScoredGroup(Record, tag="scored_group", kw_only=True):
     """A rollout group with one reward per sample, on ``rl.<run>.scored``.
 
@@ -194,7 +205,7 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     ts: float = msgspec.field(default_factory=time.time)
     rollout: RolloutGroup
     rewards: Floats
-    components: capped(dict[str, Floats], MAX_NAMES) = msgspec.field(default_factory=dict)
+    components: capped(dict[str, MaybeFloats], MAX_NAMES) = msgspec.field(default_factory=dict)
     scorer_id: str = ""
     score_s: float = 0.0
 

@@ -8,10 +8,22 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlstream.schemas import RECORDS, Limits, RecordError, decode_any
 from rlstream.schemas import (
-    DeadLetter, MetricEvent, PreferencePair, Prompt, RolloutGroup, Sample, ScoredGroup, SFTExample, WeightsAnnouncement,
+    RECORDS,
+    DeadLetter,
+    Limits,
+    MetricEvent,
+    PreferencePair,
+    Prompt,
+    RecordError,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    SFTExample,
+    WeightsAnnouncement,
+    decode_any,
 )
+
 
 def make_group(g: int = 3, n: int = 5) -> RolloutGroup:
     samples = [Sample(np.arange(n, dtype=np.int32), np.full(n, -0.5, np.float32), "stop", "t") for _ in range(g)]
