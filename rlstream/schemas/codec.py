@@ -101,6 +101,12 @@ class ArrayOf:
 
     dtype: np.dtype
     check: str | None = None
+    wire_dtype: str = ""  # numpy computes ``dtype.str`` on every access (~0.5 us): kept here
+    itemsize: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wire_dtype", self.dtype.str)
+        object.__setattr__(self, "itemsize", self.dtype.itemsize)
 
 
 class FreeForm:
@@ -144,16 +150,10 @@ def check_size(data: Any, limits: Limits) -> None:
 
 # ---- value checks ----------------------------------------------------------------------
 
-_DTYPE_INFO: dict[np.dtype, tuple[str, int]] = {}
-
-
-def view_array(spec: Array, dtype: np.dtype, name: str, limits: Limits) -> np.ndarray:
+def view_array(spec: Array, kind: ArrayOf, name: str, limits: Limits) -> np.ndarray:
     """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit and
     byte length."""
-    info = _DTYPE_INFO.get(dtype)
-    if info is None:  # numpy computes ``dtype.str`` on every access (~0.5 us): remember it
-        info = _DTYPE_INFO[dtype] = (dtype.str, dtype.itemsize)
-    expected, itemsize = info
+    expected, itemsize, dtype = kind.wire_dtype, kind.itemsize, kind.dtype
     if spec.dtype != expected:
         raise RecordError(name, f"dtype {spec.dtype!r}, expected {expected!r}")
     shape = spec.shape
@@ -300,9 +300,14 @@ def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: s
     """Refuse free-form values that hold too many elements or nest too deep, before decoding
     them. One byte holds at most one element and at most one container, so most values are
     cleared by their length and a count of container bytes, without walking them."""
-    budget = limits.max_elements
-    if sum(len(raw) for _, raw in raws) <= budget and all(
-            len(raw) - len(bytes(raw).translate(None, _CONTAINER_BYTES)) <= limits.max_depth for _, raw in raws):
+    budget, depth = limits.max_elements, limits.max_depth
+    total, walk = 0, False
+    for _, raw in raws:
+        n = len(raw)
+        total += n
+        if n > depth and n - len(bytes(raw).translate(None, _CONTAINER_BYTES)) > depth:
+            walk = True
+    if total <= budget and not walk:
         return
     for name, raw in raws:
         elements, depth = measure(raw, budget, limits.max_depth)
@@ -353,7 +358,7 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("kinds", "arrays", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("kinds", "arrays", "checked", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -378,6 +383,7 @@ class _Plan:
             else:
                 wire_fields.append((f.name, wire_type))
         self.arrays = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY]
+        self.checked = [(n, spec.check) for n, spec in self.arrays if spec.check]
         self.array_maps = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY_MAP]
         self.free = [n for n, k in self.kinds.items() if k[0] == _FREE]
         self.records = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _RECORD]
@@ -439,7 +445,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         plan = plan_of(type(self))
         for n, spec in plan.arrays:
             value = getattr(self, n)
-            if not (isinstance(value, np.ndarray) and value.dtype == spec.dtype):
+            if not (type(value) is np.ndarray and value.dtype == spec.dtype):
                 setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
         for n, spec in plan.array_maps:
             value = getattr(self, n)
@@ -460,7 +466,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     def value_arrays(self, path: str = "") -> list[tuple[str, np.ndarray, str]]:
         """``(name, array, check)`` for every array whose values need a check, nested records included."""
         plan = plan_of(type(self))
-        out = [(path + n, getattr(self, n), spec.check) for n, spec in plan.arrays if spec.check]
+        out = [(path + n, getattr(self, n), check) for n, check in plan.checked]
         for n, spec in plan.array_maps:
             if spec.check:
                 out.extend((f"{path}{n}.{k}", a, spec.check) for k, a in getattr(self, n).items())
@@ -470,17 +476,21 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     def check_structure(self, limits: Limits = DEFAULT_LIMITS, path: str = "") -> None:
         """Every rule but the array values: version, strings, finite floats, the record's own rules."""
+        for n, _ in plan_of(type(self)).records:
+            getattr(self, n).check_structure(limits, f"{path}{n}.")
+        self._check_own(limits, path, strings=True)
+
+    def _check_own(self, limits: Limits, path: str, strings: bool) -> None:
         if not 1 <= self.v <= self.VERSION:
             raise RecordError(f"{path}v", f"version {self.v} of {self.SCHEMA} is not known (1..{self.VERSION})")
         plan = plan_of(type(self))
-        for n in plan.strings:
-            if len(getattr(self, n)) > limits.max_string:
-                raise RecordError(f"{path}{n}", f"string of {len(getattr(self, n))} chars exceeds {limits.max_string}")
+        if strings:  # a decoded string is no longer than its payload: skipped when that is short enough
+            for n in plan.strings:
+                if len(getattr(self, n)) > limits.max_string:
+                    raise RecordError(f"{path}{n}", f"string of {len(getattr(self, n))} chars exceeds {limits.max_string}")
         for n in plan.floats:
             if not math.isfinite(getattr(self, n)):
                 raise RecordError(f"{path}{n}", f"{getattr(self, n)} is not finite")
-        for n, cls in plan.records:
-            getattr(self, n).check_structure(limits, f"{path}{n}.")
         self.check(limits, path)
 
     def check(self, limits: Limits, path: str) -> None:
@@ -494,29 +504,29 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     # ---- decoding
 
     @classmethod
-    def _from_wire(cls, w: Any, limits: Limits, path: str) -> "Record":
+    def _from_wire(cls, w: Any, limits: Limits, path: str, strings: bool) -> "Record":
         plan = plan_of(cls)
         kw = msgspec.structs.asdict(w)
         for n, spec in plan.arrays:
-            kw[n] = view_array(kw[n], spec.dtype, path + n, limits)
+            kw[n] = view_array(kw[n], spec, path + n, limits)
         for n, spec in plan.array_maps:
-            kw[n] = {k: view_array(a, spec.dtype, f"{path}{n}.{k}", limits) for k, a in kw[n].items()}
+            kw[n] = {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in kw[n].items()}
         if plan.free:
             raws = [(n, kw[n]) for n in plan.free]
             check_free_form(raws, limits, path)
             for n, raw in raws:
                 kw[n] = _decode_free(raw, path + n)
         for n, sub in plan.records:
-            kw[n] = sub._from_wire(kw[n], limits, f"{path}{n}.")
+            kw[n] = sub._from_wire(kw[n], limits, f"{path}{n}.", strings)
         rec = cls(**kw)
-        rec.check_structure(limits, path)
+        rec._check_own(limits, path, strings)
         rec.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
         return rec
 
     @classmethod
     def _decode_structure(cls, data: Any, limits: Limits) -> "Record":
         check_size(data, limits)
-        return cls._from_wire(_wire_decode(plan_of(cls).decoder, data), limits, "")
+        return cls._from_wire(_wire_decode(plan_of(cls).decoder, data), limits, "", len(data) > limits.max_string)
 
     @classmethod
     def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
@@ -553,9 +563,14 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         return {"schema": self.SCHEMA, **plain(msgspec.structs.asdict(self))}
 
 
+_any_decoder = msgspec.msgpack.Decoder()
+
+
 def _decode_free(raw: msgspec.Raw, name: str) -> dict[str, Any]:
+    if len(raw) == 1 and bytes(raw) == b"\x80":  # the usual empty map
+        return {}
     try:
-        value = msgspec.msgpack.decode(raw)
+        value = _any_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RecordError(name, f"not valid MessagePack ({exc})") from None
     if not isinstance(value, dict):
@@ -590,7 +605,7 @@ def decode_tagged(decoder: msgspec.msgpack.Decoder, by_wire: dict[type, type[Rec
     check_size(data, limits)
     w = _wire_decode(decoder, data)
     cls = by_wire[type(w)]
-    rec = cls._from_wire(w, limits, "")
+    rec = cls._from_wire(w, limits, "", len(data) > limits.max_string)
     check_values(rec.value_arrays(), limits)
     return rec
 

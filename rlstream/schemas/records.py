@@ -167,10 +167,10 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
             raise RecordError(f"{path}lengths", "a group needs at least one sample")
         if g > limits.max_samples:
             raise RecordError(f"{path}lengths", f"{g} samples exceeds the limit of {limits.max_samples}")
-        lengths = self.lengths
-        if int(lengths.min()) < 0:
+        lengths = self.lengths.tolist()  # G is small: Python's min and sum beat numpy's call overhead
+        if min(lengths) < 0:
             raise RecordError(f"{path}lengths", "negative length")
-        total = int(lengths.sum(dtype=np.int64))
+        total = sum(lengths)
         for name in ("completion_ids", "logprobs"):
             if len(getattr(self, name)) != total:
                 raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
