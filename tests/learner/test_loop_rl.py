@@ -118,7 +118,7 @@ def test_dynamic_sampling_keeps_batches_full_and_widens_admission(tiny_model_dir
                    learner={"batch_groups": 2, "micro_batch_size": 8})
     groups = []
     for g in recorded:
-        flat = replace(g, rollout=replace(g.rollout, id=g.id + "-flat", prompt_id=g.id + "-flat"), rewards=np.full(8, 0.5, np.float32))
+        flat = replace(g, id=g.id + "-flat", rollout=replace(g.rollout, id=g.id + "-flat", prompt_id=g.id + "-flat"), rewards=np.full(8, 0.5, np.float32))
         groups += [flat, g]
     assert all(np.ptp(g.rewards) > 0 for g in recorded)  # the recorded groups all carry a signal
     asyncio.run(publish_groups(nats_server.url, cfg, groups))
