@@ -40,14 +40,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ComponentMain(Protocol):
-    """A component's entry point (``rlstream feed|producer|scorer|learner`` call it).
+    """A component's entry point: ``async def main(cfg, nats_url, component_id, **options) -> int``
+    (``rlstream feed|producer|scorer|learner`` call it).
 
-    It runs until its work is done or ``stop`` is set (SIGTERM/SIGINT when ``stop`` is not
-    given) and returns the process's exit code. Extra keywords a component does not use
-    (``run_dir``, ``resume``, ``max_steps``) are accepted and ignored.
+    It runs until its work is done or SIGTERM/SIGINT and returns the process's exit code.
+    ``nats_url`` is None only for a learner on an offline dataset. Options are keywords with
+    defaults, particular to a component (the learner's ``run_dir``, ``resume``, ``max_steps``).
     """
 
-    def __call__(self, cfg: Any, nats_url: str | None, component_id: str, /, **kw: Any) -> Awaitable[int]: ...
+    def __call__(self, cfg: Any, nats_url: str | None, component_id: str, /) -> Awaitable[int]: ...
 
 
 @contextlib.contextmanager

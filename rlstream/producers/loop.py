@@ -50,7 +50,7 @@ import numpy as np
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
 from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import WEIGHTS_LATEST
-from rlstream.producers.backends import Backend, ProducerError, SamplingSpec, WeightsSource, make_backend
+from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class GenerationGate:
                 self._cond.notify_all()
 
 
-async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None = None) -> ProducerStats:
+async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:
     """The loop, until ``comp.stop`` is set (or ``max_groups`` groups were produced).
 
     ``producer.pipeline_batches`` lanes run the loop at once (default: the backend's
@@ -243,7 +243,7 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
     return stats
 
 
-async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, deliveries, spec: SamplingSpec,
+async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
                          sampling: dict[str, Any], version: int) -> list[RolloutGroup] | None:
     """Tokenise and generate one batch into RolloutGroups. None when it failed (prompts nak'ed)."""
     try:
@@ -317,7 +317,7 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
     return 0, time.monotonic() - t0
 
 
-async def sync_weights(comp: Component, backend: Backend, loaded: int, stats: ProducerStats) -> int:
+async def sync_weights(comp: Component, backend: GenerationBackend, loaded: int, stats: ProducerStats) -> int:
     """Load the newest announced weights if they are newer than ``loaded``; returns the
     version now loaded (the one to stamp on what we generate next)."""
     version = await comp.state.policy_version()
