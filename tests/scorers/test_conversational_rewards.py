@@ -1,6 +1,7 @@
 """Conversational prompts reach reward functions as TRL passes them: ``prompts`` as message
 lists, ``completions`` as ``[[{"role": "assistant", "content": text}]]``; rules still read text."""
 
+import msgpack
 import numpy as np
 import pytest
 from scorer_helpers import config
@@ -13,16 +14,17 @@ PROMPT = [{"role": "system", "content": "Always say banana"}, {"role": "user", "
 
 def chat_group(gid: str, texts: list[str], columns: dict) -> RolloutGroup:
     samples = [Sample(np.arange(3, dtype=np.int32), np.full(3, -0.5, np.float32), "stop", t) for t in texts]
-    return RolloutGroup(id=gid, prompt_id=gid, prompt_text="<|im_start|>system\n...", prompt_ids=np.array([1, 2, 3], np.int32),
+    return RolloutGroup.from_samples(id=gid, prompt_id=gid, prompt_text="<|im_start|>system\n...", prompt_ids=np.array([1, 2, 3], np.int32),
                         samples=samples, policy_version=0, columns=columns, prompt_messages=PROMPT)
 
 
 def test_prompt_messages_travel_on_the_rollout_record():
     g = chat_group("g", ["a"], {"solution": "5"})
     assert RolloutGroup.decode(g.encode()).prompt_messages == PROMPT
-    wire = g.to_wire()
+    wire = msgpack.unpackb(g.encode(), raw=False)
     del wire["prompt_messages"]  # a v2 record decodes with none
-    assert RolloutGroup.from_wire(wire).prompt_messages is None
+    wire["v"] = 2
+    assert RolloutGroup.decode(msgpack.packb(wire)).prompt_messages is None
 
 
 async def test_trl_conversational_reward_functions_work_unchanged():
