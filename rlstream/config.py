@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO"]
 RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO")
@@ -545,6 +545,14 @@ class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
     """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
     interval_s: float = Field(2.0, gt=0)
+    log_completions: bool = True
+    """Log sample completions (prompt, completion, reward per term, policy version, staleness)
+    to ``samples.jsonl`` and to every ``report_to`` sink's table, as TRL's ``log_completions``."""
+    log_completions_steps: int = Field(10, ge=1)
+    """Every this many learner steps (and the first)."""
+
+
+ReportSink = Literal["tensorboard", "wandb", "trackio", "mlflow"]
 
 
 # ---- the whole config --------------------------------------------------------------------
@@ -568,6 +576,17 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    report_to: list[ReportSink] = Field(default_factory=list)
+    """TRL's key: where the learner's metrics and completions tables also go (``tensorboard``,
+    ``wandb``, ``trackio``, ``mlflow``); ``"all"`` = every one installed, ``"none"`` = none.
+    Each package's own settings apply (``WANDB_MODE=offline``, ``MLFLOW_TRACKING_URI``...)."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        from rlstream.report import resolve
+
+        return resolve(v) if isinstance(v, str) or v is None or v in (["all"], ["none"]) else v
 
     @model_validator(mode="before")
     @classmethod

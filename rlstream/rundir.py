@@ -6,6 +6,8 @@ and the tests::
     RUN_DIR/
       config.resolved.json   the config with defaults filled in (run)
       metrics.jsonl          one JSON object per optimizer step (learner)
+      samples.jsonl          sample completions every metrics.log_completions_steps steps (learner)
+      tensorboard/, mlruns/  the report_to sinks that write into the run directory (learner)
       learner_summary.json   the learner's accounting at a clean exit (learner)
       summary.json           the run's summary (run)
       timeline.jsonl         step against wall time, from the metrics subject (run)
@@ -22,6 +24,7 @@ from pathlib import Path
 
 CONFIG_FILE = "config.resolved.json"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 LEARNER_SUMMARY_FILE = "learner_summary.json"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.jsonl"
@@ -53,6 +56,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES_FILE
 
     @property
     def learner_summary(self) -> Path:

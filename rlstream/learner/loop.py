@@ -53,6 +53,7 @@ from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprob
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import Engine, build_engine, lr_at
+from rlstream.report import Reports, reward_term_metrics, sample_rows
 from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
@@ -556,6 +557,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
         with signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
             return await asyncio.to_thread(dist.follow, learner, run_dir)
+    reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
     if ranks:
@@ -564,9 +566,11 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
         _truncate_metrics(metrics_path, state.step)
+        reports.truncate_samples(state.step)
         log.info("resumed from %s (step %d, policy version %d)", latest, state.step, state.policy_version)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    else:
+        for stale in (metrics_path, RunDir(run_dir).samples):
+            stale.unlink(missing_ok=True)
     examples: list = []
     if offline:
         examples = await asyncio.to_thread(load_sft if cfg.training_mode == "SFT" else load_dpo, cfg.data_source, learner.tokenizer)
@@ -655,10 +659,16 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             "buffer/duplicates_skipped": float(state.duplicates_skipped),
                             "buffer/keep_rate": float(state.keep_rate),
                         })
+                        if not offline:
+                            m.update(reward_term_metrics(batch))
                         record = {"step": state.step, "policy_version": state.policy_version, **{k: _json_safe(v) for k, v in m.items()},
                                   "scored_seqs": [d.stream_seq for d in taken.deliveries], "group_ids": ids}
                         metrics_file.write(json.dumps(record) + "\n")
                         metrics_file.flush()
+                        await asyncio.to_thread(reports.log, m, state.step)
+                        if not offline and cfg.metrics.log_completions and (state.step == 1 or state.step % cfg.metrics.log_completions_steps == 0):
+                            rows = sample_rows(batch, state.step, state.policy_version)
+                            await asyncio.to_thread(reports.log_samples, rows, state.step)
                         if comp is not None:
                             await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
                             await comp.state.put_int(LEARNER_STEP, state.step)
@@ -682,6 +692,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 # cancellation of a pending fetch into a timeout, so only the event ends them
                 tasks_stop.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.to_thread(reports.close)
             if buf is not None:
                 await consumer.sub.unsubscribe()
 
