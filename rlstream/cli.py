@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
+    sp.add_argument("--run-dir", default=None, help="the run directory: its samples.jsonl feeds the samples view")
     sp.set_defaults(fn=cmd_observe("dashboard"))
     return p
 

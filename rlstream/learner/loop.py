@@ -627,6 +627,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
                         # 2. forward, loss, backward, step (off the event loop)
                         t_step = time.perf_counter()
+                        trained_at = state.policy_version  # the version the batch's staleness is measured against
                         followers_running = False  # a failing step leaves the others in a collective: no "stop"
                         m = await asyncio.to_thread(_train, batch)
                         followers_running = ranks
@@ -667,7 +668,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         metrics_file.flush()
                         await asyncio.to_thread(reports.log, m, state.step)
                         if not offline and cfg.metrics.log_completions and (state.step == 1 or state.step % cfg.metrics.log_completions_steps == 0):
-                            rows = sample_rows(batch, state.step, state.policy_version)
+                            rows = sample_rows(batch, state.step, trained_at)
                             await asyncio.to_thread(reports.log_samples, rows, state.step)
                         if comp is not None:
                             await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)

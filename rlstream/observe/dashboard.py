@@ -11,7 +11,16 @@ An aiohttp server with three routes:
   MetricEvent as JSON ``{seq, t (broker time, epoch s), ts, component, id, step, values}``
   with ``id: <stream seq>``, so a browser that reconnects resumes after the last one it saw
   (``Last-Event-ID``) instead of loading the history again;
-- ``/api/info``: ``{run, metrics_stream}``.
+- ``/api/info``: ``{run, metrics_stream, samples}`` (``samples``: whether a run directory with
+  ``samples.jsonl`` was given);
+- ``/api/samples``: the learner's logged completions from ``RUN_DIR/samples.jsonl``
+  (``--run-dir``), as ``{rows, steps, terms}``. Query: ``q`` (keep rows whose prompt or
+  completion contains it, case folded), ``step`` (one step; default all), ``order``
+  (``latest``, ``worst`` or ``best`` by reward), ``limit`` (default 50).
+
+The page draws every chart against wall time or the learner step (``?x=step``, or the
+selector in the header), and shows the samples: prompt, completion, reward and each reward
+term, policy version, staleness; filtered by text and sorted latest, worst or best.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from nats.js.errors import NotFoundError
 from rlstream.broker.component import signals_to
 from rlstream.broker.layout import Layout
 from rlstream.observe import ObserveError, command, nats_url, open_connection
+from rlstream.rundir import SAMPLES_FILE
 from rlstream.schemas import MetricEvent, RecordError
 
 log = logging.getLogger(__name__)
@@ -97,23 +107,64 @@ async def events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def select_samples(rows: list[dict], *, q: str = "", step: int | None = None, order: str = "latest", limit: int = 50) -> dict:
+    """The rows of the samples view: filtered by text and step, ordered, cut to ``limit``.
+    ``steps`` lists every logged step, ``terms`` the reward-term columns (for the table)."""
+    if order not in ("latest", "worst", "best"):
+        raise ValueError(f"order must be latest, worst or best, not {order!r}")
+    steps = sorted({r.get("step", 0) for r in rows})
+    fixed = {"step", "group_id", "prompt", "completion", "reward", "advantage", "policy_version", "staleness", "finish_reason", "length"}
+    terms = []
+    for r in rows:
+        terms.extend(k for k in r if k not in fixed and k not in terms)
+    keep = [r for r in rows if step is None or r.get("step") == step]
+    if q:
+        needle = q.casefold()
+        keep = [r for r in keep if needle in json.dumps(r.get("prompt", "")).casefold() or needle in str(r.get("completion", "")).casefold()]
+    if order == "latest":
+        keep = keep[::-1]
+    else:  # rows without a reward have no place in a ranking
+        keep = sorted((r for r in keep if isinstance(r.get("reward"), (int, float))), key=lambda r: r["reward"], reverse=order == "best")
+    return {"rows": keep[:max(0, limit)], "steps": steps, "terms": terms, "matched": len(keep)}
+
+
+async def samples(request: web.Request) -> web.Response:
+    from rlstream.report import read_samples
+
+    run_dir = request.app["run_dir"]
+    if run_dir is None:
+        raise web.HTTPNotFound(text="no run directory: start the dashboard with --run-dir to see samples")
+    qs = request.query
+    try:
+        step = int(qs["step"]) if qs.get("step") else None
+        limit = int(qs.get("limit", "50"))
+        out = select_samples(await asyncio.to_thread(read_samples, Path(run_dir) / SAMPLES_FILE), q=qs.get("q", ""), step=step,
+                             order=qs.get("order", "latest"), limit=limit)
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from None
+    return web.json_response(out)
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 async def info(request: web.Request) -> web.Response:
     layout = request.app["layout"]
-    return web.json_response({"run": layout.run, "metrics_stream": layout.metrics_stream})
+    return web.json_response({"run": layout.run, "metrics_stream": layout.metrics_stream,
+                              "samples": request.app["run_dir"] is not None})
 
 
-def make_app(js, run: str, backfill: int = DEFAULT_BACKFILL) -> web.Application:
+def make_app(js, run: str, backfill: int = DEFAULT_BACKFILL, run_dir: str | Path | None = None) -> web.Application:
     app = web.Application()
     app["js"] = js
     app["layout"] = Layout(run)
     app["backfill"] = backfill
+    app["run_dir"] = run_dir
     app.router.add_get("/", index)
     app.router.add_get("/events", events)
     app.router.add_get("/api/info", info)
+    app.router.add_get("/api/samples", samples)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
     return app
 
@@ -129,7 +180,8 @@ async def serve(args) -> int:
                 await js.stream_info(Layout(args.run).metrics_stream)
             except NotFoundError:
                 raise ObserveError(f"run {args.run!r} has no metrics stream on this server (is the run id right?)") from None
-            runner = web.AppRunner(make_app(js, args.run, getattr(args, "backfill", None) or DEFAULT_BACKFILL), shutdown_timeout=2.0)
+            runner = web.AppRunner(make_app(js, args.run, getattr(args, "backfill", None) or DEFAULT_BACKFILL,
+                                               getattr(args, "run_dir", None)), shutdown_timeout=2.0)
             await runner.setup()
             site = web.TCPSite(runner, args.host, args.port)
             await site.start()

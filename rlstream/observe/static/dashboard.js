@@ -15,7 +15,9 @@
   const MAX_POINTS = 20000;
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
 
-  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false };
+  const params = new URLSearchParams(window.location.search);
+  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false,
+                  x: params.get("x") === "step" ? "step" : "time", xs: {}, samples: { rows: [], matched: 0 } };
   window.rlstream = state;
 
   const charts = CHARTS.map((def) => {
@@ -24,7 +26,7 @@
     card.innerHTML = `<h2>${def.title}</h2><div class="empty">no data yet</div>`;
     document.getElementById("charts").appendChild(card);
     state.points[def.name] = 0;
-    return { def, card, plot: null, series: [], index: {}, data: [[]], dirty: false };
+    return { def, card, plot: null, series: [], index: {}, data: [[]], rows: [], dirty: false };
   });
 
   function width(chart) { return Math.max(300, chart.card.clientWidth - 16); }
@@ -34,7 +36,7 @@
     chart.card.querySelector(".empty").remove();
     chart.plot = new uPlot({
       width: width(chart), height: 220,
-      scales: { x: { time: true } },
+      scales: { x: { time: state.x === "time" } },
       series: [{}],
       axes: [{}, { size: 60 }],
       legend: { live: true },
@@ -62,19 +64,46 @@
       const hits = chart.def.keys.filter((k) => k in ev.values && Number.isFinite(ev.values[k]));
       if (!hits.length) continue;
       const cols = hits.map((k) => seriesIndex(chart, k, source));
-      const row = chart.data[0].length;
-      chart.data[0].push(ev.t);
-      for (let c = 1; c < chart.data.length; c++) chart.data[c].push(null);
-      hits.forEach((k, j) => { chart.data[cols[j]][row] = ev.values[k]; state.latest[k] = ev.values[k]; });
-      if (chart.data[0].length > MAX_POINTS) chart.data.forEach((col) => col.shift());
+      const values = {};
+      hits.forEach((k, j) => { values[cols[j]] = ev.values[k]; state.latest[k] = ev.values[k]; });
+      chart.rows.push({ t: ev.t, step: ev.step, values });
+      if (chart.rows.length > MAX_POINTS) chart.rows.shift();
       state.points[chart.def.name] += 1;
       chart.dirty = true;
     }
   }
 
+  // The x of a row: broker time, or the learner step (events without a step are left out).
+  function rebuild(chart) {
+    const rows = state.x === "time" ? chart.rows : chart.rows.filter((r) => r.step !== null && r.step !== undefined)
+      .slice().sort((a, b) => a.step - b.step);
+    const data = [rows.map((r) => (state.x === "time" ? r.t : r.step))];
+    for (let c = 1; c <= chart.series.length; c++) data.push(rows.map((r) => (c in r.values ? r.values[c] : null)));
+    chart.data = data;
+    state.xs[chart.def.name] = data[0];
+  }
+
+  function setX(x) {
+    state.x = x;
+    document.getElementById("xaxis").value = x;
+    for (const chart of charts) {
+      if (!chart.plot) continue;
+      const series = chart.series.slice();
+      chart.plot.destroy();
+      chart.plot = null;
+      chart.card.insertAdjacentHTML("beforeend", '<div class="empty"></div>');
+      ensurePlot(chart);
+      series.forEach((name, j) => chart.plot.addSeries({ label: name, stroke: COLOURS[j % COLOURS.length], width: 1.5, spanGaps: true }, j + 1));
+      chart.dirty = true;
+    }
+  }
+  document.getElementById("xaxis").value = state.x;
+  document.getElementById("xaxis").addEventListener("change", (e) => setX(e.target.value));
+  window.rlstreamSetX = setX;
+
   function redraw() {
     for (const chart of charts) {
-      if (chart.dirty && chart.plot) { chart.plot.setData(chart.data); chart.dirty = false; }
+      if (chart.dirty && chart.plot) { rebuild(chart); chart.plot.setData(chart.data); chart.dirty = false; }
     }
     const shown = ["reward/mean", "policy/kl", "loss/total", "buffer/staleness_max"]
       .filter((k) => k in state.latest).map((k) => `${k} ${Number(state.latest[k]).toPrecision(4)}`);
@@ -83,7 +112,55 @@
   setInterval(redraw, 250);
   window.addEventListener("resize", () => charts.forEach((c) => c.plot && c.plot.setSize({ width: width(c), height: 220 })));
 
-  fetch("/api/info").then((r) => r.json()).then((info) => { document.getElementById("run").textContent = info.run; });
+  // ---- samples: the learner's logged completions (samples.jsonl), filtered and ranked by the server
+  const FIXED = ["step", "prompt", "completion", "reward"];
+  const TAIL = ["policy_version", "staleness", "finish_reason", "length"];
+  function cell(v, cls) {
+    const td = document.createElement("td");
+    if (cls) td.className = cls;
+    td.textContent = v === null || v === undefined ? "" : typeof v === "number" ? Number(v).toPrecision(4).replace(/\.?0+$/, "") : String(v);
+    return td;
+  }
+  function promptText(p) {
+    return Array.isArray(p) ? p.map((m) => `${m.role}: ${m.content}`).join("\n") : p;
+  }
+  function showSamples(out) {
+    state.samples = out;
+    const cols = [...FIXED, ...out.terms, ...TAIL];
+    const head = document.getElementById("samples-head");
+    head.innerHTML = "";
+    const tr = document.createElement("tr");
+    cols.forEach((c) => { const th = document.createElement("th"); th.textContent = c; tr.appendChild(th); });
+    head.appendChild(tr);
+    const body = document.getElementById("samples-body");
+    body.innerHTML = "";
+    for (const r of out.rows) {
+      const row = document.createElement("tr");
+      for (const c of cols) {
+        const v = c === "prompt" ? promptText(r.prompt) : r[c];
+        row.appendChild(cell(v, c === "prompt" || c === "completion" ? "text" : typeof v === "number" ? "num" : ""));
+      }
+      body.appendChild(row);
+    }
+    const stepSel = document.getElementById("samples-step");
+    const chosen = stepSel.value;
+    stepSel.innerHTML = '<option value="">every step</option>' + out.steps.map((s) => `<option value="${s}">step ${s}</option>`).join("");
+    stepSel.value = chosen;
+    document.getElementById("samples-count").textContent = `${out.rows.length} of ${out.matched} shown`;
+  }
+  function loadSamples() {
+    const q = new URLSearchParams({ q: document.getElementById("samples-q").value, order: document.getElementById("samples-order").value,
+                                    step: document.getElementById("samples-step").value, limit: "50" });
+    return fetch("/api/samples?" + q).then((r) => (r.ok ? r.json() : null)).then((out) => { if (out) showSamples(out); });
+  }
+  ["samples-q", "samples-order", "samples-step"].forEach((id) => document.getElementById(id).addEventListener("input", loadSamples));
+  window.rlstreamLoadSamples = loadSamples;
+
+  fetch("/api/info").then((r) => r.json()).then((info) => {
+    document.getElementById("run").textContent = info.run;
+    if (info.samples) { loadSamples(); setInterval(loadSamples, 5000); }
+    else document.getElementById("samples-count").textContent = "start the dashboard with --run-dir to see samples";
+  });
   const status = document.getElementById("state");
   const source = new EventSource("/events");
   source.addEventListener("hello", () => { state.connected = true; status.textContent = "live"; status.className = "live"; });
