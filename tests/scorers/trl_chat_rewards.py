@@ -20,3 +20,8 @@ def system_aware(prompts, completions, **kwargs):
         system = next(m["content"] for m in prompt if m["role"] == "system")
         out.append(1.0 if system.split()[-1] in completion[0]["content"] else 0.0)
     return out
+
+
+def content_length(completions, **kwargs):
+    # a reward that varies within a group: the completion's length in characters / 10
+    return [len(completion[0]["content"]) / 10 for completion in completions]
