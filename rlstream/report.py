@@ -46,9 +46,10 @@ def resolve(report_to: list[str] | str | None) -> list[str]:
 
 
 def _require(name: str):
+    """The sink's package, or a :class:`ReportError` saying how to install it."""
     if importlib.util.find_spec(_MODULES[name]) is None:
-        raise ReportError(f"report_to: {name} needs its package: pip install {name}")
-    return importlib.import_module(_MODULES[name]) if name != "tensorboard" else None
+        raise ReportError(f"report_to: {name} needs its package: pip install {name} (or rlstream[report])")
+    return importlib.import_module(_MODULES[name])
 
 
 def _finite(metrics: dict[str, Any]) -> dict[str, float]:
@@ -204,17 +205,19 @@ class Reports:
         for sink in self.sinks:
             sink.log_table(rows, step)
 
-    def truncate_samples(self, step: int) -> None:
-        """Drop samples logged after ``step`` (a resumed run logs them again)."""
-        if not self.samples_path.exists():
-            return
-        keep = [line for line in self.samples_path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.samples_path.write_text("".join(line + "\n" for line in keep))
-
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def truncate_samples(path: str | Path, step: int) -> None:
+    """Drop the samples logged after ``step`` (a resumed run logs them again)."""
+    p = Path(path)
+    if not p.exists():
+        return
+    keep = [line for line in p.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    p.write_text("".join(line + "\n" for line in keep))
 
 
 def read_samples(path: str | Path, *, after_step: int = -1) -> list[dict[str, Any]]:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from rlstream.broker.component import signals_to
-from rlstream.config import Config
+from rlstream.config import RL_MODES, Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
 from rlstream.learner import losses
@@ -53,7 +53,7 @@ from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprob
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from rlstream.learner.engines import Engine, build_engine, lr_at
-from rlstream.report import Reports, reward_term_metrics, sample_rows
+from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
 from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
@@ -532,6 +532,15 @@ async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
     return path
 
 
+def _sample_rows(cfg: Config, groups: list[ScoredGroup], step: int, trained_at: int) -> list[dict]:
+    """The completions table of a step, with each completion's advantage where it is one
+    number per completion (not PPO's per-token GAE, not online DPO)."""
+    advantages = None
+    if cfg.training_mode in RL_MODES and cfg.algorithm_params.advantage_type != "gae":
+        advantages = [row.advantage for row in group_rows(cfg, groups)[0]]
+    return sample_rows(groups, step, trained_at, advantages)
+
+
 # ---- the loop ----------------------------------------------------------------------------------------
 
 
@@ -557,7 +566,6 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
         with signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
             return await asyncio.to_thread(dist.follow, learner, run_dir)
-    reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
     if ranks:
@@ -566,7 +574,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
         _truncate_metrics(metrics_path, state.step)
-        reports.truncate_samples(state.step)
+        truncate_samples(RunDir(run_dir).samples, state.step)
         log.info("resumed from %s (step %d, policy version %d)", latest, state.step, state.policy_version)
     else:
         for stale in (metrics_path, RunDir(run_dir).samples):
@@ -605,7 +613,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
                 await comp.state.set_admit(_admit(cfg, state))
+            reports = None
             try:
+                reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
                 if comp is not None:
                     await comp.state.put_int(LEARNER_STEP, state.step)
 
@@ -668,8 +678,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         metrics_file.flush()
                         await asyncio.to_thread(reports.log, m, state.step)
                         if not offline and cfg.metrics.log_completions and (state.step == 1 or state.step % cfg.metrics.log_completions_steps == 0):
-                            rows = sample_rows(batch, state.step, trained_at)
-                            await asyncio.to_thread(reports.log_samples, rows, state.step)
+                            await asyncio.to_thread(reports.log_samples, _sample_rows(cfg, batch, state.step, trained_at), state.step)
                         if comp is not None:
                             await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
                             await comp.state.put_int(LEARNER_STEP, state.step)
@@ -693,7 +702,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 # cancellation of a pending fetch into a timeout, so only the event ends them
                 tasks_stop.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                await asyncio.to_thread(reports.close)
+                if reports is not None:
+                    await asyncio.to_thread(reports.close)
             if buf is not None:
                 await consumer.sub.unsubscribe()
 

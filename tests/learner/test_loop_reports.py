@@ -59,6 +59,10 @@ def test_per_term_metrics_samples_and_a_sink(tiny_model_dir, tmp_path, nats_serv
     # sampled by version 0; the learner publishes every step, so step k trains at version k - 1
     assert all(s["policy_version"] == 0 and s["staleness"] == s["step"] - 1 for s in samples)
     assert {"prompt", "even", "finish_reason", "length", "group_id"} <= set(first[0])
+    # the group-relative advantage: (reward - group mean) / (population std + 1e-6)
+    rewards = g.rewards.astype(np.float64)
+    want = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    assert [s["advantage"] for s in first] == pytest.approx(want.tolist(), abs=1e-4)
     chat_rows = [s for s in samples if s["group_id"] == named[0].id]
     assert all(s["prompt"] == chat for s in chat_rows)  # a conversational prompt stays a conversation
 
