@@ -98,6 +98,11 @@ def _component(module: str, default_id: str):
 
 
 def cmd_run(args) -> int:
+    if not args.skip_preflight:
+        # before the broker or any component starts: a problem here would only make them fail in turn
+        code = run_preflight(_load(args), endpoints=args.check_endpoints)
+        if code:
+            return code
     return _call("rlstream.run")(args)
 
 
