@@ -112,7 +112,27 @@ def cmd_reward_server(args) -> int:
 
 def cmd_observe(name: str):
     def run(args) -> int:
-        return _call(f"rlstream.observe.{name}", "cli")(args)
+        command = _call(f"rlstream.observe.{name}", "cli")
+        run_dir = getattr(args, "run_dir", None)
+        if not run_dir:
+            if hasattr(args, "run") and not args.run:
+                print("error: give RUN_DIR, or --run RUN (with --nats)", file=sys.stderr)
+                return 2
+            return command(args)
+        from rlstream.observe import ObserveError
+        from rlstream.observe.rundir import read_run_id, run_broker
+
+        try:
+            if hasattr(args, "run") and not args.run:
+                args.run = read_run_id(Path(run_dir))
+            if args.nats or os.environ.get("RLSTREAM_NATS_URL"):
+                return command(args)
+            with run_broker(Path(run_dir), log=lambda m: print(m, file=sys.stderr, flush=True)) as url:
+                args.nats = url
+                return command(args)
+        except ObserveError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     return run
 
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")
     sp.add_argument("subject")
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its broker (started on its store if none runs)")
     with_nats(sp)
     sp.add_argument("--json", action="store_true", help="one JSON object per line")
     sp.add_argument("--from-seq", type=int, help="start at this stream sequence")
@@ -213,13 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_observe("tail"))
 
     sp = sub.add_parser("status", help="streams, consumers, components alive, policy version, lag")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_observe("status"))
 
     sp = sub.add_parser("export", help="write a range of a stream to a file")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
     with_nats(sp)
     sp.add_argument("--out", required=True)
@@ -231,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("import", help="publish an exported file into a run")
     sp.add_argument("file")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     with_nats(sp)
     sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
@@ -248,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_observe("replay"))
 
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
