@@ -46,6 +46,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from rlstream.rundir import RunDir
+
 STATE_FILE = "learner_state.json"
 TRAINER_DIR = "trainer"
 STATE_VERSION = 1
@@ -152,7 +154,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def step_of(path: Path) -> int:
