@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run-dir", help="run directory (default runs/<run>)")
     sp.add_argument("--max-steps", type=int, help="stop after this many learner steps")
     sp.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    sp.add_argument("--overwrite", action="store_true", help="delete what --run-dir holds and start a new run there")
     sp.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
     sp.add_argument("--skip-preflight", action="store_true", help="start without checking that the model, data and rewards load")
     sp.add_argument("--check-endpoints", action="store_true", help="preflight also checks that configured endpoints accept connections")

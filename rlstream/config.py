@@ -378,6 +378,20 @@ class MetricsConfig(Strict):
     interval_s: float = Field(2.0, gt=0)
 
 
+class ProgressConfig(Strict):
+    """When ``rlstream run`` decides that a run cannot progress, says why and stops (exit 3)."""
+
+    window_groups: int = Field(32, ge=1)
+    """Groups per window: every time this many groups have reached a verdict (scored or
+    dead-lettered), the share dead-lettered in that window is checked."""
+    max_dlq_fraction: float = Field(0.8, gt=0, le=1)
+    """Stop when at least this share of a window's groups went to the dead-letter stream
+    (e.g. a reward function that raises on every group)."""
+    max_step_gap_s: float | None = Field(1800.0, gt=0)
+    """Stop when no learner step happened for this many seconds (from the start, or the last
+    step). None: never."""
+
+
 # ---- the whole config --------------------------------------------------------------------
 
 
@@ -399,6 +413,7 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    progress: ProgressConfig = Field(default_factory=ProgressConfig)
 
     @model_validator(mode="before")
     @classmethod
