@@ -545,7 +545,9 @@ class LearnerConfig(Strict):
 
 class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
+    """Base port for /metrics. Each component serves on a stable port derived from it: learner
+    +0, feeder +1, scorer-N +10+N, producer-N +100+N (the next free one if taken). None: off
+    (the default). 0: any free port."""
     interval_s: float = Field(2.0, gt=0)
 
 
