@@ -175,9 +175,11 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     outcome: Outcome | None = None
     display = Display(live, cfg, max_steps)
     display.start()
+    resume_note = (f"resuming: groups the last learner held come back after nats.ack_wait_s "
+                   f"({cfg.nats.ack_wait_s:.0f}s); the first steps wait for them")
     if resume:
-        display.note = (f"resuming: groups the last learner held come back after nats.ack_wait_s "
-                        f"({cfg.nats.ack_wait_s:.0f}s); the first steps wait for them")
+        display.note = resume_note
+    seen_steps = 0
     progress = ProgressWatch(cfg, js, layout)
     await progress.start()
     last_health = last_progress = time.monotonic()
@@ -189,7 +191,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     await asyncio.wait_for(stop.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
-                if display.note and figures.step_events:
+                if display.note == resume_note and figures.step_events > seen_steps:
                     display.note = ""
                 display.update(figures, sum(c.alive() for c in children), sum(not c.finished for c in children),
                                done=[c.name for c in children if c.finished and c.once])
@@ -224,6 +226,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                                 c.log_path, last_error_line(c.log_path))
                     await asyncio.sleep(min(2.0 * c.restarts, 10.0))
                     c.start(env, resume=(c is learner))
+                    if c is learner:
+                        display.note, seen_steps = resume_note, figures.step_events
                 if stop.is_set():
                     break
                 # no progress: groups dead-lettered, or no learner step for too long
