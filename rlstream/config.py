@@ -492,6 +492,8 @@ class LearnerConfig(Strict):
     """Sequences per forward pass."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """bfloat16: mixed precision (float32 master weights and optimizer state, bfloat16 compute:
+    the torch engine autocasts the forward, DeepSpeed's bf16 keeps float32 masters)."""
     device: str = "cpu"
     max_steps: int = Field(100, ge=1)
     publish_every: int = Field(1, ge=1)
