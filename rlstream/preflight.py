@@ -12,7 +12,7 @@ when all is well):
   (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
   dataset column and the term's ``params``), and returns a reward list when called once on
   the first rows; every rule's parameters are valid and its answer column is there;
-- a DeepSpeed JSON file parses, and ``deepspeed`` imports;
+- a DeepSpeed JSON file parses, and ``deepspeed`` is installed;
 - with ``endpoints=True``: the NATS URL, the sampling endpoint and the reward endpoint
   accept a TCP connection.
 
@@ -22,6 +22,7 @@ Nothing here loads model weights or starts a process, so it stays fast for any m
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import socket
@@ -214,12 +215,8 @@ def check_deepspeed(cfg: Config) -> list[str]:
             json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             return [f"learner.deepspeed: {p} is not valid JSON (line {exc.lineno}: {exc.msg})"]
-    if lc.engine == "deepspeed":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError as exc:
-            problems.append(f"learner.engine: 'deepspeed' needs the deepspeed package ({_first_line(exc)}); "
-                            "pip install 'rlstream[deepspeed]'")
+    if lc.engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:  # found, not imported: that takes seconds
+        problems.append("learner.engine: 'deepspeed' needs the deepspeed package; pip install 'rlstream[deepspeed]'")
     return problems
 
 
