@@ -30,24 +30,28 @@ from typing import Any, Protocol
 
 from rlstream.broker.connection import connect
 from rlstream.broker.io import Publisher
-from rlstream.broker.layout import Layout, ensure_layout
+from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.broker.telemetry import Reporter, metrics_port
 
 log = logging.getLogger(__name__)
 
+ROLE_DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+"""The one durable consumer each role reads (and alone may pull from, ack and nak on)."""
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ComponentMain(Protocol):
-    """A component's entry point (``rlstream feed|producer|scorer|learner`` call it).
+    """A component's entry point: ``async def main(cfg, nats_url, component_id, **options) -> int``
+    (``rlstream feed|producer|scorer|learner`` call it).
 
-    It runs until its work is done or ``stop`` is set (SIGTERM/SIGINT when ``stop`` is not
-    given) and returns the process's exit code. Extra keywords a component does not use
-    (``run_dir``, ``resume``, ``max_steps``) are accepted and ignored.
+    It runs until its work is done or SIGTERM/SIGINT and returns the process's exit code.
+    ``nats_url`` is None only for a learner on an offline dataset. Options are keywords with
+    defaults, particular to a component (the learner's ``run_dir``, ``resume``, ``max_steps``).
     """
 
-    def __call__(self, cfg: Any, nats_url: str | None, component_id: str, /, **kw: Any) -> Awaitable[int]: ...
+    def __call__(self, cfg: Any, nats_url: str | None, component_id: str, /) -> Awaitable[int]: ...
 
 
 @contextlib.contextmanager
@@ -135,7 +139,7 @@ class Component:
         cfg = self.cfg
         self.nc = await connect(cfg.nats, self.nats_url, name=f"{self.component}-{self.component_id}")
         self.js = self.nc.jetstream(timeout=10.0)
-        self.layout = await ensure_layout(self.js, cfg.run, cfg.nats)
+        self.layout = await self._layout()
         self.state = await RunState.open(self.js, self.layout)
         self.publisher = Publisher(self.js)
         port = metrics_port(cfg.metrics.prometheus_port, self.component, self.component_id)
@@ -146,6 +150,23 @@ class Component:
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
         log.info("%s %s connected to %s (run %s)", self.component, self.component_id, self.nats_url, cfg.run)
         return self
+
+    async def _layout(self) -> Layout:
+        """Lay out the run, or bind to it.
+
+        On an open server (no credentials: the embedded one, a laptop) any component lays the
+        run out, as whoever starts first. With credentials, roles are enforced by the server
+        (deploy/nats/accounts.conf): the learner creates the streams, KV bucket, object store
+        and durable consumers; every other component waits for them and only binds (it may
+        pull from and ack on its own durable consumer, and change nothing).
+        """
+        cfg = self.cfg
+        nats_cfg = cfg.nats
+        if not (nats_cfg.user or nats_cfg.token or nats_cfg.token_env or nats_cfg.creds_file):
+            return await ensure_layout(self.js, cfg.run, nats_cfg)
+        if self.component == "learner":
+            return await ensure_layout(self.js, cfg.run, nats_cfg)
+        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self.stop.set()

@@ -52,7 +52,7 @@ from rlstream.learner import losses
 from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlstream.learner.engines import autocast_forward, build_engine, lr_at
+from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
 from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
@@ -70,7 +70,7 @@ class Learner:
 
     cfg: Config
     run_dir: Path
-    engine: Any
+    engine: Engine
     tokenizer: Any
     ref_model: torch.nn.Module | None
     value_head: torch.nn.Module | None
@@ -515,7 +515,7 @@ async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
         state.pending_ack = buf.pending_ack()
     def save() -> Path:
         if dist.is_active(learner.engine):
-            dist.send("checkpoint")
+            dist.send(dist.Op.CHECKPOINT)
         return save_checkpoint(learner, learner.run_dir)
 
     try:
@@ -566,7 +566,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
     if ranks:
-        await asyncio.to_thread(dist.send, "resume", path=str(latest) if latest is not None else None)
+        await asyncio.to_thread(dist.send, dist.Op.RESUME, path=str(latest) if latest is not None else None)
     if latest is not None:
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
@@ -583,12 +583,12 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
     def _train(batch: list) -> dict[str, float]:
         if ranks:
-            dist.send("step", batch)
+            dist.send(dist.Op.STEP, batch)
         return train_step(learner, batch)
 
     def _full_state_dict() -> dict[str, torch.Tensor]:
         if ranks:
-            dist.send("publish")
+            dist.send(dist.Op.PUBLISH)
         return learner.engine.full_state_dict()
 
     final_checkpoint_failed = False
@@ -683,7 +683,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         final_checkpoint_failed = True
             finally:
                 if followers_running:
-                    await asyncio.to_thread(dist.send, "stop")
+                    await asyncio.to_thread(dist.send, dist.Op.STOP)
                     followers_running = False
                 # always stop the fill/hold tasks, also when a step raised: nats-py turns the
                 # cancellation of a pending fetch into a timeout, so only the event ends them

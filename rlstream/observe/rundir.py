@@ -20,8 +20,7 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from rlstream.observe import ObserveError
-
-BROKER_FILE = "broker.json"
+from rlstream.rundir import BROKER_FILE, RunDir
 
 
 def write_broker_record(run_dir: Path, url: str, *, store: Path | None = None) -> None:
@@ -33,7 +32,7 @@ def write_broker_record(run_dir: Path, url: str, *, store: Path | None = None) -
 
 
 def read_run_id(run_dir: Path) -> str:
-    path = run_dir / "config.resolved.json"
+    path = RunDir(run_dir).config
     try:
         return json.loads(path.read_text())["run"]
     except (OSError, json.JSONDecodeError, KeyError):
@@ -55,22 +54,22 @@ def _answers(url: str, timeout: float = 1.0) -> bool:
 def run_broker(run_dir: Path, *, log: Any = None) -> Iterator[str]:
     """The URL of the run's broker, started on the run's store for the block when needed."""
     run_dir = Path(run_dir)
-    path = run_dir / BROKER_FILE
+    rd = RunDir(run_dir)
     try:
-        rec = json.loads(path.read_text())
+        rec = json.loads(rd.broker.read_text())
     except (OSError, json.JSONDecodeError):
-        rec = {"url": None, "embedded": True, "store": str(run_dir / "nats")}
+        rec = {"url": None, "embedded": True, "store": str(rd.nats_store)}
     if rec.get("url") and _answers(rec["url"]):
         yield rec["url"]
         return
-    store = Path(rec.get("store") or run_dir / "nats")
+    store = Path(rec.get("store") or rd.nats_store)
     if not rec.get("embedded"):
         raise ObserveError(f"the broker of {run_dir} ({rec.get('url')}) does not answer; pass --nats")
     if not store.is_dir():
         raise ObserveError(f"{run_dir} has no broker store ({store}); pass --nats")
     from rlstream.broker.server import EmbeddedServer
 
-    server = EmbeddedServer(store, log_file=run_dir / "logs" / "nats-server-operator.log")
+    server = EmbeddedServer(store, log_file=rd.log("nats-server-operator"))
     server.start()
     if log is not None:
         log(f"started an embedded nats-server on {store} ({server.url}) for this command")
