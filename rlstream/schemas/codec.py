@@ -27,6 +27,7 @@ Every failure is a :class:`RecordError` that names the field.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import struct
 import typing
@@ -220,7 +221,7 @@ def values_ok(by_check: dict[str, list[np.ndarray]], limits: Limits) -> bool:
     try:
         for check, arrays in by_check.items():
             if arrays:
-                CHECKS[check](np.concatenate(arrays), "", limits)
+                CHECKS[check](arrays[0] if len(arrays) == 1 else np.concatenate(arrays), "", limits)
     except RecordError:
         return False
     return True
@@ -295,19 +296,25 @@ def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple
     return elements, depth
 
 
-def decode_free_form(kw: dict[str, Any], names: list[str], limits: Limits, path: str) -> None:
-    """Measure, then decode in place, the raw free-form values ``kw[name]`` of one record."""
+def decode_free_form(w: Any, names: list[str], limits: Limits, path: str) -> None:
+    """Measure, then decode in place, the raw free-form fields ``names`` of one decoded twin."""
+    raws = [getattr(w, n) for n in names]
     total, small = 0, True
-    for n in names:
-        size = len(kw[n])
+    for raw in raws:
+        size = len(raw)
         total += size
         if size > limits.max_depth:  # a value of n bytes nests at most n deep
             small = False
     if not small or total > limits.max_elements:
-        check_free_form([(n, kw[n]) for n in names], limits, path)
-    for n in names:
-        raw = kw[n]
-        kw[n] = {} if len(raw) == 1 and bytes(raw) == b"\x80" else _decode_free(raw, path + n)
+        check_free_form(list(zip(names, raws)), limits, path)
+    for n, raw in zip(names, raws):
+        if len(raw) == 1 and bytes(raw) == b"\x80":  # the usual empty map
+            setattr(w, n, {})
+            continue
+        try:
+            setattr(w, n, _map_decoder.decode(raw))
+        except (msgspec.DecodeError, RecursionError):
+            _decode_free(raw, path + n)  # raises the error that names what is wrong
 
 
 def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: str) -> None:
@@ -372,7 +379,7 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("kinds", "arrays", "checked", "checkers", "by_check", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -403,17 +410,29 @@ class _Plan:
         self.records = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _RECORD]
         _NESTED.update(n for n, _ in self.records)
         self.checkers = [(n, CHECKS[check]) for n, check in self.checked]
+        # (type, dtype) of every array field, fetched in C; numpy's native dtypes are singletons,
+        # so comparing them with the expected ones is mostly an identity test
+        types = [f"{n}.{a}" for n, _ in self.arrays for a in ("__class__", "dtype")]  # two names or more: a tuple
+        self.array_types = operator.attrgetter(*types) if types else (lambda rec: ())
+        self.expected_types = tuple(t for _, spec in self.arrays for t in (np.ndarray, spec.dtype))
         self.by_check: dict[str, list[str]] = {}
         for n, check in self.checked:
             self.by_check.setdefault(check, []).append(n)
         self.strings = [n for n in self.kinds if hints[n] is str]
         self.floats = [n for n in self.kinds if hints[n] is float]
-        self.wire = msgspec.defstruct(f"{cls.__name__}Wire", wire_fields, kw_only=True, gc=False,
-                                      tag_field="schema", tag=cls.SCHEMA)
+        # The twin subclasses the record and adds no slot, only other annotations: once its
+        # fields hold the record's values, the decoded object becomes the record by a class
+        # assignment, with no copy of its fields and no second __init__.
+        self.wire = msgspec.defstruct(f"{cls.__name__}Wire", wire_fields, bases=(cls,), kw_only=True,
+                                      tag_field="schema", tag=cls.SCHEMA, namespace={"__post_init__": _wire_post_init})
         self.decoder = msgspec.msgpack.Decoder(self.wire)
 
 
 _PLANS: dict[type, _Plan] = {}
+
+
+def _wire_post_init(self: Any) -> None:
+    """A twin's fields hold wire values (Array, Raw): the record's __post_init__ must not see them."""
 
 
 def plan_of(cls: type) -> _Plan:
@@ -461,11 +480,15 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     def __post_init__(self) -> None:
         # arrays take their wire dtype here (a no-op for decoded ones), so encoding writes them as they are
         plan = _PLANS.get(type(self)) or plan_of(type(self))
-        for n, spec in plan.arrays:
-            value = getattr(self, n)
-            # numpy's native dtypes are singletons: the identity test clears nearly every array
-            if type(value) is not np.ndarray or (value.dtype is not spec.dtype and value.dtype != spec.dtype):
-                setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
+        try:  # one C call clears the usual case, every array an ndarray of its dtype
+            ready = plan.array_types(self) == plan.expected_types
+        except AttributeError:  # a field that is no array at all
+            ready = False
+        if not ready:
+            for n, spec in plan.arrays:
+                value = getattr(self, n)
+                if type(value) is not np.ndarray or value.dtype != spec.dtype:
+                    setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
         for n, spec in plan.array_maps:
             value = getattr(self, n)
             for a in value.values():
@@ -546,23 +569,23 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     @classmethod
     def _from_wire(cls, w: Any, limits: Limits, path: str, strings: bool) -> "Record":
+        """The decoded twin ``w``, turned in place into the record: its arrays viewed, its
+        free-form values measured and decoded, its nested records turned, its class set."""
         plan = _PLANS[cls]
-        kw = msgspec.structs.asdict(w)
-        v = kw["v"]
-        if not 1 <= v <= cls.VERSION:
-            cls._check_version(v, path)
-        kw["v"] = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
+        if not 1 <= w.v <= cls.VERSION:
+            cls._check_version(w.v, path)
+        w.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
         for n, spec in plan.arrays:
-            kw[n] = view_array(kw[n], spec, path + n, limits)
+            setattr(w, n, view_array(getattr(w, n), spec, path + n, limits))
         for n, spec in plan.array_maps:
-            kw[n] = {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in kw[n].items()}
+            setattr(w, n, {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in getattr(w, n).items()})
         if plan.free:
-            decode_free_form(kw, plan.free, limits, path)
+            decode_free_form(w, plan.free, limits, path)
         for n, sub in plan.records:
-            kw[n] = sub._from_wire(kw[n], limits, f"{path}{n}.", strings)
-        rec = cls(**kw)
-        rec._check_fields(limits, path, strings)
-        return rec
+            setattr(w, n, sub._from_wire(getattr(w, n), limits, f"{path}{n}.", strings))
+        w.__class__ = cls  # every field now holds what the record's annotation says
+        w._check_fields(limits, path, strings)
+        return w
 
     @classmethod
     def _decode_structure(cls, data: Any, limits: Limits) -> "Record":
@@ -627,10 +650,6 @@ _map_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 
 
 def _decode_free(raw: msgspec.Raw, name: str) -> dict[str, Any]:
-    try:
-        return _map_decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # a ValidationError too: named below
-        pass
     try:
         value = _any_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
