@@ -10,10 +10,12 @@ its annotations once and derives from them everything the wire needs:
 - **encoding** is msgspec's, straight from the struct, fields in declaration order;
   a numpy array is written as an :class:`Array`.
 - **decoding** goes through a *wire twin* of the struct, built here, not written by hand:
-  the same fields and defaults, except that an array field is an :class:`Array` (its
-  bytes a zero-copy view of the payload) and a free-form field (``columns``,
-  ``sampling``) is kept as raw MessagePack until it has been measured. msgspec checks the
-  structure in C; the twin becomes the record; ``validate()`` checks the values.
+  a subclass with the same fields and defaults, except that an array field is an
+  :class:`Array` (its bytes a zero-copy view of the payload) and a free-form field
+  (``columns``, ``sampling``) is kept as raw MessagePack until it has been measured.
+  msgspec checks the structure in C; the decoded twin then becomes the record in place
+  (its fields take their final values, then its class is set: no copy, no second
+  ``__init__``); the record's rules and the array values are checked last.
 - **bounds**: a payload over ``Limits.max_bytes`` is refused before parsing; every typed
   list and map has a fixed ceiling that msgspec checks from its header, before building
   it; free-form values may hold at most ``Limits.max_elements`` elements, nested at most
@@ -159,7 +161,7 @@ def view_array(spec: Array, kind: ArrayOf, name: str, limits: Limits) -> np.ndar
             and len(data) == shape[0] * kind.itemsize):
         return np.frombuffer(data, kind.dtype)
     # the same checks again, one by one, to say which failed
-    expected, itemsize = kind.wire_dtype, kind.itemsize
+    expected = kind.wire_dtype
     if spec.dtype != expected:
         raise RecordError(name, f"dtype {spec.dtype!r}, expected {expected!r}")
     if len(shape) != 1 or shape[0] < 0:
@@ -203,12 +205,6 @@ def check_finite(arr: np.ndarray, name: str, limits: Limits = DEFAULT_LIMITS) ->
 
 
 CHECKS = {"tokens": check_token_ids, "logprobs": check_logprobs, "finite": check_finite}
-
-
-def check_values(arrays: list[tuple[str, np.ndarray, str]], limits: Limits, path: str = "") -> None:
-    """``(name, array, check)`` triples, as :meth:`Record.value_arrays` lists them."""
-    for name, arr, check in arrays:
-        CHECKS[check](arr, path + name, limits)
 
 
 def values_ok(by_check: dict[str, list[np.ndarray]], limits: Limits) -> bool:
@@ -588,7 +584,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         return w
 
     @classmethod
-    def _decode_structure(cls, data: Any, limits: Limits) -> "Record":
+    def _decode_structure(cls, data: Any, limits: Limits) -> Record:
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > limits.max_bytes:
             check_size(data, limits)
         plan = _PLANS.get(cls) or plan_of(cls)
@@ -627,7 +623,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         return out
 
     @classmethod
-    def _arrays_by_check(cls, recs: list["Record"]) -> dict[str, list[np.ndarray]]:
+    def _arrays_by_check(cls, recs: list[Record]) -> dict[str, list[np.ndarray]]:
         plan = plan_of(cls)
         if plan.array_maps or plan.records:
             by_check: dict[str, list[np.ndarray]] = {}
