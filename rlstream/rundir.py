@@ -5,6 +5,7 @@ and the tests::
 
     RUN_DIR/
       config.resolved.json   the config with defaults filled in (run)
+      broker.json            the run's broker: URL, embedded or not, store (run)
       metrics.jsonl          one JSON object per optimizer step (learner)
       samples.jsonl          sample completions every metrics.log_completions_steps steps (learner)
       tensorboard/, mlruns/  the report_to sinks that write into the run directory (learner)
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_FILE = "config.resolved.json"
+BROKER_FILE = "broker.json"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 LEARNER_SUMMARY_FILE = "learner_summary.json"
@@ -52,6 +54,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / CONFIG_FILE
+
+    @property
+    def broker(self) -> Path:
+        return self.root / BROKER_FILE
 
     @property
     def metrics(self) -> Path:

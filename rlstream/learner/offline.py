@@ -55,7 +55,7 @@ def load_sft(ds, tokenizer) -> list[SFTExample]:
     """SFT examples: a ``messages`` conversation, a conversational ``prompt``/``completion``
     (rendered as TRL's SFTTrainer does, see :mod:`rlstream.chat`), or plain-text
     ``prompt``/``completion`` (the completion gets the EOS token)."""
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     eos = tokenizer.eos_token_id
     tag = _digest(ds.path)
     out = []
@@ -88,7 +88,7 @@ def load_dpo(ds, tokenizer) -> list[PreferencePair]:
     """Preference pairs: conversational ``prompt``/``chosen``/``rejected`` (or ``chosen`` and
     ``rejected`` alone, the prompt being their shared leading turns), rendered as TRL's
     DPOTrainer does; or plain text (chosen and rejected get the EOS token)."""
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     implicit = ds.prompt_column not in rows[0]
     require_columns(rows, ([] if implicit else [ds.prompt_column]) + [ds.chosen_column, ds.rejected_column], ds.path)
     eos = tokenizer.eos_token_id

@@ -11,10 +11,9 @@ An aiohttp server with three routes:
   MetricEvent as JSON ``{seq, t (broker time, epoch s), ts, component, id, step, values}``
   with ``id: <stream seq>``, so a browser that reconnects resumes after the last one it saw
   (``Last-Event-ID``) instead of loading the history again;
-- ``/api/info``: ``{run, metrics_stream, samples}`` (``samples``: whether a run directory with
-  ``samples.jsonl`` was given);
-- ``/api/samples``: the learner's logged completions from ``RUN_DIR/samples.jsonl``
-  (``--run-dir``), as ``{rows, steps, terms}``. Query: ``q`` (keep rows whose prompt or
+- ``/api/info``: ``{run, metrics_stream, samples}`` (``samples``: whether a run directory was
+  given, whose ``samples.jsonl`` feeds the samples view);
+- ``/api/samples``: the learner's logged completions from ``RUN_DIR/samples.jsonl``, as ``{rows, steps, terms}``. Query: ``q`` (keep rows whose prompt or
   completion contains it, case folded), ``step`` (one step; default all), ``order``
   (``latest``, ``worst`` or ``best`` by reward), ``limit`` (default 50).
 

@@ -174,9 +174,9 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         if min(lengths) < 0:
             raise RecordError(f"{path}lengths", "negative length")
         total = sum(lengths)
-        for name in ("completion_ids", "logprobs"):
-            if len(getattr(self, name)) != total:
-                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
+        if len(self.completion_ids) != total or len(self.logprobs) != total:
+            name = "completion_ids" if len(self.completion_ids) != total else "logprobs"
+            raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
         for i, m in enumerate(self.prompt_messages or ()):
             if not ("role" in m and "content" in m):
                 raise RecordError(f"{path}prompt_messages[{i}]", "expected {role: str, content: str}")

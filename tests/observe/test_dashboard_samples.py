@@ -62,7 +62,7 @@ async def test_page_shows_samples_and_plots_against_the_step(nats_server, run_id
     layout = await ensure_layout(nc.jetstream(), run_id)
     await _emit_steps(Reporter(nc, layout, "learner", "learner"), range(1, 6))
     await nc.flush()
-    dash = await start_cli("dashboard", "--run", run_id, "--nats", nats_server.url, "--port", "0", "--run-dir", str(tmp_path))
+    dash = await start_cli("dashboard", str(tmp_path), "--run", run_id, "--nats", nats_server.url, "--port", "0")
     chrome = None
     try:
         url = re.search(r"http://\S+/", await wait_stderr_line(dash, "dashboard for run")).group(0)

@@ -159,7 +159,7 @@
   fetch("/api/info").then((r) => r.json()).then((info) => {
     document.getElementById("run").textContent = info.run;
     if (info.samples) { loadSamples(); setInterval(loadSamples, 5000); }
-    else document.getElementById("samples-count").textContent = "start the dashboard with --run-dir to see samples";
+    else document.getElementById("samples-count").textContent = "give the dashboard the RUN_DIR to see samples";
   });
   const status = document.getElementById("state");
   const source = new EventSource("/events");
