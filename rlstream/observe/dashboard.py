@@ -132,7 +132,7 @@ async def samples(request: web.Request) -> web.Response:
 
     run_dir = request.app["run_dir"]
     if run_dir is None:
-        raise web.HTTPNotFound(text="no run directory: start the dashboard with --run-dir to see samples")
+        raise web.HTTPNotFound(text="no run directory: give the dashboard the RUN_DIR to see samples")
     qs = request.query
     try:
         step = int(qs["step"]) if qs.get("step") else None
