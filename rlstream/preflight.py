@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from rlstream import chat
 from rlstream.config import Config, is_hub_id
 
 HEAD_ROWS = 4
@@ -120,7 +121,9 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
             has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
             require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
         elif cfg.training_mode == "DPO":
-            require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
+            # conversational pairs may leave the prompt implicit (their shared leading turns), as in TRL
+            implicit = ds.prompt_column not in rows[0] and chat.is_conversational(rows[0].get(ds.chosen_column))
+            require_columns(rows, ([] if implicit else [ds.prompt_column]) + [ds.chosen_column, ds.rejected_column], ds.path)
     except DatasetError as exc:
         return [f"data_source: {exc}"], rows
     return [], rows
@@ -179,8 +182,11 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
             continue
         if not rows:
             continue
-        prompts = [r.get(ds.prompt_column) or "" for r in rows]
+        # as the scorer passes them: a conversational prompt as its turns, each completion then
+        # as one assistant turn (TRL's conversational format); plain text otherwise
+        prompts = [r.get(ds.prompt_column) or r.get(ds.messages_column) or "" for r in rows]
         completions = [str(r.get(rf.answer_column, "42")) for r in rows]
+        completions = [[{"role": "assistant", "content": c}] if chat.is_conversational(p) else c for p, c in zip(prompts, completions)]
         cols = {k: [r.get(k) for r in rows] for k in columns}
         try:
             asyncio.run(call_function(term.name, fn, prompts=prompts, completions=completions,

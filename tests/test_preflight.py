@@ -184,3 +184,20 @@ def test_export_model_writes_a_clean_directory(tiny_model_dir, tmp_path):
     # an output directory in the way is refused
     proc, _ = _cli(["export-model", str(run), str(out)], env, tmp_path)
     assert proc.returncode == 2 and "is not an empty directory" in proc.stderr
+
+
+def test_validate_passes_trl_s_conversational_data_and_rewards(hub, tmp_path):
+    """Conversational prompts: the trial call passes the turns and assistant-turn completions,
+    as the scorer does; a DPO dataset may leave the prompt implicit."""
+    turns = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": turns, "answer": "2"}) + "\n")
+    cfg = _grpo(data_source={"type": "on_policy", "path": "chat.jsonl"},
+                reward_function={"terms": [{"function": "pf_rewards:conversational"}]})
+    proc, _ = _cli(["validate", str(_write(tmp_path / "c.yaml", cfg))], hub, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pair = {"chosen": turns + [{"role": "assistant", "content": "2"}], "rejected": turns + [{"role": "assistant", "content": "3"}]}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    dpo = {"run": "pf", "training_mode": "DPO", "model_checkpoint_path": "org/tiny",
+           "data_source": {"type": "off_policy", "path": "pairs.jsonl"}}
+    proc, _ = _cli(["validate", str(_write(tmp_path / "d.yaml", dpo))], hub, tmp_path)
+    assert proc.returncode == 0, proc.stderr
