@@ -17,8 +17,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO"]
-RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO")
+TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL"]
+RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL")
+"""Modes that train on the streamed, scored groups (DISTILL: on-policy distillation)."""
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -296,8 +297,25 @@ class GSPOParams(RLParams):
         return self
 
 
+class DistillParams(RLParams):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
+    samples, the ``teacher`` stage scores every sampled token, and each token's advantage is
+    the negative reverse-KL estimate ``-(log pi_student - log pi_teacher)``, trained with the
+    clipped surrogate; see ``advantages.distill_advantages``."""
+
+    type: Literal["DISTILL"] = "DISTILL"
+    group_size: int = Field(4, ge=1, le=1024)
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    distill_coefficient: float = Field(1.0, gt=0, le=100)
+    """Scale of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(0.0, ge=0, le=100)
+    """Adds this times the group-relative reward advantage (0: pure distillation; the rewards
+    are still scored and reported)."""
+
+
 AlgorithmParams = Annotated[
-    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams],
+    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams, DistillParams],
     Field(discriminator="type"),
 ]
 
@@ -452,6 +470,46 @@ class ScorerConfig(Strict):
     threads at once: set 1 if yours is not thread-safe."""
 
 
+class ReferenceStageConfig(Strict):
+    """The ``reference`` stage: the frozen reference model's log-prob of every sampled token,
+    computed once between the scorers and the learner, which then holds no reference model.
+    Present (even empty, ``reference: {}``) = on."""
+
+    replicas: int = Field(1, ge=1, le=256)
+    """Processes ``rlstream run`` starts; each shares the stage's durable consumer."""
+    model_path: str | None = None
+    """Default: ``learner.reference_model_path``, else ``model_checkpoint_path``."""
+    batch_groups: int = Field(8, ge=1)
+    """Groups pulled and annotated together."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    pipeline_batches: int = Field(2, ge=1, le=8)
+    """Batches in flight at once (the next is fetched while the last one is published)."""
+
+
+class TeacherStageConfig(ReferenceStageConfig):
+    """The ``teacher`` stage of on-policy distillation (``training_mode: DISTILL``): the
+    teacher's log-prob of every sampled token, from a local model (``model_path``) or an
+    OpenAI-compatible server that returns prompt log-probs (``endpoint``, e.g. ``vllm serve``)."""
+
+    endpoint: str | None = None
+    """``http://host:8000`` (or ``.../v1/completions``): prompt + completion are sent as the prompt
+    with ``prompt_logprobs: 0`` and ``max_tokens: 1``."""
+    model_name: str | None = None
+    """Model to request from the server (default: the first of ``/v1/models``)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    request_retries: int = Field(3, ge=0)
+    max_connections: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.model_path is None) == (self.endpoint is None):
+            raise ValueError("teacher needs exactly one of model_path (a local model) or endpoint (an OpenAI-compatible server)")
+        return self
+
+
 class BufferConfig(Strict):
     max_groups: int = Field(64, ge=1)
     """Scored groups that may wait for the learner; producers pause beyond it."""
@@ -558,6 +616,10 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    reference: ReferenceStageConfig | None = None
+    """The reference stage (frozen reference log-probs computed once, outside the learner); None = off."""
+    teacher: TeacherStageConfig | None = None
+    """The teacher stage of ``training_mode: DISTILL``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -581,6 +643,12 @@ class Config(Strict):
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
+        if mode == "DISTILL" and self.teacher is None:
+            raise ValueError("training_mode DISTILL needs a teacher section (teacher.model_path or teacher.endpoint)")
+        if self.teacher is not None and mode != "DISTILL":
+            raise ValueError(f"the teacher stage is for training_mode DISTILL, not {mode}; remove the teacher section")
+        if self.reference is not None and mode not in RL_MODES:
+            raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config()
@@ -595,6 +663,11 @@ class Config(Strict):
     @property
     def group_size(self) -> int:
         return getattr(self.algorithm_params, "group_size", 1)
+
+    @property
+    def annotators(self) -> tuple[str, ...]:
+        """The annotating stages between the scorers and the learner, in chain order."""
+        return tuple(name for name in ("reference", "teacher") if getattr(self, name) is not None)
 
     @property
     def max_staleness(self) -> int:
@@ -702,6 +775,9 @@ def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
     cfg.tokenizer_path = fix(cfg.tokenizer_path)
     cfg.data_source.path = fix(cfg.data_source.path)
     cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
+    for stage in (cfg.reference, cfg.teacher):
+        if stage is not None:
+            stage.model_path = fix(stage.model_path)
     if isinstance(cfg.learner.deepspeed, str):
         cfg.learner.deepspeed = fix(cfg.learner.deepspeed)
     return cfg

@@ -46,7 +46,7 @@ class Component:
         cfg = self.cfg
         self.nc = await connect(cfg.nats, self.nats_url, name=f"{self.component}-{self.component_id}")
         self.js = self.nc.jetstream(timeout=10.0)
-        self.layout = await ensure_layout(self.js, cfg.run, cfg.nats)
+        self.layout = await ensure_layout(self.js, cfg.run, cfg.nats, stages=getattr(cfg, "annotators", ()))
         self.state = await RunState.open(self.js, self.layout)
         self.publisher = Publisher(self.js)
         port = cfg.metrics.prometheus_port

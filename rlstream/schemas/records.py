@@ -408,10 +408,13 @@ class ScoredGroup(Record):
 
     ``rewards`` [G] is the weighted sum of ``components`` (name -> [G]).
     v1: id, run, ts, rollout, rewards, components, scorer_id, score_s.
+    v2: + ``ref_logprobs`` and ``teacher_logprobs``, per completion token in the rollout's
+    flat order ([sum(lengths)], log-probs <= 0), added by the ``reference`` and ``teacher``
+    stages; empty when the stage is not in the run. + ``annotated_by`` (stage -> component id).
     """
 
     SCHEMA: ClassVar[str] = "scored_group"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     rollout: RolloutGroup
     rewards: np.ndarray
@@ -420,10 +423,20 @@ class ScoredGroup(Record):
     score_s: float = 0.0
     run: str = ""
     ts: float = field(default_factory=_now)
+    ref_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, FLOAT32))
+    teacher_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, FLOAT32))
+    annotated_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return self.rollout.id
+
+    def per_sample(self, flat: np.ndarray) -> list[np.ndarray] | None:
+        """A flat per-token annotation split by sample ([G] arrays); None when absent."""
+        if flat.size == 0 and self.rollout.num_tokens() > 0:
+            return None
+        ends = list(itertools.accumulate(self.rollout.lengths()))
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     def _fields(self):
         return {
@@ -432,6 +445,9 @@ class ScoredGroup(Record):
             "rewards": pack_array(self.rewards, FLOAT32),
             "components": {k: pack_array(v, FLOAT32) for k, v in self.components.items()},
             "scorer_id": self.scorer_id, "score_s": self.score_s,
+            "ref_logprobs": pack_array(self.ref_logprobs, FLOAT32),
+            "teacher_logprobs": pack_array(self.teacher_logprobs, FLOAT32),
+            "annotated_by": self.annotated_by,
         }
 
     @classmethod
@@ -448,11 +464,24 @@ class ScoredGroup(Record):
             comps[name] = get_array(obj["components"], name, FLOAT32, path=f"{path}components.", limits=limits, length=g)
         if header["id"] != rollout.id:
             raise RecordError(f"{path}id", f"{header['id']!r} differs from rollout.id {rollout.id!r}")
+        annotations = {}
+        for name in ("ref_logprobs", "teacher_logprobs"):  # v2; absent in v1
+            if name not in obj:
+                annotations[name] = np.zeros(0, FLOAT32)
+                continue
+            values = get_array(obj, name, FLOAT32, path=path, limits=limits)
+            if values.size not in (0, rollout.num_tokens()):
+                raise RecordError(f"{path}{name}", f"has {values.size} entries, expected 0 or {rollout.num_tokens()} (one per completion token)")
+            check_logprobs(values, f"{path}{name}")
+            annotations[name] = values
+        annotated_by = get(obj, "annotated_by", dict, {}, path=path)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in annotated_by.items()):
+            raise RecordError(f"{path}annotated_by", "expected str -> str")
         return cls(
             rollout=rollout, rewards=rewards, components=comps,
             scorer_id=get_str(obj, "scorer_id", "", path=path, limits=limits),
             score_s=get_float(obj, "score_s", 0.0, path=path),
-            run=header["run"], ts=header["ts"],
+            run=header["run"], ts=header["ts"], annotated_by=annotated_by, **annotations,
         )
 
 

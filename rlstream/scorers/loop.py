@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
+from rlstream.broker.stage import RecentIds, held, run_lanes
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers.functions import RewardError
@@ -37,33 +37,6 @@ from rlstream.scorers.http import EndpointError
 from rlstream.scorers.scoring import RewardStats, Scorer
 
 log = logging.getLogger(__name__)
-
-RECENT_IDS = 65536
-"""How many recently scored group ids a scorer remembers to skip redeliveries."""
-
-
-class RecentIds:
-    """A bounded set that forgets the oldest ids first (an LRU of record ids)."""
-
-    def __init__(self, capacity: int = RECENT_IDS):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, record_id: str) -> bool:
-        if record_id in self._ids:
-            self._ids.move_to_end(record_id)
-            return True
-        return False
-
-    def add(self, record_id: str) -> None:
-        self._ids[record_id] = None
-        self._ids.move_to_end(record_id)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
 
 def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
     """Decode completion ids for groups that carry no text (the tokenizer loads on first use)."""
@@ -78,14 +51,6 @@ def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
         return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     return decode
-
-
-async def _keep_in_progress(deliveries: list[Delivery], every_s: float) -> None:
-    """In-progress acks while a slow batch is scored, so it is not redelivered meanwhile."""
-    while True:
-        await asyncio.sleep(every_s)
-        for d in deliveries:
-            await d.in_progress()
 
 
 async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.Event | None = None, **_unused) -> int:
@@ -115,51 +80,28 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
 
 
 async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str) -> None:
-    """``scorer.pipeline_batches`` lanes run :func:`score_batch` at once; they share the
-    consumer (one pull at a time), the set of recently scored ids and the figures."""
+    """``scorer.pipeline_batches`` lanes run :func:`score_batch` at once (see
+    :func:`rlstream.broker.stage.run_lanes`); they share the consumer, the set of recently
+    scored ids and the figures."""
     reporter = comp.reporter
-    seen = RecentIds()
-    in_flight: set[str] = set()
     stats = RewardStats()
-    fetching = asyncio.Lock()
     figures = {"window_start": time.monotonic(), "window_groups": 0, "raised_dlq": 0}
-    for key in ("scorer/failures", "scorer/dead_lettered", "scorer/duplicates_skipped", "scorer/groups"):
+    for key in ("scorer/failures", "scorer/dead_lettered", "scorer/groups"):
         reporter.set(key, 0)
     log.info("scorer %s: terms %s", component_id, [(t.name, t.weight) for t in scorer.terms])
 
-    async def lane() -> None:
-        while not comp.stop.is_set():
-            now = time.monotonic()
-            if now - figures["window_start"] >= cfg.metrics.interval_s:
-                reporter.set("scorer/groups_per_s", figures["window_groups"] / (now - figures["window_start"]))
-                reporter.update(stats.summary())
-                figures["window_start"], figures["window_groups"] = now, 0
-            async with fetching:
-                deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
-                # at-least-once delivery: a group scored before (or being scored by the other
-                # lane) is acked again, not re-scored
-                fresh: list[Delivery[RolloutGroup]] = []
-                for d in deliveries:
-                    if d.record.id in seen or d.record.id in in_flight:
-                        await d.ack()
-                        reporter.inc("scorer/duplicates_skipped")
-                    else:
-                        in_flight.add(d.record.id)
-                        fresh.append(d)
-            if not fresh:
-                continue
-            try:
-                await score_batch(cfg, comp, consumer, scorer, component_id, fresh, seen, stats, figures)
-            finally:
-                in_flight.difference_update(d.record.id for d in fresh)
+    def tick() -> None:
+        now = time.monotonic()
+        if now - figures["window_start"] >= cfg.metrics.interval_s:
+            reporter.set("scorer/groups_per_s", figures["window_groups"] / (now - figures["window_start"]))
+            reporter.update(stats.summary())
+            figures["window_start"], figures["window_groups"] = now, 0
 
-    lanes = [asyncio.create_task(lane(), name=f"scorer-{component_id}-lane-{i}") for i in range(cfg.scorer.pipeline_batches)]
-    try:
-        await asyncio.gather(*lanes)
-    finally:
-        for t in lanes:
-            t.cancel()
-        await asyncio.gather(*lanes, return_exceptions=True)
+    async def handle(fresh: list[Delivery[RolloutGroup]], seen: RecentIds) -> None:
+        await score_batch(cfg, comp, consumer, scorer, component_id, fresh, seen, stats, figures)
+
+    await run_lanes(comp, consumer, lanes=cfg.scorer.pipeline_batches, batch=cfg.scorer.batch_groups, handle=handle,
+                    name=f"scorer-{component_id}", duplicates_metric="scorer/duplicates_skipped", tick=tick)
     reporter.update(stats.summary())
     log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))
 
@@ -171,9 +113,9 @@ async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: 
 
     # 1. score, keeping the records with in-progress acks if it is slow
     t0 = time.monotonic()
-    keep = asyncio.create_task(_keep_in_progress(fresh, cfg.nats.ack_wait_s / 3), name="scorer-in-progress")
     try:
-        results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
+        async with held(fresh, cfg.nats.ack_wait_s / 3, "scorer-in-progress"):
+            results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
     except EndpointError as exc:
         log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
         for d in fresh:
@@ -181,9 +123,6 @@ async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: 
                 reporter.inc("scorer/dead_lettered")
         reporter.inc("scorer/failures", len(fresh))
         return
-    finally:
-        keep.cancel()
-        await asyncio.gather(keep, return_exceptions=True)
     score_s = time.monotonic() - t0
 
     # 2. publish what scored (msg id = group id), then ack those groups
