@@ -86,6 +86,7 @@ def _child_env(cfg: Config) -> dict[str, str]:
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     # torch processes share the cores instead of each taking all of them
     torch_procs = 1 + (cfg.producer.count if cfg.is_rl or _online_dpo(cfg) else 0)
+    torch_procs += sum(getattr(cfg, stage).replicas for stage in cfg.annotators)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, torch_procs))))
     return env
 
@@ -107,6 +108,10 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
         for i in range(cfg.scorer.count):
             cid = f"scorer-{i}"
             children.append(Child(cid, "scorer", base + ["scorer", config_path, "--nats", nats_url, "--id", cid] + sets, logs / f"{cid}.log"))
+        for stage in cfg.annotators:  # reference, teacher: between the scorers and the learner
+            for i in range(getattr(cfg, stage).replicas):
+                cid = f"{stage}-{i}"
+                children.append(Child(cid, stage, base + [stage, config_path, "--nats", nats_url, "--id", cid] + sets, logs / f"{cid}.log"))
         for i in range(cfg.producer.count):
             cid = f"producer-{i}"
             children.append(Child(cid, "producer", base + ["producer", config_path, "--nats", nats_url, "--id", cid] + sets, logs / f"{cid}.log"))
@@ -326,7 +331,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     env = _child_env(cfg)
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
-    layout = await ensure_layout(js, cfg.run, cfg.nats)
+    layout = await ensure_layout(js, cfg.run, cfg.nats, stages=cfg.annotators)
     state = await RunState.open(js, layout)
     figures = LiveFigures()
     sub = await _watch_metrics(nc, layout, figures)
@@ -513,7 +518,7 @@ def main(args) -> int:
     accounting: dict[str, Any] = {}
     try:
         ok = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
-        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run)))
+        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
     finally:
         if server is not None:
             server.stop()

@@ -111,7 +111,8 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
     ref_model = None
-    if cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0:
+    # with the reference stage on, the reference log-probs arrive recorded in the groups
+    if (cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0) and getattr(cfg, "reference", None) is None:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
     value_head = value_opt = None
@@ -228,9 +229,12 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
             advantages = adv.compute_advantages(params, rewards.unsqueeze(0))[0]
         reasons = [s.finish_reason for s in g.rollout.samples]
         keep = adv.overlong_mask(reasons) if getattr(params, "overlong_filtering", False) else torch.ones(len(reasons), dtype=torch.bool)
-        for s, r, a, k in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist()):
+        # per-token log-probs recorded by the reference / teacher stages (None when absent)
+        ref = g.per_sample(g.ref_logprobs) or [None] * len(reasons)
+        teacher = g.per_sample(g.teacher_logprobs) or [None] * len(reasons)
+        for s, r, a, k, rl, tl in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
-                            policy_version=g.rollout.policy_version, keep=bool(k)))
+                            policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl))
     return rows, torch.cat(all_rewards) if all_rewards else torch.zeros(0)
 
 
@@ -271,15 +275,23 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                 token_adv[i] = whole[start:start + b, :t]
                 start += b
 
+    if cfg.training_mode == "DISTILL":
+        token_adv = [distill_token_advantages(params, tb) for tb in tbs]
+    if learner.ref_model is None and getattr(params, "kl_coefficient", 0.0) > 0 and any(tb.ref_logprobs is None for tb in tbs):
+        raise LearnerError("kl_coefficient > 0 without an in-learner reference model: every group needs ref_logprobs "
+                           "(is the reference stage running, and does the learner read its subject?)")
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
     grad_norms = []
     for epoch in range(params.epochs_per_batch):
         def make_pass(i: int, tb: TokenBatch):
             def run(record: bool = True) -> torch.Tensor:
-                if learner.ref_model is not None and ref[i] is None:
-                    with torch.no_grad():
-                        ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
+                if ref[i] is None:
+                    if learner.ref_model is not None:
+                        with torch.no_grad():
+                            ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
+                    else:
+                        ref[i] = tb.ref_logprobs  # recorded by the reference stage (or None)
                 out = forward_logprobs(module, tb, keep_logits=True, hidden=ppo)
                 if prox[i] is None:
                     prox[i] = out.logprobs.detach()
@@ -287,12 +299,13 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     entropy = losses.entropy_from_logits(out.logits)
                 batch = losses.PolicyBatch(
                     logprobs=out.logprobs, old_logprobs=tb.old_logprobs,
-                    advantages=token_adv[i] if ppo else tb.advantages, mask=tb.mask,
+                    advantages=token_adv[i] if token_adv[i] is not None else tb.advantages, mask=tb.mask,
                     ref_logprobs=ref[i], prox_logprobs=prox[i], entropy=entropy,
                     values=learner.value_head(out.hidden.detach().float()).squeeze(-1) if ppo else None,
                     old_values=old_values[i], returns=returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
                     lag=learner.state.policy_version - tb.policy_versions,
+                    teacher_logprobs=tb.teacher_logprobs,
                 )
                 loss, metrics = loss_fn(batch, params)
                 if record and epoch == params.epochs_per_batch - 1:
@@ -312,6 +325,18 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     out["samples"] = float(len(rows))
     out["tokens"] = float(token_norm)
     return _finish_step(learner, out, grad_norms[-1], stepped, len(rows), token_norm)
+
+
+def distill_token_advantages(params, tb: TokenBatch) -> torch.Tensor:
+    """DISTILL: the per-token reverse-KL advantage against the recorded teacher log-probs, plus
+    ``reward_weight`` times the group-relative reward advantage."""
+    if tb.teacher_logprobs is None:
+        raise LearnerError("training_mode DISTILL: a group arrived without teacher_logprobs "
+                           "(is the teacher stage running, and does the learner read its subject?)")
+    out = adv.distill_advantages(tb.old_logprobs, tb.teacher_logprobs, tb.mask, coefficient=params.distill_coefficient)
+    if params.reward_weight > 0:
+        out = out + params.reward_weight * tb.advantages.unsqueeze(-1) * tb.mask
+    return out
 
 
 def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
