@@ -137,7 +137,7 @@ def _per_token(rows: list[Row], fitted: list[tuple[np.ndarray, int]], name: str,
         return None
     out = torch.zeros((len(rows), T), dtype=torch.float32)
     for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
-        out[i, :c] = torch.from_numpy(np.asarray(getattr(row, name)[:c], dtype=np.float32))
+        out[i, :c] = torch.tensor(np.asarray(getattr(row, name)[:c], dtype=np.float32))
     return out
 
 
