@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 from rlstream.annotators.loop import main as stage_main
 from rlstream.broker import connect
 from rlstream.broker.layout import Layout
-from rlstream.config import parse_config
+from rlstream.config import dump_resolved, parse_config
 from rlstream.learner.loop import main as learner_main
+from rlstream.observe.replay import replay
 from rlstream.schemas import ScoredGroup
 from test_loop_groups import make_cfg, publish_groups, sample_groups
 
@@ -47,11 +48,14 @@ def test_reference_and_teacher_stages_feed_a_distill_learner(tiny_model_dir, tmp
     cfg = parse_config({**base.model_dump(mode="json"), "training_mode": "DISTILL",
                         "algorithm_params": {"group_size": 4, "kl_coefficient": 0.1, "max_staleness": 100},
                         "reference": {"batch_groups": 3, "micro_batch_size": 5},
-                        "teacher": {"model_path": str(tiny_model_dir), "batch_groups": 2}})
+                        "teacher": {"model_path": str(tiny_model_dir), "batch_groups": 2},
+                        "checkpoint": {"interval": 1}})
     assert cfg.annotators == ("reference", "teacher")
     groups = sample_groups(tiny_model_dir, 4, 4, max_new_tokens=6, seed=3)
     asyncio.run(publish_groups(nats_server.url, cfg, groups))
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dump_resolved(cfg, run_dir / "config.resolved.json")  # as `rlstream run` does, for replay
 
     async def chain() -> int:
         stop = asyncio.Event()
@@ -84,7 +88,17 @@ def test_reference_and_teacher_stages_feed_a_distill_learner(tiny_model_dir, tmp
         # and the behaviour log-probs the sampler recorded are those of the same model
         np.testing.assert_allclose(got.teacher_logprobs, np.concatenate([s.logprobs for s in g.rollout.samples]), atol=1e-4)
 
+    # replay reads the learner's stream (the teacher's link) and reuses the recorded reference:
+    # bitwise the recorded step; with the reference stage switched off, the replaying learner
+    # loads the reference model itself, and the losses agree to 1e-6
+    same = replay(run_dir, 1, 1, [], nats_server.url)
+    assert same["ok"] and same["steps"][0]["groups"] == 2
+    assert "loss/kl" in same["steps"][0]["recorded"]
+    own = replay(run_dir, 1, 1, ["reference=null"], nats_server.url, rtol=0.0, atol=1e-6)
+    assert own["ok"], own["steps"]
+
 
 def test_stage_refuses_to_start_without_its_section(tiny_model_dir, nats_server, run_id):
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id)
     assert asyncio.run(stage_main(cfg, nats_server.url, "reference-0", stage="reference", stop=asyncio.Event())) == 2
+
