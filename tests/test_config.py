@@ -100,3 +100,26 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
     p.write_text("training_mode: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
+
+
+def test_reference_and_teacher_stages_and_distill():
+    base = {"model_checkpoint_path": "m", "data_source": {"type": "on_policy"}}
+    cfg = parse_config({**base, "training_mode": "RL_GRPO", "reference": {}})
+    assert cfg.annotators == ("reference",) and cfg.reference.replicas == 1 and cfg.reference.model_path is None
+    assert parse_config({**base, "training_mode": "RL_GRPO"}).annotators == ()
+    distill = parse_config({**base, "training_mode": "DISTILL", "teacher": {"endpoint": "http://t:8000", "replicas": 2},
+                            "reference": {"replicas": 3}, "algorithm_params": {"distill_coefficient": 0.5}})
+    assert distill.annotators == ("reference", "teacher")  # chain order, whatever the key order
+    assert distill.algorithm_params.distill_coefficient == 0.5 and distill.algorithm_params.kl_coefficient == 0.0
+    assert distill.is_rl and distill.teacher.replicas == 2
+    for data, message in (
+        ({**base, "training_mode": "DISTILL"}, "DISTILL needs a teacher"),
+        ({**base, "training_mode": "RL_GRPO", "teacher": {"model_path": "t"}}, "teacher stage is for training_mode DISTILL"),
+        ({**base, "training_mode": "DISTILL", "teacher": {}}, "exactly one of model_path"),
+        ({**base, "training_mode": "DISTILL", "teacher": {"model_path": "t", "endpoint": "http://t"}}, "exactly one of model_path"),
+        ({"model_checkpoint_path": "m", "data_source": {"type": "off_policy"}, "training_mode": "SFT", "reference": {}},
+         "reference stage annotates streamed RL groups"),
+        ({**base, "training_mode": "RL_GRPO", "reference": {"replicas": 0}}, "reference.replicas"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(data)
