@@ -12,7 +12,6 @@ import asyncio
 import json
 
 import numpy as np
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
