@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from msgspec.structs import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def _groups(model_dir: Path, n: int, group_size: int, tokens: int):
     for i in range(n):
         samples = [Sample(rng.integers(3, vocab, size=tokens).astype(np.int32), -rng.random(tokens).astype(np.float32) - 0.1)
                    for _ in range(group_size)]
-        rollout = RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text="", prompt_ids=rng.integers(3, vocab, size=16).astype(np.int32),
+        rollout = RolloutGroup.from_samples(id=f"g{i}", prompt_id=f"g{i}", prompt_text="", prompt_ids=rng.integers(3, vocab, size=16).astype(np.int32),
                                samples=samples, policy_version=0)
         out.append(ScoredGroup(rollout=rollout, rewards=rng.random(group_size).astype(np.float32)))
     return out

@@ -290,7 +290,7 @@ async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, 
     groups = []
     for d, (ids, text), samples in zip(deliveries, encoded, completions):
         prompt: Prompt = d.record
-        groups.append(RolloutGroup(
+        groups.append(RolloutGroup.from_samples(
             id=prompt.id, prompt_id=prompt.id, prompt_text=text, prompt_ids=np.asarray(ids, np.int32),
             samples=[Sample(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in samples],
             policy_version=version, producer_id=comp.component_id, columns=prompt.columns,

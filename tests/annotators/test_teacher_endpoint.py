@@ -62,7 +62,7 @@ def _groups(model_dir) -> list[ScoredGroup]:
     for i, text in enumerate(["Q: What is 12 + 7? A:", "the answer"]):
         prompt = np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
         samples = [Sample(rng.integers(3, 200, size=n).astype(np.int32), -np.ones(n, np.float32)) for n in (4, 7, 1)]
-        rollout = RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text=text, prompt_ids=prompt, samples=samples, policy_version=0)
+        rollout = RolloutGroup.from_samples(id=f"g{i}", prompt_id=f"g{i}", prompt_text=text, prompt_ids=prompt, samples=samples, policy_version=0)
         out.append(ScoredGroup(rollout=rollout, rewards=np.zeros(3, np.float32)))
     return out
 
@@ -98,6 +98,6 @@ def test_unreachable_teacher_fails_after_retries():
 
 
 def _groups_small() -> list[ScoredGroup]:
-    rollout = RolloutGroup(id="g", prompt_id="g", prompt_text="", prompt_ids=np.array([1, 2], np.int32),
+    rollout = RolloutGroup.from_samples(id="g", prompt_id="g", prompt_text="", prompt_ids=np.array([1, 2], np.int32),
                            samples=[Sample(np.array([3], np.int32), np.array([-1.0], np.float32))], policy_version=0)
     return [ScoredGroup(rollout=rollout, rewards=np.zeros(1, np.float32))]

@@ -8,7 +8,7 @@ after the first, so the KL term is not zero) every loss and the gradient norm ag
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 import pytest
 
