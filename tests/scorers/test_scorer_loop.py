@@ -18,7 +18,7 @@ from rlstream.broker import Outgoing, Publisher, ensure_layout
 from rlstream.broker.server import free_port
 from rlstream.schemas import DeadLetter, MetricEvent, RolloutGroup, ScoredGroup
 from rlstream.scorers import loop
-from rlstream.broker.stage import RecentIds
+from rlstream.scorers.loop import RecentIds
 from rlstream.scorers.reward_server import serve
 
 
