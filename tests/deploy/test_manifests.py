@@ -1,4 +1,4 @@
-"""deploy/k8s renders (base and gpu overlay), validates against the Kubernetes schemas,
+"""deploy/k8s renders with `kubectl kustomize` (base and overlays), validates against the Kubernetes schemas,
 holds together (references, probes, ports, KEDA stream names, the rlstream config), and
 every container's command is one the rlstream CLI accepts."""
 
@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from k8s_render import RenderError, build, find, json6902, pod_specs, strategic_merge
+from kustomize import RenderError, build, find, pod_specs
 from rlstream.broker.layout import Layout
 from rlstream.cli import build_parser
 from rlstream.config import load_config, parse_config
@@ -43,28 +43,25 @@ def _containers(objs):
             yield where, spec, c
 
 
-# ---- the renderer itself ----------------------------------------------------------------
+# ---- kustomize --------------------------------------------------------------------------
 
 
-def test_renderer_strategic_merge_by_name_and_json_patch():
-    base = {"spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "b"}], "replicas": 1}}
-    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}], "replicas": 3}}
-    out = strategic_merge(base, patch)
-    assert out["spec"]["replicas"] == 3
-    assert out["spec"]["containers"][0] == {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}
-    assert out["spec"]["containers"][1] == {"name": "b"}
-    out = json6902({"a": {"b": [1]}}, [{"op": "add", "path": "/a/b/-", "value": 2}, {"op": "add", "path": "/a/c~1d", "value": 3}])
-    assert out == {"a": {"b": [1, 2], "c/d": 3}}
-    with pytest.raises(RenderError):
-        json6902({"a": {}}, [{"op": "replace", "path": "/a/missing", "value": 1}])
-
-
-def test_renderer_rejects_a_patch_without_target(tmp_path):
+def test_kustomize_is_the_real_one_and_fails_where_kubectl_apply_would(tmp_path):
     (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
     (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\ndata: {x: y}\n")
     (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\npatches: [{path: p.yaml}]\n")
-    with pytest.raises(RenderError, match="matches nothing"):
+    with pytest.raises(RenderError, match="no matches"):
         build(tmp_path)
+    # strategic merge by the schemas' merge keys: a container patched by name keeps its image
+    (tmp_path / "d.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  selector: {matchLabels: {a: b}}\n"
+        "  template:\n    metadata: {labels: {a: b}}\n    spec:\n      containers: [{name: c, image: i, env: [{name: A, value: '1'}]}]\n")
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  template:\n    spec:\n"
+        "      containers: [{name: c, env: [{name: B, value: '2'}]}]\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [d.yaml]\npatches: [{path: p.yaml}]\n")
+    (c,) = find(build(tmp_path), "Deployment", "d")["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "i" and sorted(e["name"] for e in c["env"]) == ["A", "B"]
 
 
 # ---- schemas ----------------------------------------------------------------------------
