@@ -260,6 +260,11 @@ class ProducerConfig(Strict):
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
     producer exits with code 75 for its supervisor to restart it (a thread stuck in a
     backend cannot be stopped from Python)."""
+    drain_timeout_s: float = Field(20.0, gt=0)
+    """After SIGTERM (a spot/preemptible node's notice, a scale-down), batches in hand may
+    finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
+    producer takes them at once, and the producer exits. Keep it below the pod's
+    ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
     fake_latency_s: float = Field(0.0, ge=0)
     """fake backend: seconds each batch takes."""
     fake_vocab_size: int = Field(512, ge=2)
