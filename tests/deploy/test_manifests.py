@@ -5,6 +5,7 @@ every container's command is one the rlstream CLI accepts."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 NATS = ROOT / "deploy" / "nats"
 KUBE_VERSION = "1.30.0"
-TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
+TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / "overlays" / "spot",
+           "scheduled": K8S / "overlays" / "scheduled"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
 EXTERNAL_SECRETS = {"nats-tls"}
 CRD_GROUPS = {"keda.sh", "kubeflow.org"}
@@ -110,8 +112,7 @@ def test_scaled_objects_target_the_run_consumers(render):
         target = find(objs, spec["scaleTargetRef"].get("kind", "Deployment"), spec["scaleTargetRef"]["name"])
         assert target["kind"] == "Deployment"
         assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
-        (trigger,) = spec["triggers"]
-        assert trigger["type"] == "nats-jetstream"
+        (trigger,) = [t for t in spec["triggers"] if t["type"] == "nats-jetstream"]
         md = trigger["metadata"]
         for key in ("natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold"):
             assert isinstance(md.get(key), str) and md[key], key
@@ -298,3 +299,78 @@ def test_dockerfile_entrypoint_is_the_cli(name):
 def test_dockerignore_keeps_local_state_out():
     lines = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", "runs", ".git"} <= lines
+
+
+# ---- spot capacity and the scheduled scale-down ---------------------------------------------
+
+SPOT_LABEL = "cloud.google.com/gke-spot"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_spot_overlay_puts_producers_and_scorers_on_spot_nodes_with_budgets_and_a_drain_inside_the_notice(tmp_path):
+    objs = build(TARGETS["spot"])
+    spot = {}
+    for where, spec in pod_specs(objs):
+        on_spot = spec.get("nodeSelector", {}).get(SPOT_LABEL) == "true"
+        tolerates = any(t.get("key") == SPOT_LABEL and t.get("effect") == "NoSchedule" for t in spec.get("tolerations", []))
+        assert on_spot == tolerates, where
+        spot[where] = on_spot
+    assert {w for w, s in spot.items() if s} == {"Deployment/producers", "Deployment/scorers"}
+    # the learner and the broker stay on on-demand nodes
+    assert not spot["StatefulSet/nats"] and not any(s for w, s in spot.items() if w.startswith("PyTorchJob"))
+    budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    for name in ("producers", "scorers"):
+        dep = find(objs, "Deployment", name)
+        (pdb,) = [b for b in budgets if _selects(b["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])]
+        assert pdb["spec"]["maxUnavailable"] == 1 and pdb["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    # the producer's drain ends inside the pod's grace period (the preemption notice), with room for the exit
+    dep = find(objs, "Deployment", "producers")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(_expand(_rlstream_argv(c), {"POD_NAME": "p-0"}))
+    path = tmp_path / "config.yaml"
+    path.write_text(find(objs, "ConfigMap", "rlstream-config")["data"]["config.yaml"])
+    drain_s = load_config(path, args.set).producer.drain_timeout_s
+    assert drain_s + 5 <= dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] <= 30
+
+
+def _cron_field_ok(expr: str) -> bool:
+    fields = expr.split()
+    return len(fields) == 5 and all(re.fullmatch(r"[\d*,/-]+", f) for f in fields)
+
+
+def test_scheduled_overlay_scales_to_the_floor_outside_the_hours():
+    objs = build(TARGETS["scheduled"])
+    base = {o["metadata"]["name"]: o for o in build(TARGETS["base"]) if o["kind"] == "ScaledObject"}
+    for so in (o for o in objs if o["kind"] == "ScaledObject"):
+        spec = so["spec"]
+        by_type = {t["type"]: t for t in spec["triggers"]}
+        assert set(by_type) == {"nats-jetstream", "cron"}
+        backlog, hours = by_type["nats-jetstream"], by_type["cron"]
+        # the backlog trigger is the base's, unchanged but for its name
+        assert backlog["metadata"] == base[so["metadata"]["name"]]["spec"]["triggers"][0]["metadata"]
+        md = hours["metadata"]
+        assert _cron_field_ok(md["start"]) and _cron_field_ok(md["end"]) and md["timezone"]
+        assert int(md["desiredReplicas"]) >= 2  # the formula reads "> 1" as inside the hours
+        mod = spec["advanced"]["scalingModifiers"]
+        assert mod["formula"] == f"{hours['name']} > 1 ? {backlog['name']} : 0"
+        assert mod["target"] == backlog["metadata"]["lagThreshold"] and mod["metricType"] == "AverageValue"
+        assert spec["minReplicaCount"] == 0 < spec["maxReplicaCount"]
+
+
+def test_components_compose_on_the_gpu_overlay(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / c, tmp_path) for c in ("spot", "scale-schedule")],
+    }))
+    objs = build(tmp_path)
+    producers = find(objs, "Deployment", "producers")["spec"]["template"]["spec"]
+    assert producers["nodeSelector"][SPOT_LABEL] == "true"
+    assert producers["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert all("scalingModifiers" in o["spec"]["advanced"] for o in objs if o["kind"] == "ScaledObject")
+    for o in objs:
+        if o["apiVersion"].split("/")[0] not in CRD_GROUPS:
+            kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
