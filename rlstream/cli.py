@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
     sp.set_defaults(fn=cmd_observe("dashboard"))
+
+    from rlstream.backup import add_parsers as add_backup_parsers
+
+    add_backup_parsers(sub)  # backup, restore
     return p
 
 

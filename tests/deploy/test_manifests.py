@@ -24,9 +24,9 @@ K8S = ROOT / "deploy" / "k8s"
 NATS = ROOT / "deploy" / "nats"
 KUBE_VERSION = "1.30.0"
 TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / "overlays" / "spot",
-           "scheduled": K8S / "overlays" / "scheduled"}
+           "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
-EXTERNAL_SECRETS = {"nats-tls"}
+EXTERNAL_SECRETS = {"nats-tls", "rlstream-backup-s3"}
 CRD_GROUPS = {"keda.sh", "kubeflow.org"}
 
 
@@ -175,8 +175,8 @@ def test_every_component_has_probes_on_its_metrics_port(render):
     _, objs = render
     port = parse_config(_config(objs)).metrics.prometheus_port
     for where, spec, c in _containers(objs):
-        if where.startswith(("Job/", "PyTorchJob/learner/Worker")):
-            continue  # a run-to-completion feeder, and learner ranks > 0 (rank 0 serves /metrics)
+        if where.startswith(("Job/", "CronJob/", "PyTorchJob/learner/Worker")):
+            continue  # run-to-completion jobs (feeder, backup), and learner ranks > 0 (rank 0 serves /metrics)
         assert "livenessProbe" in c and "readinessProbe" in c, where
         ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -374,3 +374,33 @@ def test_components_compose_on_the_gpu_overlay(tmp_path):
     for o in objs:
         if o["apiVersion"].split("/")[0] not in CRD_GROUPS:
             kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+
+
+def test_backup_cronjob_backs_up_the_learners_run_dir_from_the_same_volume():
+    objs = build(TARGETS["backup"])
+    cron = find(objs, "CronJob", "backup")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid" and len(cron["spec"]["schedule"].split()) == 5
+    spec = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    args = build_parser().parse_args(_rlstream_argv(c))
+    assert args.command == "backup" and args.to.startswith("s3://") and args.keep >= 1
+    # credentials come from a Secret through the environment, never the command line
+    assert [e["secretRef"]["name"] for e in c["envFrom"]] == ["rlstream-backup-s3"]
+    assert not any("AWS_" in a or "secret" in a.lower() for a in c["args"])
+    # the learner's --run-dir, on the same claim, read-only here
+    job = find(objs, "PyTorchJob", "learner")
+    lc = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    learner_args = build_parser().parse_args(_rlstream_argv(lc))
+    assert args.run_dir == learner_args.run_dir
+
+    def claim_of(pod_spec, container, path):
+        mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"])), key=lambda m: len(m["mountPath"]))
+        vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+        return vol["persistentVolumeClaim"]["claimName"], mount.get("readOnly", False)
+
+    assert claim_of(spec, c, args.run_dir) == ("rlstream-checkpoints", True)
+    learner_spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert claim_of(learner_spec, lc, learner_args.run_dir)[0] == "rlstream-checkpoints"
+    # the config the backup copies is the run's ConfigMap
+    cfg_mount = next(m for m in c["volumeMounts"] if args.configs[0].startswith(m["mountPath"]))
+    assert next(v for v in spec["volumes"] if v["name"] == cfg_mount["name"])["configMap"]["name"] == "rlstream-config"
