@@ -65,7 +65,7 @@ def _component(module: str, default_id: str):
     def run(args) -> int:
         cfg = _load(args)
         # an offline SFT/DPO learner needs no broker (nothing to publish to)
-        offline = module == "rlstream.learner.loop" and cfg.data_source.type == "off_policy"
+        offline = module == "rlstream.learner.loop" and cfg.learner_reads_dataset
         url = _nats_url(args, cfg, optional=offline)
         main = _call(module)
         extra = {}
@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlstream.backup import add_parsers as add_backup_parsers
 
     add_backup_parsers(sub)  # backup, restore
+    from rlstream.webdata import add_parsers as add_shards_parser
+
+    add_shards_parser(sub)  # shards
     return p
 
 

@@ -135,8 +135,9 @@ AlgorithmParams = Annotated[
 
 
 class DataSource(Strict):
-    type: Literal["on_policy", "off_policy"] = "on_policy"
-    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
+    type: Literal["on_policy", "off_policy", "webdataset"] = "on_policy"
+    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset;
+    webdataset: tar shards at ``urls`` (SFT/DPO: the learner reads them; RL: the feeder does)."""
     path: str | None = None
     """jsonl, parquet, or a Hugging Face ``datasets`` directory saved with save_to_disk."""
     split: str = "train"
@@ -151,6 +152,25 @@ class DataSource(Strict):
     shuffle_seed: int | None = 0
     limit: int | None = Field(None, ge=1)
     """Use at most this many rows."""
+    urls: str | list[str] | None = None
+    """webdataset: shard URLs, brace patterns allowed (``shards/train-{000000..000099}.tar``);
+    local paths, ``pipe:COMMAND`` or http(s) URLs. Each sample holds one row as ``.json``
+    (``rlstream shards`` writes them from jsonl or parquet)."""
+    shuffle_buffer: int = Field(1000, ge=0)
+    """webdataset: samples held in the shuffle buffer (0: shard order). Shards are also
+    shuffled per epoch with ``shuffle_seed`` (none of it when the seed is null)."""
+    part_index: int = Field(0, ge=0)
+    part_count: int = Field(1, ge=1)
+    """webdataset: this reader takes shards ``part_index::part_count`` (one part per feeder,
+    e.g. ``--set data_source.part_index=$(JOB_COMPLETION_INDEX)`` in an indexed Job)."""
+
+    @model_validator(mode="after")
+    def _webdataset(self):
+        if self.type == "webdataset" and not self.urls:
+            raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")
+        if self.part_index >= self.part_count:
+            raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
+        return self
 
 
 class RewardTerm(Strict):
@@ -405,8 +425,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         mode = self.training_mode
-        if mode in RL_MODES and self.data_source.type != "on_policy":
-            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy', got {self.data_source.type!r}")
+        if mode in RL_MODES and self.data_source.type == "off_policy":
+            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy' (or 'webdataset' prompts), got {self.data_source.type!r}")
         if mode == "SFT" and self.data_source.type == "on_policy":
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
@@ -425,6 +445,11 @@ class Config(Strict):
     @property
     def is_rl(self) -> bool:
         return self.training_mode in RL_MODES
+
+    @property
+    def learner_reads_dataset(self) -> bool:
+        """SFT/DPO from a dataset on disk or WebDataset shards: the learner reads it, no broker needed."""
+        return self.data_source.type == "off_policy" or (self.data_source.type == "webdataset" and not self.is_rl)
 
     @property
     def group_size(self) -> int:
@@ -531,6 +556,10 @@ def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
     cfg.model_checkpoint_path = fix(cfg.model_checkpoint_path)
     cfg.tokenizer_path = fix(cfg.tokenizer_path)
     cfg.data_source.path = fix(cfg.data_source.path)
+    urls = cfg.data_source.urls
+    if urls is not None:
+        fixed = [u if u.startswith("pipe:") else fix(u) for u in ([urls] if isinstance(urls, str) else urls)]
+        cfg.data_source.urls = fixed[0] if isinstance(urls, str) else fixed
     cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
     if isinstance(cfg.learner.deepspeed, str):
         cfg.learner.deepspeed = fix(cfg.learner.deepspeed)

@@ -547,10 +547,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     from rlstream.broker.io import Consumer
     from rlstream.broker.layout import LEARNER_STEP
     from rlstream.learner.buffer import GroupBuffer, fill, hold
-    from rlstream.learner.offline import epoch_summary, load_dpo, load_sft, next_offline_batch
+    from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
     from rlstream.learner.publish import publish_weights
 
-    offline = cfg.data_source.type == "off_policy"
+    offline = cfg.learner_reads_dataset
     if not offline and nats_url is None:
         raise LearnerError(f"training_mode {cfg.training_mode} streams scored groups: it needs a NATS URL")
     run_dir = Path(run_dir or Path("runs") / cfg.run)
@@ -576,7 +576,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     elif metrics_path.exists():
         metrics_path.unlink()
     examples: list = []
-    if offline:
+    shards: ShardBatches | None = None
+    if offline and cfg.data_source.type == "webdataset":
+        shards = await asyncio.to_thread(ShardBatches, cfg, learner.tokenizer, state.data_cursor)
+    elif offline:
         examples = await asyncio.to_thread(load_sft if cfg.training_mode == "SFT" else load_dpo, cfg.data_source, learner.tokenizer)
     config_json = learner.model.config.to_json_string()
     last_checkpoint_step = state.step if latest is not None else -1
@@ -618,7 +621,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         # 1. a batch
                         t_wait = time.perf_counter()
                         if offline:
-                            batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
+                            if shards is not None:
+                                batch = await asyncio.to_thread(shards.next_batch, state, cfg.learner.batch_groups)
+                            else:
+                                batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
                             if batch is None:
                                 break
                             taken = StreamBatch([])
@@ -700,8 +706,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,
     }
     if offline:
-        summary["dataset_size"] = len(examples)
-        summary["epochs"] = epoch_summary(state, len(examples))
+        size = len(examples) if shards is None else None  # shards: not known without reading them all
+        summary["dataset_size"] = size
+        summary["epochs"] = epoch_summary(state, size)
     if final_checkpoint_failed:
         # what was trained since the last durable checkpoint is unacked: it is redelivered to
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
