@@ -346,6 +346,15 @@ class LearnerConfig(Strict):
     max_seq_len: int = Field(1024, ge=8)
     seed: int = 0
     gradient_checkpointing: bool = False
+    compile: bool = False
+    """Run the policy's forward and backward through ``torch.compile`` (``nn.Module.compile``:
+    parameter names, checkpoints and published weights are unchanged). Sequence lengths vary
+    from batch to batch: shapes are compiled as dynamic, and ``pad_to_multiple`` buckets them.
+    Pays off on GPUs; on a small CPU model it can be slower (BENCHMARKS.md, bench/learner.py)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    pad_to_multiple: int = Field(1, ge=1, le=4096)
+    """Right-pad each micro-batch's sequence length up to a multiple of this (length
+    bucketing): fewer distinct shapes for a compiled model, a little more padding."""
 
     @model_validator(mode="after")
     def _shared(self):

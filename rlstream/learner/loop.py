@@ -107,6 +107,9 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
         model.gradient_checkpointing_enable()
     device = torch.device(lcfg.device)
     model.to(device).train()
+    if lcfg.compile:
+        # in place: the module (and its parameter names) stay as they are, only forward is compiled
+        model.compile(mode=lcfg.compile_mode, dynamic=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
@@ -244,7 +247,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     lcfg = cfg.learner
     loss_fn = losses.policy_loss_fn(params)
     rows, rewards = group_rows(cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     module = learner.engine.module
     ppo = learner.value_head is not None
@@ -321,7 +324,7 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
         # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
         tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
     else:
-        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -355,7 +358,7 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
     chunks = []
     for chunk in micro_batches(pairs, lcfg.micro_batch_size):
         rows = [Row(p.prompt_ids, p.chosen_ids) for p in chunk] + [Row(p.prompt_ids, p.rejected_ids) for p in chunk]
-        tb = collate(rows, learner.pad_id, lcfg.max_seq_len).to(learner.device)
+        tb = collate(rows, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device)
         total_tokens += float(tb.mask.sum())
         chunks.append((len(chunk), tb))
 
