@@ -339,6 +339,8 @@ class DataSource(Strict):
     def _webdataset(self):
         if self.type == "webdataset" and not self.urls:
             raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")
+        if self.type != "webdataset" and self.urls:
+            raise ValueError(f"data_source.urls is for type 'webdataset' (type is {self.type!r}; a file dataset goes in data_source.path)")
         if self.part_index >= self.part_count:
             raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
         return self
