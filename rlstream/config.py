@@ -412,6 +412,9 @@ class NatsConfig(Strict):
     max_payload_mb: int = Field(8, ge=1, le=64)
     retention_days: float = Field(7.0, gt=0)
     """How long rollouts and scored groups are kept for replay."""
+    layout_wait_s: float = Field(300.0, gt=0, le=86400)
+    """On a server with per-role permissions, how long a component waits at start for the
+    learner (or the operator) to lay out the run's streams, KV bucket and object store."""
 
 
 class ProducerConfig(Strict):
@@ -448,6 +451,13 @@ class ProducerConfig(Strict):
     reloaded when no batch is generating."""
     in_progress_s: float | None = Field(None, gt=0)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
+    max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
+    """The largest weights a producer fetches (announced size and stored size); a larger
+    announcement is refused, the producer keeps its weights and raises
+    ``alert/weight_fetch_failures``."""
+    weights_fetch_tries: int = Field(3, ge=1, le=20)
+    """Attempts at fetching announced weights (with backoff) before the producer keeps the
+    weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
     generation_timeout_s: float = Field(600.0, gt=0)
     """A batch whose generation takes longer is treated as a hung backend: its prompts are
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from msgspec.structs import replace
 
 import numpy as np
 import pytest
@@ -35,8 +35,8 @@ def _singletons(groups):
     out = []
     for g in groups:
         for j, (s, r) in enumerate(zip(g.rollout.samples, g.rewards)):
-            ro = replace(g.rollout, id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}", samples=[s])
-            out.append(replace(g, rollout=ro, rewards=np.asarray([r], dtype=np.float32)))
+            ro = g.rollout.with_samples([s], id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}")
+            out.append(replace(g, id=ro.id, rollout=ro, rewards=np.asarray([r], dtype=np.float32)))
     return out
 
 
@@ -54,7 +54,7 @@ def test_rl_mode_learns_from_rule_rewards(mode, tiny_model_dir, tmp_path, nats_s
     cfg = make_cfg(tiny_model_dir, mode, run=run_id, algo={"max_staleness": 1000, **algo}, learner={"lr": 2e-3, **learner})
     groups = _singletons(recorded) if mode == "RL_PPO" else list(recorded)
     if mode == "RL_DAPO":
-        flat = replace(recorded[0], rollout=replace(recorded[0].rollout, id="flat", prompt_id="flat"),
+        flat = replace(recorded[0], id="flat", rollout=replace(recorded[0].rollout, id="flat", prompt_id="flat"),
                        rewards=np.full(8, 0.5, dtype=np.float32))
         groups = [flat] + groups  # all-equal rewards: dropped by dynamic sampling, the batch keeps filling
     asyncio.run(publish_groups(nats_server.url, cfg, groups[:4]))
@@ -90,7 +90,8 @@ def test_stale_groups_dropped_and_pacing_written(tiny_model_dir, tmp_path, nats_
     # max_staleness 0 (synchronous): after version 1 is published, version-0 groups are too old
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 8, "max_staleness": 0},
                    learner={"batch_groups": 2, "micro_batch_size": 8})
-    fresh = [replace(g, rollout=replace(g.rollout, id=g.id + "v1", prompt_id=g.id + "v1", policy_version=1)) for g in recorded[6:8]]
+    fresh = [replace(g, id=g.id + "v1", rollout=replace(g.rollout, id=g.id + "v1", prompt_id=g.id + "v1", policy_version=1))
+             for g in recorded[6:8]]
     asyncio.run(publish_groups(nats_server.url, cfg, recorded[:6] + fresh))
     run_dir = tmp_path / "run"
     assert asyncio.run(main(cfg, nats_server.url, "learner", run_dir=run_dir, max_steps=2)) == 0
@@ -117,7 +118,7 @@ def test_dynamic_sampling_keeps_batches_full_and_widens_admission(tiny_model_dir
                    learner={"batch_groups": 2, "micro_batch_size": 8})
     groups = []
     for g in recorded:
-        flat = replace(g, rollout=replace(g.rollout, id=g.id + "-flat", prompt_id=g.id + "-flat"), rewards=np.full(8, 0.5, np.float32))
+        flat = replace(g, id=g.id + "-flat", rollout=replace(g.rollout, id=g.id + "-flat", prompt_id=g.id + "-flat"), rewards=np.full(8, 0.5, np.float32))
         groups += [flat, g]
     assert all(np.ptp(g.rewards) > 0 for g in recorded)  # the recorded groups all carry a signal
     asyncio.run(publish_groups(nats_server.url, cfg, groups))
