@@ -9,7 +9,6 @@ long generation holds a real backend: the file disappearing means the batch is i
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
 import sys

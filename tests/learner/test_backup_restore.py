@@ -14,12 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_loop_groups import make_cfg, publish_groups_sync, sample_groups
 from test_loop_resume import KILL_AFTER, STEPS, _env, _learner_cmd, _metrics, _write_cfg
 
@@ -146,8 +144,9 @@ def test_backup_restore_into_a_fresh_dir_then_resume_equals_uninterrupted(nats_s
 
 
 def test_backups_are_listed_kept_and_an_unfinished_one_is_never_restored(tmp_path, s3_env):
-    from rlstream.backup import backup, list_backups, restore
     import datetime as dt
+
+    from rlstream.backup import backup, list_backups, restore
 
     run = tmp_path / "run"
     for step in (2, 4, 6):

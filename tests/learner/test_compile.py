@@ -6,10 +6,9 @@ and published weights do not change), and batches of other lengths reuse the com
 from __future__ import annotations
 
 import pytest
-import torch
+from test_loop_groups import make_cfg, sample_groups
 
 from rlstream.learner.loop import build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ exactly once per epoch, checked by id, the same batches as an uninterrupted run.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -19,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from test_loop_groups import make_cfg
 
 from rlstream.webdata import ShardStream, expand_urls, split_shards
-from test_loop_groups import make_cfg
 
 ROWS = 23
 
