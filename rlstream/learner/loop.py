@@ -52,7 +52,7 @@ from rlstream.learner import losses
 from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlstream.learner.engines import Engine, build_engine, lr_at
+from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
 from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
@@ -100,12 +100,17 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     lcfg = cfg.learner
     torch.manual_seed(lcfg.seed)
     np.random.seed(lcfg.seed)
-    dtype = torch.bfloat16 if lcfg.dtype == "bfloat16" and lcfg.engine == "torch" else torch.float32
+    # bfloat16 is mixed precision in both engines: float32 master weights (DeepSpeed's bf16
+    # keeps its own; the torch engine autocasts the forward), never pure bfloat16 training.
+    mixed = lcfg.dtype == "bfloat16" and lcfg.engine == "torch"
+    dtype = torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype)
     if lcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     device = torch.device(lcfg.device)
     model.to(device).train()
+    if mixed:
+        autocast_forward(model, torch.bfloat16)
     if lcfg.compile:
         # in place: the module (and its parameter names) stay as they are, only forward is compiled
         model.compile(mode=lcfg.compile_mode, dynamic=True)
@@ -116,6 +121,8 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     if cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
+        if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
+            autocast_forward(ref_model, torch.bfloat16)
     value_head = value_opt = None
     if cfg.training_mode == "RL_PPO":
         value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device)

@@ -65,7 +65,7 @@ def dpo_pair(row: dict[str, Any], example_id: str, ds, tokenizer) -> PreferenceP
 
 
 def load_sft(ds, tokenizer) -> list[SFTExample]:
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     tag = _digest(ds.path)
     use_messages = ds.messages_column in rows[0]
     require_columns(rows, [ds.messages_column] if use_messages else [ds.prompt_column, ds.completion_column], ds.path)
@@ -73,7 +73,7 @@ def load_sft(ds, tokenizer) -> list[SFTExample]:
 
 
 def load_dpo(ds, tokenizer) -> list[PreferencePair]:
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
     tag = _digest(ds.path)
     return [dpo_pair(row, f"{tag}-{i}", ds, tokenizer) for i, row in enumerate(rows)]

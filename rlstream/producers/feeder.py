@@ -133,7 +133,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
     else:
         if not ds.path:
             raise DatasetError("data_source.path is not set: nothing to feed")
-        rows = read_rows(ds.path, ds.split, ds.limit)
+        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
         base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
         total, source = len(base) * ds.epochs, Path(ds.path).name
         prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)

@@ -177,3 +177,21 @@ def test_sft_killed_mid_shard_resumes_and_trains_every_sample_once_per_epoch(tmp
         ids = [i for m in got for i in m["group_ids"]]
         per_epoch = ids[epoch * ROWS:(epoch + 1) * ROWS]
         assert sorted(i.rsplit("-", 1)[1] for i in per_epoch) == [f"{k:09d}" for k in range(ROWS)]
+
+
+def test_preflight_reads_the_first_shard_and_names_a_missing_one(tmp_path, tiny_model_dir):
+    from rlstream.config import parse_config
+    from rlstream.preflight import preflight
+
+    pattern = _write(tmp_path)
+    base = {"model_checkpoint_path": str(tiny_model_dir)}
+    sft = {**base, "training_mode": "SFT", "data_source": {"type": "webdataset", "urls": pattern}}
+    assert preflight(parse_config(sft)) == []
+    rl = {**base, "training_mode": "RL_GRPO", "reward_function": {"terms": [{"rule": "exact_match"}]},
+          "data_source": {"type": "webdataset", "urls": pattern}}
+    assert preflight(parse_config(rl)) == []  # the rows have prompt and answer
+    dpo = {**base, "training_mode": "DPO", "data_source": {"type": "webdataset", "urls": pattern}}
+    assert any("'chosen'" in p for p in preflight(parse_config(dpo)))  # SFT rows are no preference pairs
+    gone = {**sft, "data_source": {"type": "webdataset", "urls": str(tmp_path / "nope-{0..3}.tar")}}
+    (problem,) = preflight(parse_config(gone))
+    assert problem.startswith("data_source.urls: shard ") and "nope-0.tar does not exist" in problem
