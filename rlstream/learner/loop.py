@@ -111,6 +111,9 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     model.to(device).train()
     if mixed:
         autocast_forward(model, torch.bfloat16)
+    if lcfg.compile:
+        # in place: the module (and its parameter names) stay as they are, only forward is compiled
+        model.compile(mode=lcfg.compile_mode, dynamic=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
@@ -254,7 +257,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     lcfg = cfg.learner
     loss_fn = losses.policy_loss_fn(params)
     rows, rewards = group_rows(cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     module = learner.engine.module
     ppo = learner.value_head is not None
@@ -353,7 +356,7 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
         # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
         tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
     else:
-        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -387,7 +390,7 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
     chunks = []
     for chunk in micro_batches(pairs, lcfg.micro_batch_size):
         rows = [Row(p.prompt_ids, p.chosen_ids) for p in chunk] + [Row(p.prompt_ids, p.rejected_ids) for p in chunk]
-        tb = collate(rows, learner.pad_id, lcfg.max_seq_len).to(learner.device)
+        tb = collate(rows, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device)
         total_tokens += float(tb.mask.sum())
         chunks.append((len(chunk), tb))
 
@@ -571,10 +574,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     from rlstream.broker.io import Consumer
     from rlstream.broker.layout import LEARNER_STEP
     from rlstream.learner.buffer import GroupBuffer, fill, hold
-    from rlstream.learner.offline import epoch_summary, load_dpo, load_sft, next_offline_batch
+    from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
     from rlstream.learner.publish import publish_weights
 
-    offline = cfg.data_source.type == "off_policy"
+    offline = cfg.learner_reads_dataset
     if not offline and nats_url is None:
         raise LearnerError(f"training_mode {cfg.training_mode} streams scored groups: it needs a NATS URL")
     run_dir = Path(run_dir or default_run_dir(cfg.run))
@@ -600,7 +603,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     elif metrics_path.exists():
         metrics_path.unlink()
     examples: list = []
-    if offline:
+    shards: ShardBatches | None = None
+    if offline and cfg.data_source.type == "webdataset":
+        shards = await asyncio.to_thread(ShardBatches, cfg, learner.tokenizer, state.data_cursor)
+    elif offline:
         examples = await asyncio.to_thread(load_sft if cfg.training_mode == "SFT" else load_dpo, cfg.data_source, learner.tokenizer)
     config_json = learner.model.config.to_json_string()
     last_checkpoint_step = state.step if latest is not None else -1
@@ -642,7 +648,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         # 1. a batch
                         t_wait = time.perf_counter()
                         if offline:
-                            batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
+                            if shards is not None:
+                                batch = await asyncio.to_thread(shards.next_batch, state, cfg.learner.batch_groups)
+                            else:
+                                batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
                             if batch is None:
                                 break
                             taken = StreamBatch([])
@@ -725,8 +734,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,
     }
     if offline:
-        summary["dataset_size"] = len(examples)
-        summary["epochs"] = epoch_summary(state, len(examples))
+        size = len(examples) if shards is None else None  # shards: not known without reading them all
+        summary["dataset_size"] = size
+        summary["epochs"] = epoch_summary(state, size)
     if final_checkpoint_failed:
         # what was trained since the last durable checkpoint is unacked: it is redelivered to
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
