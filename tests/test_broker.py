@@ -16,13 +16,6 @@ from rlstream.config import NatsConfig
 from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, Sample
 
 
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="test")
-    yield nc.jetstream()
-    await nc.close()
-
-
 def prompt(i: int) -> Prompt:
     return Prompt(id=f"p{i}", text=f"prompt {i}", columns={"answer": str(i)}, index=i)
 

@@ -6,8 +6,7 @@ import signal
 import subprocess
 
 import pytest
-
-from e2e_helpers import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
+from helpers.runs import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
 
 
 @pytest.mark.e2e

@@ -9,8 +9,8 @@ import time
 import urllib.request
 
 import pytest
+from helpers.runs import run_cmd, wait_for_step, write_data
 
-from e2e_helpers import run_cmd, wait_for_step, write_data
 from rlstream.broker import EmbeddedServer, Layout, RunState, connect
 
 WANT = {

@@ -5,9 +5,8 @@ import json
 import subprocess
 
 import pytest
+from helpers.runs import read_jsonl, run_cmd, write_data
 from transformers import AutoModelForCausalLM
-
-from e2e_helpers import read_jsonl, run_cmd, write_data
 
 MODES = [
     ("sft.yaml", "SFT", "sft", []),

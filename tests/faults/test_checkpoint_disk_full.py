@@ -22,12 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.groups import publish_groups, sample_groups
 
 from rlstream.broker import Layout, connect
 from rlstream.schemas import MetricEvent
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
-from test_loop_groups import publish_groups, sample_groups  # noqa: E402
 
 resource = pytest.importorskip("resource")
 if not hasattr(resource, "prlimit") or not hasattr(resource, "RLIMIT_FSIZE"):

@@ -17,16 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.broker import read_rollouts, wait_until
 
 from rlstream.broker import connect, ensure_layout
 from rlstream.config import NatsConfig, parse_config
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import EXIT_GENERATION_TIMEOUT
 from rlstream.schemas import MetricEvent
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "producers"))
-from producer_helpers import read_rollouts, wait_until  # noqa: E402
-
 
 
 def write_config(tmp_path: Path, run: str, model_dir: Path, n_prompts: int, hang_file: Path) -> tuple[object, Path]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.groups import make_cfg, sample_groups
 
 from rlstream.learner.loop import build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
 
 
 @pytest.fixture(scope="module")

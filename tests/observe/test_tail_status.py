@@ -6,18 +6,10 @@ import asyncio
 import json
 import time
 
-import pytest
-
 from observe_helpers import make_cfg, rollout, run_cli, scored, start_cli, wait_stderr_line
-from rlstream.broker import Component, Publisher, RunState, connect, dead_letter, ensure_layout
+
+from rlstream.broker import Component, Publisher, RunState, dead_letter, ensure_layout
 from rlstream.broker.layout import heartbeat_key
-
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="test-observe")
-    yield nc.jetstream()
-    await nc.close()
 
 
 async def test_tail_json_from_seq_bad_payload_and_where(js, nats_server, run_id):

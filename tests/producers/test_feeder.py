@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.broker import layout_for
 
 from rlstream.broker import Consumer, Layout
 from rlstream.data import DatasetError
 from rlstream.producers.feeder import build_prompts, feed
 from rlstream.schemas import Prompt
-
-from producer_helpers import layout_for
 
 
 async def drain(js, lay, expect: int) -> list[Prompt]:

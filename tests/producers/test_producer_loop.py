@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from helpers.broker import layout_for, read_rollouts, wait_until
 from transformers import AutoModelForCausalLM
 
-from producer_helpers import layout_for, read_rollouts, wait_until
 from rlstream.broker import Component, RunState, put_object
 from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.producers.backends import make_backend

@@ -1,5 +1,5 @@
-"""Helpers for the learner tests (no tests here): configs, scored groups sampled from the tiny
-model with HF generate and a rule reward, and publishing them to a real nats-server."""
+"""Learner-side helpers shared by the tests: configs, scored groups sampled from the tiny model
+with HF generate and a rule reward, publishing them to a real nats-server, reading the state KV."""
 
 from __future__ import annotations
 
@@ -112,3 +112,15 @@ def advantage_logprob_gap(model_dir: Path, groups: list[ScoredGroup]) -> float:
         return float((lp * tb.mask).sum() / tb.mask.sum())
 
     return mean_lp(good) - mean_lp(bad)
+
+async def kv_int(url, cfg, key: str) -> int:
+    """An integer value of the run's state bucket (``policy.version``, ``learner.step``...)."""
+    from rlstream.broker import connect
+    from rlstream.broker.layout import Layout
+
+    nc = await connect(cfg.nats, url)
+    try:
+        kv = await nc.jetstream().key_value(Layout(cfg.run).state_bucket)
+        return int((await kv.get(key)).value)
+    finally:
+        await nc.close()
