@@ -76,7 +76,11 @@ async def test_components_serve_metrics_and_publish_the_same_figures(nats_server
             assert _sample(ltext, "rlstream_policy_kl", component="learner", id="learner", **run) == 0.01
             assert _sample(ltext, "rlstream_time_wait_data_s", component="learner", id="learner", **run) == 1.5
             assert _sample(ltext, "rlstream_producer_tokens_per_s") is None  # figures stay with their component
-            await asyncio.sleep(0.5)
+
+            async def published():  # the periodic event after the DLQ count was read
+                return any(e.component == "producer" and e.values.get("dlq/count") == 1.0 for e in events)
+
+            await _until(published)
     finally:
         await sub.unsubscribe()
         await nc.close()
