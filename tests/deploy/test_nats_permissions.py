@@ -54,6 +54,13 @@ class Denials:
     def denied(self, subject_part: str) -> bool:
         return any("permissions violation" in e.lower() and subject_part.lower() in e.lower() for e in self.errors)
 
+    async def wait_denied(self, *subject_parts: str, timeout: float = 10.0) -> None:
+        """Until the server has reported a violation for each subject (the reports are async)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not all(self.denied(part) for part in subject_parts):
+            assert asyncio.get_running_loop().time() < deadline, f"no violation reported for {subject_parts}: {self.errors}"
+            await asyncio.sleep(0.05)
+
 
 async def _client(server, passwords, role):
     denials = Denials()
@@ -92,11 +99,8 @@ async def test_only_the_learner_writes_weights_and_the_policy_version(secured, r
             await put_object(pjs, lay.weights_bucket, "policy-v000099.safetensors", b"evil")
         with pytest.raises(nats.errors.TimeoutError):
             await pjs.publish(lay.prompts, b"prompt")
-        await asyncio.sleep(0.2)
-        assert denied.denied(f"$KV.{lay.state_bucket}.policy.version")
-        assert denied.denied(f"$KV.{lay.state_bucket}.weights.latest")
-        assert denied.denied(f"$O.{lay.weights_bucket}.")
-        assert denied.denied(lay.prompts)
+        await denied.wait_denied(f"$KV.{lay.state_bucket}.policy.version", f"$KV.{lay.state_bucket}.weights.latest",
+                                 f"$O.{lay.weights_bucket}.", lay.prompts)
 
         # Nothing the producer tried reached the state: the learner still reads version 1.
         assert await lstate.policy_version() == 1
@@ -126,8 +130,7 @@ async def test_each_role_publishes_only_its_own_records(secured, run_id, role, a
             await js.publish(getattr(lay, denied), b"x")
         # metrics and dead letters are open to every component
         await js.publish(lay.dlq(role), b"bad record")
-        await asyncio.sleep(0.2)
-        assert denials.denied(getattr(lay, denied))
+        await denials.wait_denied(getattr(lay, denied))
         info = await js.stream_info(getattr(lay, f"{denied}_stream"))
         assert info.state.messages == 0
     finally:
@@ -144,8 +147,7 @@ async def test_components_cannot_delete_streams_but_the_operator_can(secured, ru
             await sjs.delete_stream(lay.scored_stream)
         with pytest.raises(nats.errors.TimeoutError):
             await sjs.purge_stream(lay.rollouts_stream)
-        await asyncio.sleep(0.2)
-        assert denials.denied(f"$JS.API.STREAM.DELETE.{lay.scored_stream}")
+        await denials.wait_denied(f"$JS.API.STREAM.DELETE.{lay.scored_stream}")
         assert await ojs.stream_info(lay.scored_stream)
         assert await ojs.delete_stream(lay.scored_stream)
     finally:
