@@ -79,8 +79,10 @@ def test_run_each_mode(config, mode, dataset, extra, data, tiny_model_dir, reque
     else:
         trained = [g for r in rows for g in r["group_ids"]]
         groups = recorded_groups(run_dir, resolved["run"], set(trained))
-        assert any(len(set(g.rewards.tolist())) > 1 for g in groups), "no group with a reward signal"
-        before, after = advantage_logprob_gap(model_dir, groups), advantage_logprob_gap(ckpt, groups)
+        baseline = "batch" if mode == "RL_PPO" else "group"  # PPO's advantage: reward less a value (zero at first)
+        rewards = [r for g in groups for r in g.rewards.tolist()] if baseline == "batch" else None
+        assert (len(set(rewards)) > 1) if rewards else any(len(set(g.rewards.tolist())) > 1 for g in groups), "no reward signal"
+        before, after = advantage_logprob_gap(model_dir, groups, baseline), advantage_logprob_gap(ckpt, groups, baseline)
         assert after > before, (before, after)
 
 
