@@ -53,6 +53,140 @@ class DPOParams(Strict):
     """Build pairs from scored groups (best vs worst sample) instead of an offline dataset."""
 
 
+# ---- off-policy corrections (algorithm_params.off_policy_correction) -------------------------
+# Each weighs token t of a sample by a function of rho_t = pi_prox(y_t) / pi_behaviour(y_t), the
+# learner's policy before the step over the sampler's; see rlstream.learner.losses.
+
+
+class NoCorrection(Strict):
+    """The behaviour log-probs are the PPO ratio's anchor; no weight (verl's "bypass" mode)."""
+
+    type: Literal["none"] = "none"
+
+
+class TokenTIS(Strict):
+    """Token-level truncated IS: ``w_t = min(rho_t, cap)`` (Yao et al. 2025)."""
+
+    type: Literal["tis"] = "tis"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+class SequenceTIS(Strict):
+    """Sequence-level truncated IS: ``w = min(prod_t rho_t, cap)`` on every token of the sample."""
+
+    type: Literal["seq_tis"] = "seq_tis"
+    cap: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class _Band(Strict):
+    low: float = Field(0.5, ge=0.0, le=1.0)
+    """Lowest weight kept (<= 1, so an on-policy token is always kept)."""
+    high: float = Field(2.0, ge=1.0, le=1e4)
+    """Highest weight kept (>= 1)."""
+
+
+class TokenMIS(_Band):
+    """Token-level masked IS: ``w_t = rho_t`` inside ``[low, high]``, else 0 (Liu, Li et al. 2025)."""
+
+    type: Literal["token_mis"] = "token_mis"
+
+
+class SequenceMIS(_Band):
+    """Sequence-level masked IS: ``w = prod_t rho_t`` inside ``[low, high]``, else the whole sample is 0."""
+
+    type: Literal["seq_mis"] = "seq_mis"
+    high: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class IcePop(Strict):
+    """IcePop (Ling Team 2025, Ring-1T): ``w_t = rho_t`` inside the band ``[alpha, beta]``, else 0."""
+
+    type: Literal["icepop"] = "icepop"
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    beta: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class GeometricMask(Strict):
+    """Geometric-mean sequence masking: the sample is kept (``w = 1``) only while
+    ``exp(mean_t log rho_t)`` lies in ``[low, high]`` (verl's geometric rejection sampling)."""
+
+    type: Literal["geo_mask"] = "geo_mask"
+    low: float = Field(0.999, ge=0.0, le=1.0)
+    high: float = Field(1.001, ge=1.0, le=1e4)
+
+
+class TokenMask(Strict):
+    """Token rejection: ``w_t = 1`` inside ``[1/cap, cap]``, else 0 (no re-weighting)."""
+
+    type: Literal["mask"] = "mask"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+class DecoupledPPO(Strict):
+    """Decoupled PPO (Hilton et al. 2022): the ratio is clipped against the proximal policy and
+    the behaviour weight ``min(rho_t, cap)`` applied on top."""
+
+    type: Literal["decoupled"] = "decoupled"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+OffPolicyCorrection = Annotated[
+    Union[NoCorrection, TokenTIS, SequenceTIS, TokenMIS, SequenceMIS, IcePop, GeometricMask, TokenMask, DecoupledPPO],
+    Field(discriminator="type"),
+]
+CORRECTIONS = ("none", "tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask", "mask", "decoupled")
+
+
+# ---- policy-loss variants (algorithm_params.policy_loss) -------------------------------------
+
+
+class ClipLoss(Strict):
+    """PPO's clipped surrogate with the mode's clip range (the default)."""
+
+    type: Literal["clip"] = "clip"
+
+
+class DrGRPOLoss(Strict):
+    """Dr. GRPO (Liu et al. 2025): the clipped surrogate, advantages without std normalisation
+    (``advantage_type: group_relative_no_std``) and a constant length normaliser
+    (``loss_aggregation: seq-mean-token-sum-norm``); both are set by this choice."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+
+
+class CISPOLoss(Strict):
+    """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi``."""
+
+    type: Literal["cispo"] = "cispo"
+    clip_low: float = Field(1.0, ge=0.0, le=1.0)
+    """1.0: no lower bound on the IS weight (the paper's choice)."""
+    clip_high: float = Field(0.2, gt=0.0, le=100.0)
+
+
+class GSPOTokenLoss(Strict):
+    """GSPO-token (Zheng et al. 2025): the sequence's length-normalised ratio on every token,
+    clipped with the mode's clip range (set it small: GSPO uses 3e-4 / 4e-4)."""
+
+    type: Literal["gspo_token"] = "gspo_token"
+
+
+class SAPOLoss(Strict):
+    """SAPO (Gao et al. 2025): soft gate ``-(4 / tau) * sigmoid(tau * (r - 1)) * A``, ``tau`` by the sign of ``A``."""
+
+    type: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(1.0, gt=0.0, le=100.0)
+    tau_neg: float = Field(1.05, gt=0.0, le=100.0)
+
+
+PolicyLoss = Annotated[Union[ClipLoss, DrGRPOLoss, CISPOLoss, GSPOTokenLoss, SAPOLoss], Field(discriminator="type")]
+POLICY_LOSSES = ("clip", "dr_grpo", "cispo", "gspo_token", "sapo")
+
+
+def _tagged(value: Any) -> Any:
+    """A bare name (``off_policy_correction: tis``) means that choice with its defaults."""
+    return {"type": value} if isinstance(value, str) else value
+
+
 class RLParams(Strict):
     """Knobs every RL mode shares: group sampling, off-policy correction, KL to reference."""
 
@@ -62,16 +196,46 @@ class RLParams(Strict):
     """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """Most policy versions a sample may lag the learner; older samples are dropped. 0 = synchronous."""
-    off_policy_correction: Literal["tis", "mask", "decoupled", "none"] = "tis"
-    """tis: truncated importance weight behaviour->current; mask: drop tokens whose weight
-    leaves [1/cap, cap]; decoupled: PPO ratio against the proximal (current) policy times a
-    truncated behaviour weight; none: the behaviour log-probs are the old policy."""
-    is_cap: float = Field(2.0, ge=1.0)
-    """Cap of the truncated importance weight."""
+    off_policy_correction: OffPolicyCorrection = Field(default_factory=TokenTIS)
+    """How samples from an older or numerically different sampler are corrected: a name
+    (``tis``) or a mapping (``{type: token_mis, low: 0.5, high: 2}``); see the README."""
+    policy_loss: PolicyLoss = Field(default_factory=ClipLoss)
+    """The per-token objective: ``clip``, ``dr_grpo``, ``cispo``, ``gspo_token`` or ``sapo``."""
     loss_aggregation: LossAggregation = "token-mean"
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo", "gae"] = "group_relative"
     epochs_per_batch: int = Field(1, ge=1, le=16)
     """Optimizer passes over each batch (PPO epochs)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_choices(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in ("off_policy_correction", "policy_loss"):
+            if key in data:
+                data[key] = _tagged(data[key])
+        # ``is_cap`` (older configs): the cap of a capped correction, ignored by the others
+        if "is_cap" in data:
+            cap = data.pop("is_cap")
+            correction = dict(data.get("off_policy_correction") or {"type": "tis"})
+            if correction.get("type") in ("tis", "seq_tis", "mask", "decoupled"):
+                correction.setdefault("cap", cap)
+            data["off_policy_correction"] = correction
+        return data
+
+    @model_validator(mode="after")
+    def _dr_grpo(self):
+        if self.policy_loss.type != "dr_grpo":
+            return self
+        if getattr(self, "type", None) == "RL_PPO":
+            raise ValueError("policy_loss 'dr_grpo' is a group-relative variant; RL_PPO uses GAE advantages")
+        fields = self.model_fields_set
+        for key, want in (("advantage_type", "group_relative_no_std"), ("loss_aggregation", "seq-mean-token-sum-norm")):
+            if key in fields and getattr(self, key) != want:
+                raise ValueError(f"policy_loss 'dr_grpo' needs {key} {want!r}, got {getattr(self, key)!r}; remove {key} or set it to {want!r}")
+            object.__setattr__(self, key, want)
+        return self
 
 
 class PPOParams(RLParams):
@@ -123,6 +287,13 @@ class GSPOParams(RLParams):
     clip_low: float = Field(3e-4, gt=0, lt=1)
     clip_high: float = Field(4e-4, gt=0)
     loss_aggregation: LossAggregation = "seq-mean-token-mean"
+    policy_loss: PolicyLoss = Field(default_factory=GSPOTokenLoss)
+
+    @model_validator(mode="after")
+    def _gspo_token(self):
+        if self.policy_loss.type != "gspo_token":
+            raise ValueError(f"RL_GSPO is the gspo_token loss; policy_loss {self.policy_loss.type!r} goes with RL_GRPO or RL_DAPO")
+        return self
 
 
 AlgorithmParams = Annotated[
@@ -138,10 +309,18 @@ class DataSource(Strict):
     type: Literal["on_policy", "off_policy"] = "on_policy"
     """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
     path: str | None = None
-    """jsonl, parquet, or a Hugging Face ``datasets`` directory saved with save_to_disk."""
+    """A jsonl, json or parquet file, a Hugging Face ``datasets`` directory saved with
+    ``save_to_disk``, or a Hub dataset id (``org/name``), loaded with ``datasets.load_dataset``
+    (from the local Hub cache when ``HF_HUB_OFFLINE=1``). A relative file path is relative to
+    the config file's folder."""
+    name: str | None = None
+    """Hub datasets: the configuration (subset) name, as ``load_dataset(path, name)``."""
     split: str = "train"
     prompt_column: str = "prompt"
+    """Plain-text prompts (on_policy), or the prompt of an SFT/DPO example."""
     messages_column: str = "messages"
+    """Chat turns ``[{role, content}, ...]``, used when a row has no ``prompt_column``: on_policy
+    prompts are rendered with the model's chat template; SFT trains on the assistant turns."""
     completion_column: str = "completion"
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
@@ -219,6 +398,9 @@ class NatsConfig(Strict):
     max_payload_mb: int = Field(8, ge=1, le=64)
     retention_days: float = Field(7.0, gt=0)
     """How long rollouts and scored groups are kept for replay."""
+    layout_wait_s: float = Field(300.0, gt=0, le=86400)
+    """On a server with per-role permissions, how long a component waits at start for the
+    learner (or the operator) to lay out the run's streams, KV bucket and object store."""
 
 
 class ProducerConfig(Strict):
@@ -255,6 +437,13 @@ class ProducerConfig(Strict):
     reloaded when no batch is generating."""
     in_progress_s: float | None = Field(None, gt=0)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
+    max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
+    """The largest weights a producer fetches (announced size and stored size); a larger
+    announcement is refused, the producer keeps its weights and raises
+    ``alert/weight_fetch_failures``."""
+    weights_fetch_tries: int = Field(3, ge=1, le=20)
+    """Attempts at fetching announced weights (with backoff) before the producer keeps the
+    weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
     generation_timeout_s: float = Field(600.0, gt=0)
     """A batch whose generation takes longer is treated as a hung backend: its prompts are
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
@@ -300,9 +489,12 @@ class LearnerConfig(Strict):
     deepspeed: dict[str, Any] | str | None = None
     """A DeepSpeed JSON, inline or as a path; batch, accumulation, clipping and precision must agree."""
     lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (TRL: ``learning_rate``)."""
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to ``lr`` before the schedule starts."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: constant ``lr``, or cosine / linear decay to 0 at ``max_steps``."""
     betas: tuple[float, float] = (0.9, 0.999)
     batch_groups: int = Field(8, ge=1)
     """Groups per optimizer step (RL) / examples per step (SFT, DPO)."""
@@ -310,6 +502,8 @@ class LearnerConfig(Strict):
     """Sequences per forward pass."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """bfloat16: mixed precision (float32 master weights and optimizer state, bfloat16 compute:
+    the torch engine autocasts the forward, DeepSpeed's bf16 keeps float32 masters)."""
     device: str = "cpu"
     max_steps: int = Field(100, ge=1)
     publish_every: int = Field(1, ge=1)
@@ -321,6 +515,7 @@ class LearnerConfig(Strict):
     max_seq_len: int = Field(1024, ge=8)
     seed: int = 0
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
 
     @model_validator(mode="after")
     def _shared(self):
@@ -362,8 +557,24 @@ class LearnerConfig(Strict):
 
 class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
+    """Base port for /metrics. Each component serves on a stable port derived from it: learner
+    +0, feeder +1, scorer-N +10+N, producer-N +100+N (the next free one if taken). None: off
+    (the default). 0: any free port."""
     interval_s: float = Field(2.0, gt=0)
+
+
+class ProgressConfig(Strict):
+    """When ``rlstream run`` decides that a run cannot progress, says why and stops (exit 3)."""
+
+    window_groups: int = Field(32, ge=1)
+    """Groups per window: every time this many groups have reached a verdict (scored or
+    dead-lettered), the share dead-lettered in that window is checked."""
+    max_dlq_fraction: float = Field(0.8, gt=0, le=1)
+    """Stop when at least this share of a window's groups went to the dead-letter stream
+    (e.g. a reward function that raises on every group)."""
+    max_step_gap_s: float | None = Field(1800.0, gt=0)
+    """Stop when no learner step happened for this many seconds (from the start, or the last
+    step). None: never."""
 
 
 # ---- the whole config --------------------------------------------------------------------
@@ -387,6 +598,7 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    progress: ProgressConfig = Field(default_factory=ProgressConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -464,23 +676,87 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+TRL_NAMES: dict[str, str] = {
+    "num_generations": "algorithm_params.group_size",
+    "learning_rate": "learner.lr",
+    "beta": "algorithm_params.kl_coefficient",
+    "max_completion_length": "producer.max_new_tokens",
+    "max_prompt_length": "learner.max_seq_len",
+    "max_length": "learner.max_seq_len",
+    "per_device_train_batch_size": "learner.micro_batch_size",
+    "num_train_epochs": "data_source.epochs",
+    "num_iterations": "algorithm_params.epochs_per_batch",
+    "epsilon": "algorithm_params.clip_range (GRPO) or clip_low (DAPO/GSPO)",
+    "epsilon_high": "algorithm_params.clip_high",
+    "lr_scheduler_type": "learner.lr_schedule",
+    "model_name_or_path": "model_checkpoint_path",
+    "dataset_name": "data_source.path",
+    "dataset_config": "data_source.name",
+    "dataset_train_split": "data_source.split",
+    "save_steps": "checkpoint.interval",
+    "save_total_limit": "checkpoint.keep_last",
+    "output_dir": "the --run-dir option of rlstream run",
+    "use_vllm": "producer.backend: vllm",
+    "bf16": "learner.dtype: bfloat16",
+    "reward_funcs": "reward_function.terms (function: module:name)",
+    "reward_weights": "reward_function.terms[].weight",
+    "vllm_gpu_memory_utilization": "producer.vllm.gpu_memory_utilization",
+}
+"""Names TRL users type, and where the same knob lives here (for "did you mean")."""
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        out.append(prefix + name)
+        for sub in (info.annotation, *getattr(info.annotation, "__args__", ())):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += _field_paths(sub, prefix + name + ".")
+    return out
+
+
+def did_you_mean(loc: list[str]) -> str | None:
+    """A hint for an unknown key: TRL's name for one of ours, or a close spelling."""
+    import difflib
+
+    key = loc[-1] if loc else ""
+    if key in TRL_NAMES:
+        return f"did you mean {TRL_NAMES[key]}? ({key} is TRL's name)"
+    section = ".".join(loc[:-1])
+    known = [p for p in _field_paths(Config) if p.rsplit(".", 1)[0] == section or (not section and "." not in p)]
+    if loc[:1] == ["algorithm_params"]:
+        known = [f"algorithm_params.{n}" for m in (SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams)
+                 for n in m.model_fields if n != "type"]
+    full = ".".join(loc)
+    close = difflib.get_close_matches(full, list(dict.fromkeys(known)), n=1, cutoff=0.75)
+    if not close:
+        close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in _field_paths(Config)], n=1, cutoff=0.8)
+        close = [p for p in _field_paths(Config) if p.endswith("." + close[0]) or p == close[0]][:1] if close else []
+    return f"did you mean {close[0]}?" if close else None
+
+
 def _describe(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
     if len(loc) >= 2 and loc[0] == "algorithm_params" and loc[1] in ("SFT", "DPO") + RL_MODES:
         loc = [loc[0]] + loc[2:]
+    # and the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
+    if len(loc) >= 3 and loc[1] in ("off_policy_correction", "policy_loss") and loc[2] in CORRECTIONS + POLICY_LOSSES:
+        loc = loc[:2] + loc[3:]
     field = ".".join(loc) or "<config>"
     value = err.get("input")
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
-        return f"{field}: unknown key (value {value!r}); check the spelling or remove it"
+        hint = did_you_mean(loc)
+        return f"{field}: unknown key (value {value!r}); " + (hint or "check the spelling or remove it")
     if kind == "missing":
         return f"{field}: required, missing"
     if kind == "literal_error":
         return f"{field}: {value!r} is not allowed; allowed: {ctx.get('expected')}"
     if kind == "union_tag_invalid":
-        return f"training_mode: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
+        where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
+        return f"{where}: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return f"{field}: {value!r} must match {ctx.get('pattern')}"
     msg = err["msg"]
@@ -509,27 +785,60 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    data = apply_overrides(data, overrides or [])
-    cfg = parse_config(data)
-    return _resolve_relative_paths(cfg, path.parent)
+    data = apply_overrides(data, overrides or []) if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        data = resolve_relative_paths(data, path.parent)
+    return parse_config(data)
 
 
-def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
-    """Relative model/data paths in a config file are relative to that file."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[\w-]$")
+_DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow", ".txt")
+PATH_KEYS = (
+    ("model_checkpoint_path",),
+    ("tokenizer_path",),
+    ("data_source", "path"),
+    ("learner", "reference_model_path"),
+    ("learner", "deepspeed"),
+)
+"""Config values that name a file or directory (or, for models and datasets, a Hub id)."""
 
-    def fix(p: str | None) -> str | None:
-        if p is None or "://" in p or Path(p).is_absolute():
+
+def is_hub_id(value: str) -> bool:
+    """``org/name`` as the Hub spells a repository: two parts, no ``.``/``..`` segment, no
+    file suffix. Only consulted for a value that is no existing local path."""
+    return bool(_HUB_ID.match(value)) and ".." not in value and not value.lower().endswith(_DATA_SUFFIXES)
+
+
+def resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths in a config file are relative to that file's folder.
+
+    A value that exists relative to the config's folder becomes that absolute path; else one
+    that exists relative to the working directory becomes that; else a Hub id (``org/name``)
+    stays as written (``from_pretrained`` / ``load_dataset`` resolve it, from the local Hub
+    cache when offline); else it becomes the path relative to the config's folder, which the
+    preflight check reports as missing.
+    """
+    data = json.loads(json.dumps(data))
+
+    def fix(p: Any) -> Any:
+        if not isinstance(p, str) or not p or "://" in p or Path(p).is_absolute():
             return p
         candidate = (base / p).resolve()
-        return str(candidate) if candidate.exists() or not Path(p).exists() else str(Path(p).resolve())
+        if candidate.exists():
+            return str(candidate)
+        if Path(p).exists():
+            return str(Path(p).resolve())
+        if is_hub_id(p):
+            return p
+        return str(candidate)
 
-    cfg.model_checkpoint_path = fix(cfg.model_checkpoint_path)
-    cfg.tokenizer_path = fix(cfg.tokenizer_path)
-    cfg.data_source.path = fix(cfg.data_source.path)
-    cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
-    if isinstance(cfg.learner.deepspeed, str):
-        cfg.learner.deepspeed = fix(cfg.learner.deepspeed)
-    return cfg
+    for keys in PATH_KEYS:
+        node = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = fix(node[keys[-1]])
+    return data
 
 
 def dump_resolved(cfg: Config, path: str | Path) -> None:

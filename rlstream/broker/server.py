@@ -13,7 +13,6 @@ messages), and costs CPU when the live heap nears it, so none is set by default.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -184,7 +183,3 @@ def run_foreground(port: int | None, store: str | Path, host: str = "127.0.0.1")
     finally:
         server.stop()
     return 0 if stopping else (server.proc.returncode or 1)
-
-
-def env_url() -> str | None:
-    return os.environ.get("RLSTREAM_NATS_URL")

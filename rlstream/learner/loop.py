@@ -36,7 +36,6 @@ import contextlib
 import json
 import logging
 import math
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlstream.broker.component import signals_to
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
@@ -52,13 +52,12 @@ from rlstream.learner import losses
 from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlstream.learner.engines import build_engine, lr_at
+from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
+from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "learner_summary.json"
 
 
 class LearnerError(RuntimeError):
@@ -71,7 +70,7 @@ class Learner:
 
     cfg: Config
     run_dir: Path
-    engine: Any
+    engine: Engine
     tokenizer: Any
     ref_model: torch.nn.Module | None
     value_head: torch.nn.Module | None
@@ -101,12 +100,17 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     lcfg = cfg.learner
     torch.manual_seed(lcfg.seed)
     np.random.seed(lcfg.seed)
-    dtype = torch.bfloat16 if lcfg.dtype == "bfloat16" and lcfg.engine == "torch" else torch.float32
+    # bfloat16 is mixed precision in both engines: float32 master weights (DeepSpeed's bf16
+    # keeps its own; the torch engine autocasts the forward), never pure bfloat16 training.
+    mixed = lcfg.dtype == "bfloat16" and lcfg.engine == "torch"
+    dtype = torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype)
     if lcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     device = torch.device(lcfg.device)
     model.to(device).train()
+    if mixed:
+        autocast_forward(model, torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
@@ -114,6 +118,8 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     if cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
+        if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
+            autocast_forward(ref_model, torch.bfloat16)
     value_head = value_opt = None
     if cfg.training_mode == "RL_PPO":
         value_head = torch.nn.Linear(model.config.hidden_size, 1).to(device)
@@ -121,7 +127,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
         torch.nn.init.zeros_(value_head.bias)
         value_opt = torch.optim.AdamW(value_head.parameters(), lr=params.value_lr or lcfg.lr, betas=tuple(lcfg.betas))
     engine = build_engine(model, lcfg, accumulation_steps(cfg))
-    learner = Learner(cfg, Path(run_dir or Path("runs") / cfg.run), engine, tokenizer, ref_model, value_head, value_opt,
+    learner = Learner(cfg, Path(run_dir or default_run_dir(cfg.run)), engine, tokenizer, ref_model, value_head, value_opt,
                       device=device, pad_id=pad_id)
     return learner
 
@@ -292,6 +298,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     values=learner.value_head(out.hidden.detach().float()).squeeze(-1) if ppo else None,
                     old_values=old_values[i], returns=returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
+                    lag=learner.state.policy_version - tb.policy_versions,
                 )
                 loss, metrics = loss_fn(batch, params)
                 if record and epoch == params.epochs_per_batch - 1:
@@ -303,7 +310,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
         grad_norms.append(grad_norm)
         if not stepped:
             break
-    out = _merged(learner, acc, weights)
+    out = losses.finish_offpolicy_metrics(_merged(learner, acc, weights), drop_parts=True)
     out.pop("policy/tokens", None)
     versions = torch.tensor([g.rollout.policy_version for g in groups])
     out.update(adv.staleness_stats(versions, learner.state.policy_version))
@@ -437,8 +444,10 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             continue
         state.groups_consumed += 1
         stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
-        filtered = (getattr(params, "dynamic_sampling", False)
-                    and not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]))
+        filtered = False
+        if getattr(params, "dynamic_sampling", False) and not stale:
+            filtered = not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0])
+            state.keep_rate = adv.update_keep_rate(state.keep_rate, not filtered, KEEP_RATE_BATCHES * cfg.learner.batch_groups)
         if stale or filtered:
             if stale:
                 state.dropped_stale += 1
@@ -456,8 +465,13 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
     return out
 
 
-def _admit(cfg: Config, consumed: int) -> int:
-    return consumed + min(cfg.buffer.max_groups, cfg.learner.batch_groups * (cfg.max_staleness + 1))
+KEEP_RATE_BATCHES = 4
+"""Dynamic sampling's keep rate is averaged over about this many batches of groups."""
+
+
+def _admit(cfg: Config, state: LearnerState) -> int:
+    """``pacing.admit``: groups consumed + the window, widened by dynamic sampling's expected drops."""
+    return state.groups_consumed + adv.admission_window(cfg.learner.batch_groups, cfg.max_staleness, cfg.buffer.max_groups, state.keep_rate)
 
 
 # ---- run directory ------------------------------------------------------------------------------
@@ -488,21 +502,6 @@ async def _maybe_component(cfg: Config, nats_url: str | None, component_id: str)
         yield comp
 
 
-@contextlib.contextmanager
-def _signals_to(stop: asyncio.Event, enabled: bool):
-    """Offline runs without NATS still stop cleanly on SIGTERM/SIGINT (a final checkpoint)."""
-    loop = asyncio.get_running_loop()
-    if enabled:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-
 async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
     """Write a checkpoint (off the event loop), then ack what it holds.
 
@@ -516,7 +515,7 @@ async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
         state.pending_ack = buf.pending_ack()
     def save() -> Path:
         if dist.is_active(learner.engine):
-            dist.send("checkpoint")
+            dist.send(dist.Op.CHECKPOINT)
         return save_checkpoint(learner, learner.run_dir)
 
     try:
@@ -553,21 +552,21 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     offline = cfg.data_source.type == "off_policy"
     if not offline and nats_url is None:
         raise LearnerError(f"training_mode {cfg.training_mode} streams scored groups: it needs a NATS URL")
-    run_dir = Path(run_dir or Path("runs") / cfg.run)
+    run_dir = Path(run_dir or default_run_dir(cfg.run))
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / METRICS_FILE
+    metrics_path = RunDir(run_dir).metrics
     limit = max_steps or cfg.learner.max_steps
 
     learner = await asyncio.to_thread(build_learner, cfg, run_dir)
     ranks = dist.is_active(learner.engine)
     if ranks and learner.engine.rank != 0:
         # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
-        with _signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
+        with signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
             return await asyncio.to_thread(dist.follow, learner, run_dir)
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
     if ranks:
-        await asyncio.to_thread(dist.send, "resume", path=str(latest) if latest is not None else None)
+        await asyncio.to_thread(dist.send, dist.Op.RESUME, path=str(latest) if latest is not None else None)
     if latest is not None:
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
@@ -584,12 +583,12 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
     def _train(batch: list) -> dict[str, float]:
         if ranks:
-            dist.send("step", batch)
+            dist.send(dist.Op.STEP, batch)
         return train_step(learner, batch)
 
     def _full_state_dict() -> dict[str, torch.Tensor]:
         if ranks:
-            dist.send("publish")
+            dist.send(dist.Op.PUBLISH)
         return learner.engine.full_state_dict()
 
     final_checkpoint_failed = False
@@ -598,7 +597,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         stop = comp.stop if comp is not None else asyncio.Event()
         tasks_stop = asyncio.Event()
         buf, tasks = None, []
-        with _signals_to(stop, comp is None):
+        with signals_to(stop, comp is None):
             if not offline:
                 # token ids outside the model's vocabulary would crash the forward pass: such
                 # groups are rejected at decode and dead-lettered with the reason instead
@@ -608,7 +607,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 buf = GroupBuffer(cfg.buffer.max_groups, gap_timeout_s=cfg.nats.ack_wait_s * 1.5 + 1.0, next_seq=state.next_seq)
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
-                await comp.state.set_admit(_admit(cfg, state.groups_consumed))
+                await comp.state.set_admit(_admit(cfg, state))
             try:
                 if comp is not None:
                     await comp.state.put_int(LEARNER_STEP, state.step)
@@ -623,7 +622,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                                 break
                             taken = StreamBatch([])
                         else:
-                            taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state.groups_consumed)))
+                            taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state)))
                             if taken is None:
                                 break
                             batch = [d.record for d in taken.deliveries]
@@ -653,7 +652,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             m["time/publish_s"] = pub.seconds
                             m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
                             if not offline:
-                                await comp.state.set_admit(_admit(cfg, state.groups_consumed))
+                                await comp.state.set_admit(_admit(cfg, state))
 
                         # 4. log
                         m.update({
@@ -661,6 +660,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             "buffer/dropped_stale": float(state.dropped_stale),
                             "buffer/dropped_filtered": float(state.dropped_filtered),
                             "buffer/duplicates_skipped": float(state.duplicates_skipped),
+                            "buffer/keep_rate": float(state.keep_rate),
                         })
                         record = {"step": state.step, "policy_version": state.policy_version, **{k: _json_safe(v) for k, v in m.items()},
                                   "scored_seqs": [d.stream_seq for d in taken.deliveries], "group_ids": ids}
@@ -683,7 +683,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         final_checkpoint_failed = True
             finally:
                 if followers_running:
-                    await asyncio.to_thread(dist.send, "stop")
+                    await asyncio.to_thread(dist.send, dist.Op.STOP)
                     followers_running = False
                 # always stop the fill/hold tasks, also when a step raised: nats-py turns the
                 # cancellation of a pending fetch into a timeout, so only the event ends them
@@ -707,5 +707,5 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
         log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
         return 1
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(run_dir).learner_summary.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
 from typing import Any
@@ -26,14 +25,12 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
-import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from rlstream.broker.errors import BrokerError
-from rlstream.observe import ObserveError, fail, matches, nats_url, open_connection, parse_time, parse_where
+from rlstream.broker.component import signals_to
+from rlstream.observe import ObserveError, command, matches, nats_url, open_connection, parse_time, parse_where
 from rlstream.schemas import DeadLetter, MetricEvent, Prompt, RolloutGroup, ScoredGroup, decode_any
-from rlstream.schemas.codec import plain
 
 MAX_TEXT = 160
 
@@ -46,20 +43,9 @@ def decode_message(data: bytes) -> tuple[Any | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _unpack_arrays(value: Any) -> Any:
-    """Packed arrays (``{dtype, shape, data}``) to lists, recursively, for people and ``jq``."""
-    if isinstance(value, dict):
-        if set(value) == {"dtype", "shape", "data"} and isinstance(value["data"], (bytes, bytearray)):
-            return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"]).tolist()
-        return {k: _unpack_arrays(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unpack_arrays(v) for v in value]
-    return value
-
-
 def plain_record(record: Any) -> dict[str, Any]:
-    """The record as JSON-friendly data: ``to_plain()``, with arrays as lists of numbers."""
-    return plain(_unpack_arrays(record.to_wire_view()))
+    """The record as JSON-friendly data, arrays as lists of numbers (``to_plain()``)."""
+    return record.to_plain()
 
 
 def to_json_line(subject: str, seq: int | None, when: float, record: Any | None, error: str | None, size: int) -> dict[str, Any]:
@@ -200,49 +186,41 @@ async def run_tail(args) -> int:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.tokenizer)
     nc = await open_connection(nats_url(args), "rlstream-tail")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        js = nc.jetstream(timeout=10.0)
-        sub, stream = await _subscribe(nc, js, args.subject, args)
-        printer = None if args.json else TextPrinter(Console(file=sys.stdout, highlight=False, soft_wrap=True), tokenizer)
-        how = f"stream {stream} (ordered consumer)" if stream else "core NATS (live)"
-        print(f"tailing {args.subject} via {how}; Ctrl-C stops", file=sys.stderr, flush=True)
-        shown = 0
-        last = time.monotonic()
-        while not stop.is_set():
-            if args.count is not None and shown >= args.count:
-                break
-            if args.timeout is not None and time.monotonic() - last >= args.timeout:
-                break
-            try:
-                msg = await sub.next_msg(timeout=0.25)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
+        with signals_to(stop):
+            js = nc.jetstream(timeout=10.0)
+            sub, stream = await _subscribe(nc, js, args.subject, args)
+            printer = None if args.json else TextPrinter(Console(file=sys.stdout, highlight=False, soft_wrap=True), tokenizer)
+            how = f"stream {stream} (ordered consumer)" if stream else "core NATS (live)"
+            print(f"tailing {args.subject} via {how}; Ctrl-C stops", file=sys.stderr, flush=True)
+            shown = 0
             last = time.monotonic()
-            seq, when = _meta(msg, stream)
-            record, error = decode_message(msg.data)
-            obj = to_json_line(msg.subject, seq, when, record, error, len(msg.data))
-            if where and not matches(obj, where):
-                continue
-            shown += 1
-            if printer is None:
-                sys.stdout.write(json.dumps(obj, default=str) + "\n")
-                sys.stdout.flush()
-            else:
-                printer.show(msg.subject, seq, when, record, error, len(msg.data))
-                sys.stdout.flush()
-        await sub.unsubscribe()
+            while not stop.is_set():
+                if args.count is not None and shown >= args.count:
+                    break
+                if args.timeout is not None and time.monotonic() - last >= args.timeout:
+                    break
+                try:
+                    msg = await sub.next_msg(timeout=0.25)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                last = time.monotonic()
+                seq, when = _meta(msg, stream)
+                record, error = decode_message(msg.data)
+                obj = to_json_line(msg.subject, seq, when, record, error, len(msg.data))
+                if where and not matches(obj, where):
+                    continue
+                shown += 1
+                if printer is None:
+                    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+                    sys.stdout.flush()
+                else:
+                    printer.show(msg.subject, seq, when, record, error, len(msg.data))
+                    sys.stdout.flush()
+            await sub.unsubscribe()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await nc.close()
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(run_tail(args))
-    except (ObserveError, BrokerError) as exc:
-        return fail(str(exc))
+cli = command(run_tail)

@@ -23,13 +23,14 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+
+from rlstream.broker.component import signals_to
 
 log = logging.getLogger(__name__)
 
@@ -198,27 +199,22 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
     """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
     model = await asyncio.to_thread(RewardModel, model_dir)
     server = Server(model, token=token, max_batch=max_batch)
-    signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
-    if ready is not None:
-        ready.set()
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()  # finishes requests in flight
-        batcher.cancel()
-        await asyncio.gather(batcher, return_exceptions=True)
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    stop_event = stop or asyncio.Event()
+    with signals_to(stop_event, stop is None):
+        batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
+        runner = web.AppRunner(server.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
+        if ready is not None:
+            ready.set()
+        try:
+            await stop_event.wait()
+        finally:
+            await runner.cleanup()  # finishes requests in flight
+            batcher.cancel()
+            await asyncio.gather(batcher, return_exceptions=True)
 
 
 def cli(args) -> int:

@@ -1,0 +1,103 @@
+"""``rlstream run``: the whole pipeline on one machine.
+
+Starts the embedded nats-server (unless ``nats.url`` is set), creates the run's layout,
+then the feeder, scorers, producers and the learner as separate processes (counts from
+the config). Three parts:
+
+- :mod:`rlstream.run.supervisor` starts the processes and watches them: a process that
+  exits with an error, or whose heartbeat goes stale, is restarted (the learner with
+  ``--resume``). Ctrl-C stops everything cleanly (components drain, the learner writes a
+  checkpoint) and leaves a resumable run.
+- :mod:`rlstream.run.display` shows step, reward, KL, staleness, producer tokens/s,
+  buffer depth and DLQ count live.
+- A run directory that holds anything is refused unless ``--resume`` (continue it) or
+  ``--overwrite`` (empty it first) is given: a new run there would train the old run's
+  leftover groups and overwrite its metrics and checkpoints. The embedded broker's address
+  is recorded in ``RUN_DIR/broker.json``, so operator commands can take ``RUN_DIR``.
+- :mod:`rlstream.run.summary` writes ``summary.json`` and the reward curve at the end,
+  next to the learner's ``metrics.jsonl`` and checkpoints (file names in
+  :mod:`rlstream.rundir`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlstream.broker import EmbeddedServer, Layout
+from rlstream.config import ConfigError, dump_resolved, load_config
+from rlstream.run.summary import broker_accounting, read_metrics, reward_curve, summarize
+from rlstream.observe.rundir import write_broker_record
+from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
+from rlstream.rundir import RunDir, default_run_dir
+
+
+def main(args) -> int:
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or default_run_dir(cfg.run)).resolve()
+    rd = RunDir(run_dir)
+    resume, overwrite = bool(getattr(args, "resume", False)), bool(getattr(args, "overwrite", False))
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not resume:
+        if not overwrite:
+            print(f"error: run directory {run_dir} is not empty (a previous run?): pass --resume to continue it, "
+                  "--overwrite to delete its contents and start over, or another --run-dir", file=sys.stderr)
+            return EXIT_USAGE
+        for item in run_dir.iterdir():
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rd.logs.mkdir(exist_ok=True)
+    dump_resolved(cfg, rd.config)
+    file_log = logging.FileHandler(rd.log("run"))
+    file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(file_log)
+
+    server = None
+    nats_url = cfg.nats.url
+    if not nats_url:
+        server = EmbeddedServer(rd.nats_store, log_file=rd.log("nats-server"), max_payload_mb=cfg.nats.max_payload_mb,
+                                port=int(os.environ["RLSTREAM_BROKER_PORT"]) if os.environ.get("RLSTREAM_BROKER_PORT") else None)
+        server.start()
+        nats_url = server.url
+    write_broker_record(run_dir, nats_url, store=rd.nats_store if server is not None else None)
+    config_path = str(Path(args.config).resolve())
+    children = plan_children(cfg, config_path, args.set or [], nats_url, run_dir, args.max_steps)
+    live = sys.stdout.isatty() and not getattr(args, "no_live", False)
+    print(f"rlstream run {cfg.run}: {cfg.training_mode}, broker {nats_url}, run directory {run_dir}", flush=True)
+    t0 = time.monotonic()
+    outcome = Outcome(1, "not started")
+    accounting: dict[str, Any] = {}
+    try:
+        outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
+        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run)))
+    finally:
+        if server is not None:
+            server.stop()
+    ok = outcome.ok
+    summary = summarize(cfg, run_dir, time.monotonic() - t0, accounting, {c.name: c.restarts for c in children}, ok,
+                        streaming(cfg))
+    curve = reward_curve(read_metrics(run_dir), rd.reward_curve, f"{cfg.run} · {cfg.training_mode}")
+    first, last = summary["reward_first"], summary["reward_last"]
+    if ok:
+        verdict = "finished"
+    elif any(p.is_dir() and p.name.split("_", 1)[1].isdigit() and int(p.name.split("_", 1)[1]) > 0
+             for p in rd.checkpoints.glob("step_*")):  # a checkpoint of step 0 holds no training
+        verdict = f"stopped (resumable: rlstream run {args.config} --resume --run-dir {run_dir})"
+    else:
+        verdict = "stopped before its first checkpoint (nothing to resume; fix the cause and run again with --overwrite)"
+    print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s", flush=True)
+    if first is not None:
+        print(f"reward: first 10% of steps {first:.3f} -> last 10% {last:.3f}", flush=True)
+    print(f"summary: {rd.summary}", flush=True)
+    if curve:
+        print(f"curve:   {curve}", flush=True)
+    return outcome.code
