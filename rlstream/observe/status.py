@@ -42,6 +42,16 @@ def is_alive(heartbeat: dict[str, Any]) -> bool:
     return float(heartbeat.get("age_s", float("inf"))) < ALIVE_INTERVALS * interval
 
 
+def live_phases(heartbeats: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """``{stage: [time/ figures of each live instance]}`` from the run's heartbeats."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for key, hb in heartbeats.items():
+        times = {k: v for k, v in hb.items() if k.startswith("time/") and isinstance(v, (int, float))}
+        if times and is_alive(hb):
+            out.setdefault(key.partition(".")[0], []).append(times)
+    return out
+
+
 async def _stream(js, name: str, subjects_filter: str | None = None) -> dict[str, Any] | None:
     try:
         info = await js.stream_info(name, subjects_filter=subjects_filter)
@@ -105,7 +115,6 @@ async def gather(js, run: str) -> dict[str, Any]:
             "interval_s": float(hb.get("interval_s") or DEFAULT_INTERVAL_S), "pid": hb.get("pid"),
             "rates": {k: v for k, v in extra.items() if k.endswith("_per_s")},
             "info": {k: v for k, v in extra.items() if not k.endswith("_per_s") and not k.startswith("time/")},
-            "times": {k: v for k, v in extra.items() if k.startswith("time/")},
         })
 
     staleness: dict[str, Any] = {}
@@ -120,11 +129,7 @@ async def gather(js, run: str) -> dict[str, Any]:
                 if k in values:
                     staleness[k] = values[k]
 
-    live: dict[str, list] = {}
-    for c in components:
-        if c["alive"] and c["times"]:
-            live.setdefault(c["component"], []).append(c["times"])
-    stages = stage_summary(live)
+    stages = stage_summary(live_phases(heartbeats))
 
     dlq = streams["dlq"]
     prefix = f"rl.{run}.dlq."
