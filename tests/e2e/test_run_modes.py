@@ -64,3 +64,22 @@ def test_run_each_mode(config, mode, dataset, extra, data, tiny_model_dir, reque
     assert ckpt.is_symlink() and ckpt.resolve().name == f"step_{steps}"
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     assert model.config.hidden_size == 128
+
+
+@pytest.mark.e2e
+def test_run_distill_with_reference_and_teacher_stages(data, tiny_model_dir, warm_model, tmp_path):
+    """`rlstream run` starts the reference and teacher stages from the config; the fresh student
+    trains on the teacher's link with the recorded reference in its KL term."""
+    run_dir = tmp_path / "run"
+    steps = 3
+    cmd = run_cmd("distill.yaml", run_dir, tiny_model_dir, data["rl"], steps,
+                  [f"teacher.model_path={warm_model}", "reference.replicas=1", "algorithm_params.kl_coefficient=0.01"])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (run_dir / "logs" / "learner.log").read_text()[-3000:]
+    assert {p.name for p in (run_dir / "logs").iterdir()} >= {"reference-0.log", "teacher-0.log", "learner.log"}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all("distill/reverse_kl" in r and "loss/kl" in r for r in rows)
+    assert rows[0]["distill/reverse_kl"] > 0.01  # a fresh student is far from the warmed-up teacher
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True and summary["training_mode"] == "DISTILL" and summary["groups_trained_twice"] == 0
