@@ -55,6 +55,7 @@ import numpy as np
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
 from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.broker.telemetry import Phases
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -201,8 +202,11 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
 
     async def lane(fetching: asyncio.Lock) -> None:
         nonlocal pending, last_done
+        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
         while more_wanted():
+            phases.start()
             room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending)
+            phases.add("pacing", waited)
             stats.pacing_wait_s += waited
             reporter.set("producer/pacing_wait_s", waited)
             reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
@@ -213,10 +217,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                     room = min(room, max_groups - stats.groups - pending)
                 if room <= 0 or comp.stop.is_set():
                     break
-                deliveries = await consumer.fetch(room, timeout=1.0)
+                with phases.time("fetch"):
+                    deliveries = await consumer.fetch(room, timeout=1.0)
                 pending += len(deliveries)
             if not deliveries:
                 last_done = time.monotonic()
+                reporter.update(phases.finish())
                 continue
             if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
                 for d in deliveries:
@@ -227,24 +233,28 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                 continue
             in_hand[id(deliveries)] = deliveries
             try:
-                await produce(deliveries)
+                await produce(deliveries, phases)
             finally:
                 in_hand.pop(id(deliveries), None)
                 pending -= len(deliveries)
+            reporter.update(phases.finish())
 
-    async def produce(deliveries) -> None:
+    async def produce(deliveries, phases: Phases) -> None:
         nonlocal last_done
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
             # after the fetch (which may have waited) and before generating: the newest weights
-            await newest_weights()
-            async with gate.generation():
-                groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
+            with phases.time("weight_reload"):
+                await newest_weights()
+            with phases.time("generate"):
+                async with gate.generation():
+                    groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
             if groups is None:
                 stats.failed_batches += 1
                 if stats.failed_batches >= MAX_FAILED_BATCHES:
                     raise ProducerError(f"{MAX_FAILED_BATCHES} batches in a row failed to generate; see the log")
                 return
-            await publish_batch(comp, groups, deliveries)
+            with phases.time("publish"):
+                await publish_batch(comp, groups, deliveries)
         stats.failed_batches = 0
         now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
