@@ -135,8 +135,8 @@ class Fault:
         return f"t+{self.at:6.1f}s {what}"
 
 
-def draw_schedule(seed: int, duration: float) -> list[Fault]:
-    """Fault moments: gaps of 2-25 s (mean ~13 s: ~90 in 20 minutes), so holds overlap."""
+def draw_schedule(seed: int, duration: float, max_gap: float = 25.0) -> list[Fault]:
+    """Fault moments: gaps of 2-``max_gap`` s (25: ~90 in 20 minutes), so holds overlap."""
     rng = random.Random(seed)
     faults: list[Fault] = []
     t = rng.uniform(3, 10)
@@ -156,7 +156,7 @@ def draw_schedule(seed: int, duration: float) -> list[Fault]:
         else:
             f.burst = rng.randint(2, 6)
         faults.append(f)
-        t += rng.uniform(2, 25)
+        t += rng.uniform(2, max_gap)
     # the last hold ends inside the window too
     for f in faults:
         f.hold_s = min(f.hold_s, max(0.0, duration - f.at)) if f.hold_s else 0.0
@@ -179,6 +179,7 @@ class Chaos:
         self.garbage: set[bytes] = set()
         self.garbage_by_subject: dict[str, int] = {}
         self.broker_down: str | None = None
+        self.disk_full = False
         self.stopped: set[str] = set()
         self.run_proc: subprocess.Popen | None = None
 
@@ -267,7 +268,9 @@ class Chaos:
                 heals.append(asyncio.create_task(self.heal_broker(f, i), name=f"heal-{f.brief()}"))
         elif f.kind == "disk_full":
             p = self.component("learner")
-            if p is None:
+            if self.disk_full:
+                f.note, f.healed = "skipped: the disk is already full", f.started
+            elif p is None:
                 f.note, f.healed = "learner not running", f.started
             else:
                 sizes = [q.stat().st_size for q in [self.run_dir / "metrics.jsonl", *(self.run_dir / "logs").glob("learner*")]
@@ -276,6 +279,7 @@ class Chaos:
                 _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
                 resource.prlimit(p.pid, resource.RLIMIT_FSIZE, (limit, hard))
                 f.note = f"RLIMIT_FSIZE {limit // 1024} KiB on pid {p.pid}"
+                self.disk_full = True
                 heals.append(asyncio.create_task(self.heal_disk(f, p), name=f"heal-{f.brief()}"))
         elif f.kind == "reward_down":
             self.reward.down.set()
@@ -316,6 +320,7 @@ class Chaos:
                 healed = "limit lifted"
             except (ProcessLookupError, PermissionError, OSError):
                 healed = "the limited learner is gone (restarted without the limit)"
+            self.disk_full = False
             f.healed = time.time()
             self.say(f"healed {f.brief()}: {healed}")
 
@@ -359,7 +364,7 @@ class Chaos:
     def start_run(self, model: Path, data: Path) -> None:
         a = self.args
         sets = [f"run={self.run_id}", f"nats.url={self.cluster.urls}", "nats.replicas=3", f"model_checkpoint_path={model}",
-                f"data_source.path={data}", "data_source.epochs=1000", "producer.count=2", "scorer.count=2",
+                f"data_source.path={data}", f"data_source.epochs={max(10, int(a.duration / 4))}", "producer.count=2", "scorer.count=2",
                 "producer.batch_prompts=4", "algorithm_params.group_size=4", "learner.batch_groups=4",
                 f"learner.max_steps={10**6}", "checkpoint.interval=5", "checkpoint.keep_last=3",
                 "reward_function.type=model_based", f"reward_function.endpoint={self.reward.url}",
@@ -477,16 +482,6 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
     js = nc.jetstream(timeout=10)
     try:
         prompts_info = await js.stream_info(lay.prompts_stream)
-        pending_msgs = []
-        # the work queue cannot be read without consuming it: count its garbage by sequence
-        pending_garbage = 0
-        for seq in range(prompts_info.state.first_seq, prompts_info.state.last_seq + 1):
-            try:
-                m = await js.get_msg(lay.prompts_stream, seq)
-            except Exception:  # consumed (deleted) or never stored
-                continue
-            pending_msgs.append(m)
-            pending_garbage += bytes(m.data) in ch.garbage
         rollouts = await read_stream(js, lay.rollouts_stream, lay.rollouts)
         scored = await read_stream(js, lay.scored_stream, lay.scored)
         dlq = await read_stream(js, lay.dlq_stream, f"rl.{ch.run_id}.dlq.>")
@@ -497,11 +492,13 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
     finally:
         await nc.close()
     garbage_prompts = ch.garbage_by_subject.get(lay.prompts, 0)
+    letters = [DeadLetter.decode(bytes(m.data)) for m in dlq]
     fed = prompts_info.state.last_seq - garbage_prompts
-    pending = len(pending_msgs) - pending_garbage
+    # garbage prompts not dead-lettered yet are still in the work queue (a producer never rolls one out)
+    garbage_prompt_letters = sum(1 for d in letters if d.stage == "producer" and bytes(d.data) in ch.garbage)
+    pending = prompts_info.state.messages - (garbage_prompts - garbage_prompt_letters)
     rollout_ids = {i for i in (decode_id(RolloutGroup, bytes(m.data)) for m in rollouts) if i}
     scored_ids = {i for i in (decode_id(ScoredGroup, bytes(m.data)) for m in scored) if i}
-    letters = [DeadLetter.decode(bytes(m.data)) for m in dlq]
     foreign = [d for d in letters if bytes(d.data) not in ch.garbage]
     foreign_by_stage: dict[str, int] = {}
     for d in foreign:
@@ -563,17 +560,20 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=None, help="seconds of faults after the first learner step")
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's seed (default: random, printed)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / ".chaos", help="working directory (wiped)")
+    p.add_argument("--max-gap", type=float, default=None, help="longest gap between faults (10 s quick, 25 s full)")
     p.add_argument("--ack-wait", type=float, default=15.0, help="nats.ack_wait_s of the run")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--recover-timeout", type=float, default=150.0)
     args = p.parse_args()
     if args.duration is None:
-        args.duration = 100.0 if args.quick else 1200.0
+        args.duration = 75.0 if args.quick else 1200.0
+    if args.max_gap is None:
+        args.max_gap = 10.0 if args.quick else 25.0
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(10**6)
-    faults = draw_schedule(args.seed, args.duration)
+    faults = draw_schedule(args.seed, args.duration, args.max_gap)
     print(f"chaos seed {args.seed}: {len(faults)} faults over {args.duration:.0f}s "
-          f"(replay: bench/chaos.py --seed {args.seed} --duration {args.duration:g})", flush=True)
+          f"(replay: bench/chaos.py --seed {args.seed} --duration {args.duration:g} --max-gap {args.max_gap:g})", flush=True)
     for f in faults:
         print("  " + f.brief(), flush=True)
 
