@@ -180,6 +180,7 @@ class Chaos:
         self.garbage_by_subject: dict[str, int] = {}
         self.broker_down: str | None = None
         self.disk_full = False
+        self.reward_holds = 0
         self.stopped: set[str] = set()
         self.run_proc: subprocess.Popen | None = None
 
@@ -281,7 +282,8 @@ class Chaos:
                 f.note = f"RLIMIT_FSIZE {limit // 1024} KiB on pid {p.pid}"
                 self.disk_full = True
                 heals.append(asyncio.create_task(self.heal_disk(f, p), name=f"heal-{f.brief()}"))
-        elif f.kind == "reward_down":
+        elif f.kind == "reward_down":  # overlapping outages: down until the last one ends
+            self.reward_holds += 1
             self.reward.down.set()
             heals.append(asyncio.create_task(self.heal_reward(f), name=f"heal-{f.brief()}"))
         elif f.kind == "garbage":
@@ -328,7 +330,9 @@ class Chaos:
         try:
             await asyncio.sleep(f.hold_s)
         finally:
-            self.reward.down.clear()
+            self.reward_holds -= 1
+            if self.reward_holds == 0:
+                self.reward.down.clear()
             f.healed = time.time()
             self.say(f"healed {f.brief()}: answering")
 
