@@ -48,34 +48,29 @@ def make_groups(n: int, g: int, vocab: int, seed: int) -> list[ScoredGroup]:
 
 
 def plain_step(model, opt, groups, cfg, micro: int) -> int:
-    """The baseline: the same math written as a plain torch loop."""
+    """The baseline: the same math written as a plain torch loop, its batches built with
+    tensor ops (``pad_sequence`` and broadcast masks), not row by row."""
+    from torch.nn.utils.rnn import pad_sequence
+
     params = cfg.algorithm_params
-    seqs = []
-    for grp in groups:
-        a = adv.group_relative(torch.tensor(np.array(grp.rewards)).unsqueeze(0))[0]
-        for s, ai in zip(grp.rollout.samples, a.tolist()):
-            seqs.append((grp.rollout.prompt_ids, s.completion_ids, s.logprobs, ai))
-    chunks = [seqs[i:i + micro] for i in range(0, len(seqs), micro)]
+    a_all = adv.group_relative(torch.from_numpy(np.stack([np.asarray(g.rewards) for g in groups]))).reshape(-1)
+    prompts = [torch.from_numpy(np.asarray(g.rollout.prompt_ids, dtype=np.int64)) for g in groups for _ in g.rollout.samples]
+    comps = [torch.from_numpy(np.asarray(s.completion_ids, dtype=np.int64)) for g in groups for s in g.rollout.samples]
+    olds = [torch.from_numpy(np.asarray(s.logprobs, dtype=np.float32)) for g in groups for s in g.rollout.samples]
     batches = []
-    for chunk in chunks:
-        L = max(len(p) + len(c) for p, c, _, _ in chunk)
-        T = max(len(c) for _, c, _, _ in chunk)
-        ids = torch.zeros(len(chunk), L, dtype=torch.long)
-        att = torch.zeros(len(chunk), L, dtype=torch.long)
-        idx = torch.zeros(len(chunk), T, dtype=torch.long)
-        tgt = torch.zeros(len(chunk), T, dtype=torch.long)
-        mask = torch.zeros(len(chunk), T)
-        old = torch.zeros(len(chunk), T)
-        for i, (p, c, lp, _) in enumerate(chunk):
-            n, m = len(p), len(c)
-            ids[i, :n] = torch.tensor(p, dtype=torch.long)
-            ids[i, n:n + m] = torch.tensor(c, dtype=torch.long)
-            att[i, :n + m] = 1
-            idx[i, :m] = torch.arange(n - 1, n - 1 + m)
-            tgt[i, :m] = torch.tensor(c, dtype=torch.long)
-            mask[i, :m] = 1
-            old[i, :m] = torch.tensor(lp)
-        batches.append((ids, att, idx, tgt, mask, old, torch.tensor([a for *_, a in chunk])))
+    for lo in range(0, len(comps), micro):
+        sl = slice(lo, lo + micro)
+        n = torch.tensor([len(x) for x in prompts[sl]])
+        m = torch.tensor([len(x) for x in comps[sl]])
+        ids = pad_sequence([torch.cat([p_, c_]) for p_, c_ in zip(prompts[sl], comps[sl])], batch_first=True)
+        att = (torch.arange(ids.shape[1]) < (n + m)[:, None]).long()
+        tgt = pad_sequence(comps[sl], batch_first=True)
+        steps = torch.arange(tgt.shape[1])
+        mask = (steps < m[:, None]).float()
+        idx = torch.minimum(n[:, None] - 1 + steps, (n + m - 1)[:, None])  # past a row's end: any valid position (masked)
+        old = pad_sequence(olds[sl], batch_first=True)
+        batches.append((ids, att, idx, tgt, mask, old, a_all[sl]))
+    seqs = comps
     tokens = sum(float(b[4].sum()) for b in batches)
     seqn = float(len(seqs))
     for ids, att, idx, tgt, mask, old, a in batches:

@@ -292,8 +292,11 @@ def test_dockerfile_entrypoint_is_the_cli(name):
     if name == "Dockerfile":
         assert re.search(r"^FROM nvidia/cuda:", text, re.M)
         assert "vllm==" in text and ".[deepspeed]" in text
-    # every command the manifests run exists in the image: the package's script and torchrun
-    assert ".[" in text or "rlstream" in text
+    # every command the manifests run exists in the image: the package (its `rlstream` script,
+    # from the sources copied in) and torch (`torchrun`), both installed by pip
+    flat = text.replace("\\\n", " ")
+    assert re.search(r"^COPY[^\n]*\bpyproject\.toml\b", flat, re.M) and re.search(r"^COPY rlstream\b", flat, re.M)
+    assert re.search(r"^RUN pip install[^\n]*[\s\"']\.(\[[a-z,]*\])?[\"']?(\s|$)", flat, re.M), "the package itself is not installed"
 
 
 def test_dockerignore_keeps_local_state_out():

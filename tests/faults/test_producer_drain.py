@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers.broker import read_rollouts, wait_until
+from helpers.producers import start_producer, write_config
 
 from rlstream.broker import connect, ensure_layout
 from rlstream.config import NatsConfig, parse_config
 from rlstream.producers.feeder import feed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "producers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from producer_helpers import read_rollouts, wait_until  # noqa: E402
-from test_producer_hang import start_producer, write_config  # noqa: E402
 
 GRACE_S = 2.0
 ACK_WAIT_S = 120.0

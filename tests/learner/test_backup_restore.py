@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_loop_groups import make_cfg, publish_groups_sync, sample_groups
+from helpers.groups import make_cfg, publish_groups_sync, sample_groups
 from test_loop_resume import KILL_AFTER, STEPS, _env, _learner_cmd, _metrics, _write_cfg
 
 BUCKET = "rlstream-backups"

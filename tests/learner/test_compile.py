@@ -6,7 +6,7 @@ and published weights do not change), and batches of other lengths reuse the com
 from __future__ import annotations
 
 import pytest
-from test_loop_groups import make_cfg, sample_groups
+from helpers.groups import make_cfg, sample_groups
 
 from rlstream.learner.loop import build_learner, train_step
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_loop_groups import make_cfg
+from helpers.groups import make_cfg
 
 from rlstream.webdata import ShardStream, expand_urls, split_shards
 
