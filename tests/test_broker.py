@@ -180,3 +180,37 @@ async def test_wrong_address_gives_a_clear_error():
 
     with pytest.raises(BrokerError, match="cannot reach NATS"):
         await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}"))
+
+
+async def test_a_bad_record_near_the_size_limit_is_dead_lettered_and_the_consumer_lives(js, run_id):
+    """A payload near max_payload cannot be copied whole into a dead letter (letter > limit):
+    the letter keeps a bounded prefix, the size and the sha256, and fetch goes on."""
+    import hashlib
+
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    limit = js._nc.max_payload  # the fixture's server: 8 MiB
+    junk = b"\x93" + os.urandom(limit - 100)  # not a Prompt; fits the stream, its letter would not
+    await pub.publish(lay.prompts, junk)
+    await pub.publish(lay.prompts, prompt(1).encode(), "p1")
+    await pub.publish(lay.prompts, prompt(2).encode(), "p2")
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer", max_deliver=1).start()
+    got = []
+    for _ in range(10):
+        got += await consumer.fetch(10, timeout=1)
+        if len(got) == 2:
+            break
+    assert [d.record.id for d in got] == ["p1", "p2"]
+    assert consumer.dead_lettered == 1
+    # processing fails with a reason as big as the payload: the reason is cut, the letter fits
+    await consumer.fail(got[0], "boom " * (limit // 4))
+    await got[1].ack()
+    dlq = await js.pull_subscribe(lay.dlq("producer"), durable=None, stream=lay.dlq_stream)
+    first, second = [DeadLetter.decode(m.data) for m in await dlq.fetch(2, timeout=2)]
+    assert first.size == len(junk) and first.sha256 == hashlib.sha256(junk).hexdigest()
+    assert 0 < len(first.data) < len(junk) and junk.startswith(first.data)
+    assert "not valid MessagePack" in first.reason or "invalid prompt" in first.reason
+    assert second.record_id == "p1" and Prompt.decode(second.data).id == "p1"  # a small record is kept whole
+    assert second.size == len(second.data) and len(second.reason) < limit // 8 and second.reason.startswith("failed 1 times: boom")
+    await asyncio.sleep(0.2)
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # nothing left to crash on again

@@ -9,6 +9,7 @@ The version history of each record is in its docstring.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import time
@@ -614,10 +615,20 @@ class MetricEvent(Record):
 
 @dataclass(slots=True)
 class DeadLetter(Record):
-    """A record a stage could not handle: the original bytes, where, why, how often. v1."""
+    """A record a stage could not handle: the original bytes, where, why, how often.
+
+    v1: id, run, ts, stage, subject, reason, data, deliveries, record_id.
+    v2: + size, sha256 (of the whole original payload). ``data`` may then be a prefix of
+    the original (``len(data) < size``): a letter must fit under the broker's max payload
+    even when the record it carries nearly filled it. Build one with :meth:`bounded`.
+    """
 
     SCHEMA: ClassVar[str] = "dead_letter"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    MAX_DATA: ClassVar[int] = 1 << 20
+    """At most this much of the original payload is kept (less when the broker's limit is smaller)."""
+    MAX_REASON: ClassVar[int] = 16 << 10
+    """A reason (a traceback, a decode error) is cut to this many characters."""
 
     stage: str
     subject: str
@@ -628,25 +639,52 @@ class DeadLetter(Record):
     id: str = field(default_factory=new_id)
     run: str = ""
     ts: float = field(default_factory=_now)
+    size: int = -1
+    sha256: str = ""
+
+    def __post_init__(self):
+        if self.size < 0:
+            self.size = len(self.data)
+
+    @classmethod
+    def bounded(cls, *, stage: str, subject: str, reason: str, data: bytes, max_payload: int = 0, **kw) -> "DeadLetter":
+        """A letter that always fits: the payload's first bytes (whole when small), its size and
+        sha256, and the reason cut to :attr:`MAX_REASON` characters (head and tail kept)."""
+        keep = cls.MAX_DATA if max_payload <= 0 else max(0, min(cls.MAX_DATA, max_payload // 2 - cls.MAX_REASON * 4 - 4096))
+        data = bytes(data)
+        if len(reason) > cls.MAX_REASON:
+            half = cls.MAX_REASON // 2
+            reason = f"{reason[:half]}\n... [{len(reason) - 2 * half} characters cut] ...\n{reason[-half:]}"
+        return cls(stage=stage, subject=subject[:1024], reason=reason, data=data[:keep], size=len(data),
+                   sha256=hashlib.sha256(data).hexdigest(), **kw)
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.data) < self.size
 
     def _fields(self):
         return {
             "id": self.id, "run": self.run, "ts": self.ts, "stage": self.stage,
             "subject": self.subject, "reason": self.reason, "data": bytes(self.data),
             "deliveries": self.deliveries, "record_id": self.record_id,
+            "size": self.size, "sha256": self.sha256,
         }
 
     def to_wire_view(self):
-        return {**self.to_wire(), "data": f"<{len(self.data)} bytes>"}
+        cut = f" of {self.size}" if self.truncated else ""
+        return {**self.to_wire(), "data": f"<{len(self.data)}{cut} bytes>"}
 
     @classmethod
     def _read(cls, obj, limits, path):
+        data = get(obj, "data", bytes, path=path)
         return cls(
             **_header(obj, path, limits),
             stage=get_str(obj, "stage", path=path), subject=get_str(obj, "subject", "", path=path),
-            reason=get_str(obj, "reason", path=path), data=get(obj, "data", bytes, path=path),
+            reason=get_str(obj, "reason", path=path), data=data,
             deliveries=get_int(obj, "deliveries", 1, path=path, lo=0),
             record_id=get_str(obj, "record_id", "", path=path),
+            size=get_int(obj, "size", len(data), path=path, lo=len(data)),
+            sha256=get_str(obj, "sha256", "", path=path),
         )
 
 
