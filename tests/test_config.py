@@ -100,3 +100,89 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
     p.write_text("training_mode: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
+
+
+# ---- hostile or broken configs: refused fast, one line per problem -------------------------------
+
+
+def _validate(path, cwd=None, extra=()):
+    """``rlstream validate`` in a subprocess held to 1 GiB of memory and 20 s, so an expansion
+    bomb fails the test instead of the machine. Returns (rc, stderr lines, CPU seconds)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(path), *extra], capture_output=True,
+                           text=True, timeout=20, preexec_fn=limit, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rlstream validate {path} ran past 20 s")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return r.returncode, [line for line in r.stderr.splitlines() if line.strip()], cpu
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    # 9 levels of 9 aliases: 9**9 (387 million) strings once expanded, from a ~600-byte file
+    lines = ["training_mode: RL_GRPO", "model_checkpoint_path: m", 'l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    assert bomb.stat().st_size < 700
+    rc, err, cpu = _validate(bomb)
+    assert rc == 2, err
+    assert len(err) == 1 and "aliases" in err[0] and "bomb.yaml" in err[0], err
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU"
+    # anchors used the ordinary way still work
+    ok = tmp_path / "anchors.yaml"
+    ok.write_text("training_mode: RL_GRPO\nmodel_checkpoint_path: m\nproducer: &p {max_new_tokens: 8}\n")
+    assert _validate(ok)[0] == 0
+    # a self-referencing alias is refused too
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("training_mode: RL_GRPO\nmodel_checkpoint_path: m\nproducer: &p {vllm: *p}\n")
+    rc, err, _ = _validate(loop)
+    assert rc == 2 and len(err) == 1, err
+
+
+def test_deepspeed_path_is_read_from_the_config_folder_with_a_size_limit(tmp_path):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    cfg = {**SEED, "learner": {"engine": "deepspeed", "deepspeed": "ds.json"}}
+    (folder / "run.yaml").write_text(yaml.safe_dump(cfg))
+    rc, err, _ = _validate(folder / "run.yaml", cwd=tmp_path)  # the working directory has no ds.json
+    assert rc == 0, err
+    assert load_config(folder / "run.yaml").learner.deepspeed_config()["zero_optimization"]["stage"] == 2
+    (folder / "big.json").write_text('{"zero_optimization": {"stage": 2}}' + " " * (2 << 20))
+    (folder / "big.yaml").write_text(yaml.safe_dump({**cfg, "learner": {"engine": "deepspeed", "deepspeed": "big.json"}}))
+    rc, err, cpu = _validate(folder / "big.yaml", cwd=tmp_path)
+    assert rc == 2 and len(err) == 2 and "learner.deepspeed" in err[1] and "larger than" in err[1], err
+    assert cpu < 1.0
+    (folder / "dev.yaml").write_text(yaml.safe_dump({**cfg, "learner": {"engine": "deepspeed", "deepspeed": "/dev/zero"}}))
+    rc, err, cpu = _validate(folder / "dev.yaml", cwd=tmp_path)
+    assert rc == 2 and len(err) == 2 and "learner.deepspeed" in err[1] and "not a regular file" in err[1], err
+    assert cpu < 1.0
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e300"])
+def test_infinite_or_absurd_numbers_are_refused_with_one_line_each(tmp_path, value):
+    fields = ["learner.lr", "nats.ack_wait_s", "nats.retention_days", "checkpoint.max_age_days", "reward_function.timeout_s",
+              "producer.generation_timeout_s", "producer.temperature", "metrics.interval_s", "algorithm_params.kl_coefficient",
+              "learner.max_grad_norm", "learner.weight_decay", "nats.max_deliver"]
+    path = tmp_path / "seed.yaml"
+    path.write_text(yaml.safe_dump(SEED))
+    rc, err, cpu = _validate(path, extra=[arg for f in fields for arg in ("--set", f"{f}={value}")])
+    assert rc == 2
+    assert err[0] == "error: invalid config:", err
+    assert sorted(line.split(":")[0].strip() for line in err[1:]) == sorted(fields), err
+    assert all(len(line) < 200 for line in err), err
+    assert cpu < 1.0
+
+
+def test_error_lines_stay_short_whatever_the_value():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({**SEED, "producer": {"backend": "x" * 100_000}, "learner": {"lrr": list(range(100_000))}})
+    lines = str(exc.value).splitlines()
+    assert len(lines) == 3 and all(len(line) < 300 for line in lines), lines
