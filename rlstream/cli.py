@@ -55,10 +55,48 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def _secret(env_var: str | None, file: str | None, what: str) -> str | None:
+    """A secret from an environment variable or a file, so it never sits on a command line."""
+    if file:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as exc:
+            print(f"error: {what} file {file}: {exc.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
+    elif env_var:
+        value = os.environ.get(env_var, "")
+        if not value:
+            print(f"error: {what}: the environment variable {env_var} is not set", file=sys.stderr)
+            raise SystemExit(2)
+    else:
+        return None
+    if not value:
+        print(f"error: {what}: empty", file=sys.stderr)
+        raise SystemExit(2)
+    return value
+
+
 def cmd_broker(args) -> int:
+    from rlstream.broker.errors import BrokerError
     from rlstream.broker.server import run_foreground
 
-    return run_foreground(args.port, args.store, args.host)
+    token = _secret(args.token_env, args.token_file, "--token")
+    password = _secret(args.password_env, args.password_file, "--password")
+    if password and not args.user:
+        print("error: a password needs --user", file=sys.stderr)
+        return 2
+    if args.user and not password:
+        print("error: --user needs --password-env or --password-file", file=sys.stderr)
+        return 2
+    if token and password:
+        print("error: give a token or a user/password, not both", file=sys.stderr)
+        return 2
+    auth = {"token": token} if token else ({"user": args.user, "password": password} if password else None)
+    try:
+        return run_foreground(args.port, args.store, args.host, authorization=auth, config_file=args.config)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _component(module: str, default_id: str):
@@ -124,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=4222)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--store", default="nats-store", help="JetStream store directory")
+    sp.add_argument("--token-env", metavar="VAR", help="require this token, read from the environment variable VAR")
+    sp.add_argument("--token-file", help="require the token in this file")
+    sp.add_argument("--user", help="require this user (with --password-env or --password-file)")
+    sp.add_argument("--password-env", metavar="VAR", help="the user's password, from the environment variable VAR")
+    sp.add_argument("--password-file", help="the user's password, from this file")
+    sp.add_argument("--config", help="a nats-server config file of your own (accounts, TLS); credentials come from it")
     sp.set_defaults(fn=cmd_broker)
 
     components = {

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -42,18 +41,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from rlstream.broker.server import is_loopback
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "RLSTREAM_REWARD_TOKEN"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RewardModel:
