@@ -144,7 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config value")
 
     def with_nats(sp):
-        sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL)")
+        sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL); "
+                        "credentials go in the options below, not in the URL")
+
+    def with_nats_credentials(sp):
+        g = sp.add_argument_group("NATS credentials (or $RLSTREAM_NATS_USER/_PASSWORD/_TOKEN/_CREDS)")
+        g.add_argument("--nats-user", help="user name")
+        g.add_argument("--nats-password-env", metavar="VAR", help="read the password from the environment variable VAR")
+        g.add_argument("--nats-token-env", metavar="VAR", help="read the token from the environment variable VAR")
+        g.add_argument("--nats-creds", metavar="FILE", help="a NATS credentials file")
+        g.add_argument("--nats-ca", metavar="FILE", help="CA certificate for a TLS server")
 
     sp = sub.add_parser("validate", help="check a config; exit 0 or name the bad field")
     with_config(sp)
@@ -202,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")
     sp.add_argument("subject")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--json", action="store_true", help="one JSON object per line")
     sp.add_argument("--from-seq", type=int, help="start at this stream sequence")
     sp.add_argument("--since", help="start at this time (ISO 8601, or seconds ago like 300s)")
@@ -214,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="streams, consumers, components alive, policy version, lag")
     sp.add_argument("--run", required=True)
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_observe("status"))
 
@@ -221,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", required=True)
     sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--out", required=True)
     sp.add_argument("--from-seq", type=int)
     sp.add_argument("--to-seq", type=int)
@@ -232,12 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("file")
     sp.add_argument("--run", required=True)
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
 
     sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups; compare losses")
     sp.add_argument("run_dir")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--from-step", type=int, required=True, help="checkpoint step to start from")
     sp.add_argument("--steps", type=int, default=4)
     sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
@@ -249,9 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
     sp.add_argument("--run", required=True)
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
+    sp.add_argument("--max-viewers", type=int, default=64, help="open /events connections at most (503 beyond)")
+    sp.add_argument("--token-file", help="the token viewers must give (default $RLSTREAM_DASHBOARD_TOKEN); needed off loopback")
     sp.set_defaults(fn=cmd_observe("dashboard"))
     return p
 

@@ -198,7 +198,7 @@ async def run_tail(args) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.tokenizer)
-    nc = await open_connection(nats_url(args), "rlstream-tail")
+    nc = await open_connection(nats_url(args), "rlstream-tail", args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
