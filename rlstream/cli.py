@@ -17,9 +17,20 @@ from pathlib import Path
 from rlstream import __version__
 
 
+class _MaskingFormatter(logging.Formatter):
+    """Every log line, whoever wrote it (nats-py, aiohttp, ours), with URL userinfo masked."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from rlstream.config import mask_secrets
+
+        return mask_secrets(super().format(record))
+
+
 def _setup_logging(verbose: bool = False) -> None:
     level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLSTREAM_LOG", "INFO").upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("nats", "asyncio", "httpx", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 

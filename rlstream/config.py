@@ -29,6 +29,25 @@ class ConfigError(ValueError):
     """A config that cannot be used. The message names the field, the value and what is allowed."""
 
 
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\",\[\]]+@")
+
+
+def mask_secrets(text: str) -> str:
+    """Mask the userinfo of every URL in ``text`` (``nats://user:pw@host`` -> ``nats://***@host``),
+    for anything printed: errors, logs, config.resolved.json, status lines."""
+    return _USERINFO.sub(r"\1***@", text) if "@" in text else text
+
+
+mask_url = mask_secrets
+
+
+def secret_from_env(var: str, field: str) -> str:
+    value = os.environ.get(var)
+    if not value:
+        raise ConfigError(f"{field} names the environment variable {var}, which is not set")
+    return value
+
+
 class Strict(BaseModel):
     # allow_inf_nan=False: .inf/.nan are refused everywhere; each number also has a sane upper bound
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -192,6 +211,9 @@ class RewardFunction(Strict):
     endpoint: str | None = None
     """model_based: POST {"prompts": [...], "completions": [...]} -> {"scores": [...]}."""
     token: SecretStr | None = None
+    token_env: str | None = None
+    """Read the bearer token from this environment variable (e.g. a Kubernetes Secret), so it
+    is never in the config file or on a command line."""
     timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     retries: int = Field(3, ge=0, le=100)
     answer_column: str = "answer"
@@ -200,7 +222,15 @@ class RewardFunction(Strict):
     def _endpoint(self):
         if self.type == "model_based" and not self.endpoint:
             raise ValueError("reward_function.type 'model_based' needs an endpoint")
+        if self.token is not None and self.token_env:
+            raise ValueError("give reward_function.token or reward_function.token_env, not both")
         return self
+
+    def token_value(self) -> str | None:
+        """The bearer token, from ``token`` or the variable ``token_env`` names (read now)."""
+        if self.token is not None:
+            return self.token.get_secret_value()
+        return secret_from_env(self.token_env, "reward_function.token_env") if self.token_env else None
 
 
 class NatsTLS(Strict):
@@ -442,8 +472,19 @@ class Config(Strict):
         return getattr(self.algorithm_params, "max_staleness", 0)
 
     def resolved(self) -> dict[str, Any]:
-        """The full config with defaults filled in and secrets masked (for config.resolved.json)."""
-        return self.model_dump(mode="json")
+        """The full config with defaults filled in and secrets masked (for config.resolved.json):
+        SecretStr fields show ``**********``, URLs lose their userinfo."""
+
+        def mask(node: Any) -> Any:
+            if isinstance(node, str):
+                return mask_secrets(node)
+            if isinstance(node, dict):
+                return {k: mask(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [mask(v) for v in node]
+            return node
+
+        return mask(self.model_dump(mode="json"))
 
 
 # ---- loading, overrides, error messages --------------------------------------------------

@@ -186,3 +186,39 @@ def test_error_lines_stay_short_whatever_the_value():
         parse_config({**SEED, "producer": {"backend": "x" * 100_000}, "learner": {"lrr": list(range(100_000))}})
     lines = str(exc.value).splitlines()
     assert len(lines) == 3 and all(len(line) < 300 for line in lines), lines
+
+
+# ---- secrets: masked wherever printed, readable from the environment -----------------------------
+
+
+def test_urls_with_userinfo_are_masked_in_the_resolved_config(tmp_path):
+    from rlstream.config import dump_resolved
+
+    cfg = parse_config({**SEED, "nats": {"url": "nats://rl:pw-nats-77@n1:4222,nats://tok-nats-88@n2:4222"},
+                        "reward_function": {"type": "model_based", "endpoint": "http://u:pw-rm-99@rm:8000/score"},
+                        "data_source": {"type": "on_policy", "sampling_endpoint": "http://k:pw-gen-11@gen:8000/v1"}})
+    dump_resolved(cfg, tmp_path / "config.resolved.json")
+    text = (tmp_path / "config.resolved.json").read_text()
+    for secret in ("pw-nats-77", "tok-nats-88", "pw-rm-99", "pw-gen-11"):
+        assert secret not in text
+    assert "nats://***@n1:4222,nats://***@n2:4222" in text and "http://***@rm:8000/score" in text
+    assert cfg.nats.url.startswith("nats://rl:pw-nats-77@")  # the config itself keeps what it needs to connect
+
+
+def test_mask_secrets_in_free_text():
+    from rlstream.config import mask_secrets
+
+    assert mask_secrets("cannot reach ['nats://a:b@h:1', 'tls://t0k@h2:2'] now") == "cannot reach ['nats://***@h:1', 'tls://***@h2:2'] now"
+    assert mask_secrets("nats://h:4222 and http://x/y?z=1") == "nats://h:4222 and http://x/y?z=1"
+
+
+def test_reward_token_from_the_environment(monkeypatch):
+    cfg = parse_config({**SEED, "reward_function": {"type": "model_based", "endpoint": "http://rm/score", "token_env": "RL_TEST_RM_TOKEN"}})
+    monkeypatch.setenv("RL_TEST_RM_TOKEN", "rm-env-tok-5")
+    assert cfg.reward_function.token_value() == "rm-env-tok-5"
+    assert "rm-env-tok-5" not in str(cfg.resolved())
+    monkeypatch.delenv("RL_TEST_RM_TOKEN")
+    with pytest.raises(ConfigError, match="RL_TEST_RM_TOKEN.*not set"):
+        cfg.reward_function.token_value()
+    with pytest.raises(ConfigError, match="token or reward_function.token_env, not both"):
+        parse_config({**SEED, "reward_function": {"type": "model_based", "endpoint": "http://rm/score", "token": "x", "token_env": "V"}})

@@ -22,6 +22,7 @@ from rlstream.broker.io import Publisher
 from rlstream.broker.layout import Layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.broker.telemetry import Reporter
+from rlstream.config import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Component:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
-        log.info("%s %s connected to %s (run %s)", self.component, self.component_id, self.nats_url, cfg.run)
+        log.info("%s %s connected to %s (run %s)", self.component, self.component_id, mask_secrets(self.nats_url or ""), cfg.run)
         return self
 
     def _on_signal(self, sig) -> None:

@@ -647,7 +647,7 @@ class DeadLetter(Record):
             self.size = len(self.data)
 
     @classmethod
-    def bounded(cls, *, stage: str, subject: str, reason: str, data: bytes, max_payload: int = 0, **kw) -> "DeadLetter":
+    def bounded(cls, *, stage: str, subject: str, reason: str, data: bytes, max_payload: int = 0, **kw) -> DeadLetter:
         """A letter that always fits: the payload's first bytes (whole when small), its size and
         sha256, and the reason cut to :attr:`MAX_REASON` characters (head and tail kept)."""
         keep = cls.MAX_DATA if max_payload <= 0 else max(0, min(cls.MAX_DATA, max_payload // 2 - cls.MAX_REASON * 4 - 4096))
