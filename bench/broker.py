@@ -28,8 +28,8 @@ BATCH = 256
 def record(i: int) -> bytes:
     rng = np.random.default_rng(i)
     samples = [Sample(rng.integers(0, 32000, 128, dtype=np.int32), -rng.random(128, dtype=np.float32), "stop", "") for _ in range(8)]
-    return RolloutGroup(id=f"g{i}", prompt_id=f"p{i}", prompt_text="q", prompt_ids=np.arange(16, dtype=np.int32),
-                        samples=samples, policy_version=1).encode()
+    return RolloutGroup.from_samples(samples, id=f"g{i}", prompt_id=f"p{i}", prompt_text="q",
+                                     prompt_ids=np.arange(16, dtype=np.int32), policy_version=1).encode()
 
 
 async def rlstream_hop(js, run: str, payloads: list[bytes]) -> float:

@@ -27,8 +27,8 @@ def make_group(g: int = 8, n: int = 1024) -> RolloutGroup:
         Sample(rng.integers(0, 32000, n, dtype=np.int32), -rng.random(n, dtype=np.float32) * 5, "stop", "")
         for _ in range(g)
     ]
-    return RolloutGroup(id="g", prompt_id="p", prompt_text="q", prompt_ids=rng.integers(0, 32000, 128, dtype=np.int32),
-                        samples=samples, policy_version=3, producer_id="p0")
+    return RolloutGroup.from_samples(samples, id="g", prompt_id="p", prompt_text="q",
+                                     prompt_ids=rng.integers(0, 32000, 128, dtype=np.int32), policy_version=3, producer_id="p0")
 
 
 def as_lists(group: RolloutGroup) -> dict:

@@ -37,8 +37,8 @@ def make_groups(n: int, g: int, vocab: int, seed: int) -> list[ScoredGroup]:
         for _ in range(g):
             length = int(rng.integers(32, 64))
             samples.append(Sample(rng.integers(3, vocab, length).astype(np.int32), (-rng.random(length) * 2).astype(np.float32), "stop"))
-        ro = RolloutGroup(id=f"g{seed}-{i}", prompt_id=f"g{i}", prompt_text="", prompt_ids=rng.integers(3, vocab, 24).astype(np.int32),
-                          samples=samples, policy_version=0)
+        ro = RolloutGroup.from_samples(samples, id=f"g{seed}-{i}", prompt_id=f"g{i}", prompt_text="",
+                                       prompt_ids=rng.integers(3, vocab, 24).astype(np.int32), policy_version=0)
         out.append(ScoredGroup(rollout=ro, rewards=rng.random(g).astype(np.float32)))
     return out
 

@@ -55,9 +55,9 @@ def make_groups(n: int, run: str) -> list[RolloutGroup]:
     for i in range(n):
         texts = completions_of(i)
         samples = [Sample(np.arange(24, dtype=np.int32), np.full(24, -0.5, np.float32), "stop", t) for t in texts]
-        out.append(RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"Q: What is {i % 97} + {(i * 7) % 89}?",
-                                prompt_ids=np.arange(12, dtype=np.int32), samples=samples, policy_version=0,
-                                columns={"answer": str(i % 97 + (i * 7) % 89)}, run=run))
+        out.append(RolloutGroup.from_samples(samples, id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"Q: What is {i % 97} + {(i * 7) % 89}?",
+                                             prompt_ids=np.arange(12, dtype=np.int32), policy_version=0,
+                                             columns={"answer": str(i % 97 + (i * 7) % 89)}, run=run))
     return out
 
 

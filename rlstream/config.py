@@ -84,6 +84,140 @@ class DPOParams(Strict):
     """Build pairs from scored groups (best vs worst sample) instead of an offline dataset."""
 
 
+# ---- off-policy corrections (algorithm_params.off_policy_correction) -------------------------
+# Each weighs token t of a sample by a function of rho_t = pi_prox(y_t) / pi_behaviour(y_t), the
+# learner's policy before the step over the sampler's; see rlstream.learner.losses.
+
+
+class NoCorrection(Strict):
+    """The behaviour log-probs are the PPO ratio's anchor; no weight (verl's "bypass" mode)."""
+
+    type: Literal["none"] = "none"
+
+
+class TokenTIS(Strict):
+    """Token-level truncated IS: ``w_t = min(rho_t, cap)`` (Yao et al. 2025)."""
+
+    type: Literal["tis"] = "tis"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+class SequenceTIS(Strict):
+    """Sequence-level truncated IS: ``w = min(prod_t rho_t, cap)`` on every token of the sample."""
+
+    type: Literal["seq_tis"] = "seq_tis"
+    cap: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class _Band(Strict):
+    low: float = Field(0.5, ge=0.0, le=1.0)
+    """Lowest weight kept (<= 1, so an on-policy token is always kept)."""
+    high: float = Field(2.0, ge=1.0, le=1e4)
+    """Highest weight kept (>= 1)."""
+
+
+class TokenMIS(_Band):
+    """Token-level masked IS: ``w_t = rho_t`` inside ``[low, high]``, else 0 (Liu, Li et al. 2025)."""
+
+    type: Literal["token_mis"] = "token_mis"
+
+
+class SequenceMIS(_Band):
+    """Sequence-level masked IS: ``w = prod_t rho_t`` inside ``[low, high]``, else the whole sample is 0."""
+
+    type: Literal["seq_mis"] = "seq_mis"
+    high: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class IcePop(Strict):
+    """IcePop (Ling Team 2025, Ring-1T): ``w_t = rho_t`` inside the band ``[alpha, beta]``, else 0."""
+
+    type: Literal["icepop"] = "icepop"
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    beta: float = Field(5.0, ge=1.0, le=1e4)
+
+
+class GeometricMask(Strict):
+    """Geometric-mean sequence masking: the sample is kept (``w = 1``) only while
+    ``exp(mean_t log rho_t)`` lies in ``[low, high]`` (verl's geometric rejection sampling)."""
+
+    type: Literal["geo_mask"] = "geo_mask"
+    low: float = Field(0.999, ge=0.0, le=1.0)
+    high: float = Field(1.001, ge=1.0, le=1e4)
+
+
+class TokenMask(Strict):
+    """Token rejection: ``w_t = 1`` inside ``[1/cap, cap]``, else 0 (no re-weighting)."""
+
+    type: Literal["mask"] = "mask"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+class DecoupledPPO(Strict):
+    """Decoupled PPO (Hilton et al. 2022): the ratio is clipped against the proximal policy and
+    the behaviour weight ``min(rho_t, cap)`` applied on top."""
+
+    type: Literal["decoupled"] = "decoupled"
+    cap: float = Field(2.0, ge=1.0, le=1e4)
+
+
+OffPolicyCorrection = Annotated[
+    Union[NoCorrection, TokenTIS, SequenceTIS, TokenMIS, SequenceMIS, IcePop, GeometricMask, TokenMask, DecoupledPPO],
+    Field(discriminator="type"),
+]
+CORRECTIONS = ("none", "tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask", "mask", "decoupled")
+
+
+# ---- policy-loss variants (algorithm_params.policy_loss) -------------------------------------
+
+
+class ClipLoss(Strict):
+    """PPO's clipped surrogate with the mode's clip range (the default)."""
+
+    type: Literal["clip"] = "clip"
+
+
+class DrGRPOLoss(Strict):
+    """Dr. GRPO (Liu et al. 2025): the clipped surrogate, advantages without std normalisation
+    (``advantage_type: group_relative_no_std``) and a constant length normaliser
+    (``loss_aggregation: seq-mean-token-sum-norm``); both are set by this choice."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+
+
+class CISPOLoss(Strict):
+    """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi``."""
+
+    type: Literal["cispo"] = "cispo"
+    clip_low: float = Field(1.0, ge=0.0, le=1.0)
+    """1.0: no lower bound on the IS weight (the paper's choice)."""
+    clip_high: float = Field(0.2, gt=0.0, le=100.0)
+
+
+class GSPOTokenLoss(Strict):
+    """GSPO-token (Zheng et al. 2025): the sequence's length-normalised ratio on every token,
+    clipped with the mode's clip range (set it small: GSPO uses 3e-4 / 4e-4)."""
+
+    type: Literal["gspo_token"] = "gspo_token"
+
+
+class SAPOLoss(Strict):
+    """SAPO (Gao et al. 2025): soft gate ``-(4 / tau) * sigmoid(tau * (r - 1)) * A``, ``tau`` by the sign of ``A``."""
+
+    type: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(1.0, gt=0.0, le=100.0)
+    tau_neg: float = Field(1.05, gt=0.0, le=100.0)
+
+
+PolicyLoss = Annotated[Union[ClipLoss, DrGRPOLoss, CISPOLoss, GSPOTokenLoss, SAPOLoss], Field(discriminator="type")]
+POLICY_LOSSES = ("clip", "dr_grpo", "cispo", "gspo_token", "sapo")
+
+
+def _tagged(value: Any) -> Any:
+    """A bare name (``off_policy_correction: tis``) means that choice with its defaults."""
+    return {"type": value} if isinstance(value, str) else value
+
+
 class RLParams(Strict):
     """Knobs every RL mode shares: group sampling, off-policy correction, KL to reference."""
 
@@ -93,16 +227,46 @@ class RLParams(Strict):
     """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """Most policy versions a sample may lag the learner; older samples are dropped. 0 = synchronous."""
-    off_policy_correction: Literal["tis", "mask", "decoupled", "none"] = "tis"
-    """tis: truncated importance weight behaviour->current; mask: drop tokens whose weight
-    leaves [1/cap, cap]; decoupled: PPO ratio against the proximal (current) policy times a
-    truncated behaviour weight; none: the behaviour log-probs are the old policy."""
-    is_cap: float = Field(2.0, ge=1.0, le=1e6)
-    """Cap of the truncated importance weight."""
+    off_policy_correction: OffPolicyCorrection = Field(default_factory=TokenTIS)
+    """How samples from an older or numerically different sampler are corrected: a name
+    (``tis``) or a mapping (``{type: token_mis, low: 0.5, high: 2}``); see the README."""
+    policy_loss: PolicyLoss = Field(default_factory=ClipLoss)
+    """The per-token objective: ``clip``, ``dr_grpo``, ``cispo``, ``gspo_token`` or ``sapo``."""
     loss_aggregation: LossAggregation = "token-mean"
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo", "gae"] = "group_relative"
     epochs_per_batch: int = Field(1, ge=1, le=16)
     """Optimizer passes over each batch (PPO epochs)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_choices(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in ("off_policy_correction", "policy_loss"):
+            if key in data:
+                data[key] = _tagged(data[key])
+        # ``is_cap`` (older configs): the cap of a capped correction, ignored by the others
+        if "is_cap" in data:
+            cap = data.pop("is_cap")
+            correction = dict(data.get("off_policy_correction") or {"type": "tis"})
+            if correction.get("type") in ("tis", "seq_tis", "mask", "decoupled"):
+                correction.setdefault("cap", cap)
+            data["off_policy_correction"] = correction
+        return data
+
+    @model_validator(mode="after")
+    def _dr_grpo(self):
+        if self.policy_loss.type != "dr_grpo":
+            return self
+        if getattr(self, "type", None) == "RL_PPO":
+            raise ValueError("policy_loss 'dr_grpo' is a group-relative variant; RL_PPO uses GAE advantages")
+        fields = self.model_fields_set
+        for key, want in (("advantage_type", "group_relative_no_std"), ("loss_aggregation", "seq-mean-token-sum-norm")):
+            if key in fields and getattr(self, key) != want:
+                raise ValueError(f"policy_loss 'dr_grpo' needs {key} {want!r}, got {getattr(self, key)!r}; remove {key} or set it to {want!r}")
+            object.__setattr__(self, key, want)
+        return self
 
 
 class PPOParams(RLParams):
@@ -154,6 +318,13 @@ class GSPOParams(RLParams):
     clip_low: float = Field(3e-4, gt=0, lt=1)
     clip_high: float = Field(4e-4, gt=0, le=1000)
     loss_aggregation: LossAggregation = "seq-mean-token-mean"
+    policy_loss: PolicyLoss = Field(default_factory=GSPOTokenLoss)
+
+    @model_validator(mode="after")
+    def _gspo_token(self):
+        if self.policy_loss.type != "gspo_token":
+            raise ValueError(f"RL_GSPO is the gspo_token loss; policy_loss {self.policy_loss.type!r} goes with RL_GRPO or RL_DAPO")
+        return self
 
 
 AlgorithmParams = Annotated[
@@ -179,7 +350,7 @@ class DataSource(Strict):
     sampling_endpoint: str | None = None
     """An OpenAI-compatible server (``.../v1/completions``); selects the openai backend."""
     epochs: int = Field(1, ge=1, le=1_000_000)
-    shuffle_seed: int | None = 0
+    shuffle_seed: int | None = Field(0, ge=0, le=2**63 - 1)
     limit: int | None = Field(None, ge=1, le=1 << 40)
     """Use at most this many rows."""
 
@@ -261,6 +432,9 @@ class NatsConfig(Strict):
     max_payload_mb: int = Field(8, ge=1, le=64)
     retention_days: float = Field(7.0, gt=0, le=3650)
     """How long rollouts and scored groups are kept for replay."""
+    layout_wait_s: float = Field(300.0, gt=0, le=86400)
+    """On a server with per-role permissions, how long a component waits at start for the
+    learner (or the operator) to lay out the run's streams, KV bucket and object store."""
 
 
 class ProducerConfig(Strict):
@@ -288,7 +462,7 @@ class ProducerConfig(Strict):
     """openai backend: retries of a failed request (with exponential backoff)."""
     max_connections: int = Field(64, ge=1, le=65536)
     """openai backend: pooled HTTP connections (concurrent requests)."""
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     """Sampling seed (hf: torch's generator; vllm/openai: per-request seed)."""
     pipeline_batches: int | None = Field(None, ge=1, le=8)
     """Batches in flight at once (fetched, generating or publishing). Default: 2 for vllm and
@@ -297,6 +471,13 @@ class ProducerConfig(Strict):
     reloaded when no batch is generating."""
     in_progress_s: float | None = Field(None, gt=0, le=DAY_S)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
+    max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
+    """The largest weights a producer fetches (announced size and stored size); a larger
+    announcement is refused, the producer keeps its weights and raises
+    ``alert/weight_fetch_failures``."""
+    weights_fetch_tries: int = Field(3, ge=1, le=20)
+    """Attempts at fetching announced weights (with backoff) before the producer keeps the
+    weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
     generation_timeout_s: float = Field(600.0, gt=0, le=7 * DAY_S)
     """A batch whose generation takes longer is treated as a hung backend: its prompts are
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
@@ -361,7 +542,7 @@ class LearnerConfig(Strict):
     reference_model_path: str | None = None
     """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
     max_seq_len: int = Field(1024, ge=8, le=1 << 24)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
@@ -580,6 +761,9 @@ def _describe(err: dict[str, Any]) -> str:
     # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
     if len(loc) >= 2 and loc[0] == "algorithm_params" and loc[1] in ("SFT", "DPO") + RL_MODES:
         loc = [loc[0]] + loc[2:]
+    # and the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
+    if len(loc) >= 3 and loc[1] in ("off_policy_correction", "policy_loss") and loc[2] in CORRECTIONS + POLICY_LOSSES:
+        loc = loc[:2] + loc[3:]
     field = ".".join(loc) or "<config>"
     value = err.get("input")
     kind = err["type"]
@@ -591,7 +775,8 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return f"{field}: {_short(value)} is not allowed; allowed: {ctx.get('expected')}"
     if kind == "union_tag_invalid":
-        return f"training_mode: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
+        where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
+        return f"{where}: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return f"{field}: {_short(value)} must match {ctx.get('pattern')}"
     msg = err["msg"]

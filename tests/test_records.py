@@ -5,10 +5,20 @@ import numpy as np
 import pytest
 
 from rlstream.schemas import (
-    DeadLetter, Limits, MetricEvent, PreferencePair, Prompt, RecordError, RolloutGroup, Sample,
-    ScoredGroup, SFTExample, WeightsAnnouncement, decode_any,
+    DeadLetter,
+    Limits,
+    MetricEvent,
+    PreferencePair,
+    Prompt,
+    RecordError,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    SFTExample,
+    WeightsAnnouncement,
+    decode_any,
 )
-from rlstream.schemas.codec import pack_array, INT32, FLOAT32
+from rlstream.schemas.codec import FLOAT32, INT32, pack_array
 
 
 def make_group(g=3, n=5, version=2) -> RolloutGroup:
@@ -17,7 +27,7 @@ def make_group(g=3, n=5, version=2) -> RolloutGroup:
         Sample(np.arange(i, i + n + i, dtype=np.int32), -rng.random(n + i).astype(np.float32), "stop" if i else "length", f"text {i}")
         for i in range(g)
     ]
-    return RolloutGroup(
+    return RolloutGroup.from_samples(
         id="g1", prompt_id="p1", prompt_text="Q: 1+1?", prompt_ids=np.array([5, 6, 7], np.int32), samples=samples,
         policy_version=version, producer_id="producer-0", columns={"answer": "2"}, sampling={"temperature": 1.0},
         run="r", timings={"generate": 0.5},
@@ -101,19 +111,19 @@ def test_old_version_still_decodes():
     wire = make_group().to_wire()
     wire["v"] = 1
     del wire["timings"]
-    back = RolloutGroup.from_wire(wire)
+    back = RolloutGroup.decode(msgpack.packb(wire))
     assert back.timings == {} and back.group_size == 3
     p = Prompt(id="p", text="t").to_wire()
     p["v"] = 1
     del p["messages"]
-    assert Prompt.from_wire(p).messages is None
+    assert Prompt.decode(msgpack.packb(p)).messages is None
 
 
 def test_unknown_future_version_is_rejected_by_name():
     wire = make_group().to_wire()
     wire["v"] = 99
     with pytest.raises(RecordError, match=r"^v: version 99"):
-        RolloutGroup.from_wire(wire)
+        RolloutGroup.decode(msgpack.packb(wire))
 
 
 @pytest.mark.parametrize(
@@ -162,3 +172,61 @@ def test_scored_group_checks_reward_length():
     bad = ScoredGroup(rollout=g, rewards=np.array([1.0, np.inf, 0], np.float32))
     with pytest.raises(RecordError, match="rewards: contains NaN"):
         ScoredGroup.decode(bad.encode())
+
+
+# ---- decode cost is bounded: free-form fields cannot blow up memory ---------------------
+
+def _peak_decode(cls, data, limits=Limits()):
+    """(record or RecordError, peak bytes allocated while decoding)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        try:
+            out = cls.decode(data, limits)
+        except RecordError as exc:
+            out = exc
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("filler", [None, [], {}, 1, "a"], ids=["nil", "empty-list", "empty-map", "int", "1-char-str"])
+def test_a_group_whose_columns_hold_millions_of_tiny_elements_is_refused_without_the_memory(filler):
+    """A valid 6-8 MB group whose columns hold one-byte (two for "a") elements used to decode
+    into ~60-120 bytes of Python objects per element (a 6.7 MB group took 488 MB)."""
+    wire = msgpack.unpackb(make_group().encode(), raw=False)
+    wire["columns"] = {"answer": "2", "junk": [filler] * 4_000_000}
+    data = msgpack.packb(wire, use_bin_type=True)
+    assert 4_000_000 < len(data) < 9_000_000
+    out, peak = _peak_decode(RolloutGroup, data)
+    assert isinstance(out, RecordError) and out.field == "columns"
+    assert "elements" in out.message
+    assert peak < 2 * len(data) + (8 << 20), f"decoding took {peak / 1e6:.0f} MB for {len(data) / 1e6:.1f} MB"
+
+
+@pytest.mark.parametrize("depth, field", [(100, "sampling"), (5000, "<payload>")])
+def test_deep_nesting_is_refused(depth, field):
+    """Within Python's recursion limit the field is named; beyond it msgspec stops parsing."""
+    wire = msgpack.unpackb(make_group().encode(), raw=False)
+    wire["sampling"] = {"x": "@deep@"}
+    # nested one-element arrays, built by hand: msgpack's packer stops at 512 levels
+    data = msgpack.packb(wire, use_bin_type=True).replace(msgpack.packb("@deep@"), b"\x91" * depth + b"\x90")
+    with pytest.raises(RecordError) as info:
+        RolloutGroup.decode(data)
+    assert info.value.field == field and "nested" in info.value.message
+
+
+def test_typed_lists_are_capped_before_they_are_built():
+    """``texts`` must have G entries; 4M one-char strings are refused without building them."""
+    wire = msgpack.unpackb(make_group().encode(), raw=False)
+    wire["texts"] = ["a"] * 4_000_000
+    out, peak = _peak_decode(RolloutGroup, msgpack.packb(wire, use_bin_type=True))
+    assert isinstance(out, RecordError) and out.field == "texts"
+    assert peak < 16 << 20, f"decoding took {peak / 1e6:.0f} MB"
+
+
+def test_a_large_but_reasonable_columns_map_still_decodes():
+    wire = msgpack.unpackb(make_group().encode(), raw=False)
+    wire["columns"] = {"answer": "2", "tests": [{"input": str(i), "output": str(i * i)} for i in range(10_000)]}
+    back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert back.columns["tests"][9_999] == {"input": "9999", "output": str(9_999 ** 2)}

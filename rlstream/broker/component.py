@@ -19,12 +19,15 @@ import signal
 
 from rlstream.broker.connection import connect
 from rlstream.broker.io import Publisher
-from rlstream.broker.layout import Layout, ensure_layout
+from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.broker.telemetry import Reporter
 from rlstream.config import mask_secrets
 
 log = logging.getLogger(__name__)
+
+ROLE_DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+"""The one durable consumer each role reads (and alone may pull from, ack and nak on)."""
 
 
 class Component:
@@ -47,7 +50,7 @@ class Component:
         cfg = self.cfg
         self.nc = await connect(cfg.nats, self.nats_url, name=f"{self.component}-{self.component_id}")
         self.js = self.nc.jetstream(timeout=10.0)
-        self.layout = await ensure_layout(self.js, cfg.run, cfg.nats)
+        self.layout = await self._layout()
         self.state = await RunState.open(self.js, self.layout)
         self.publisher = Publisher(self.js)
         port = cfg.metrics.prometheus_port
@@ -60,6 +63,23 @@ class Component:
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
         log.info("%s %s connected to %s (run %s)", self.component, self.component_id, mask_secrets(self.nats_url or ""), cfg.run)
         return self
+
+    async def _layout(self) -> Layout:
+        """Lay out the run, or bind to it.
+
+        On an open server (no credentials: the embedded one, a laptop) any component lays the
+        run out, as whoever starts first. With credentials, roles are enforced by the server
+        (deploy/nats/accounts.conf): the learner creates the streams, KV bucket, object store
+        and durable consumers; every other component waits for them and only binds (it may
+        pull from and ack on its own durable consumer, and change nothing).
+        """
+        cfg = self.cfg
+        nats_cfg = cfg.nats
+        if not (nats_cfg.user or nats_cfg.token or nats_cfg.token_env or nats_cfg.creds_file):
+            return await ensure_layout(self.js, cfg.run, nats_cfg)
+        if self.component == "learner":
+            return await ensure_layout(self.js, cfg.run, nats_cfg)
+        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component))
 
     def _on_signal(self, sig) -> None:
         log.info("%s %s: %s received, draining", self.component, self.component_id, signal.Signals(sig).name)

@@ -54,6 +54,9 @@ def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstre
     }
     if cfg.user:
         opts["user"] = cfg.user
+        # Replies (JetStream acks, pulled messages, API answers) arrive under this user's own
+        # prefix: deploy/nats/accounts.conf lets each role subscribe to nothing else.
+        opts["inbox_prefix"] = f"_INBOX.{cfg.user}"
     if cfg.password is not None:
         opts["password"] = cfg.password.get_secret_value()
     elif cfg.password_env:

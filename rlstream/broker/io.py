@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from rlstream.broker.errors import BrokerError
-from rlstream.broker.layout import Layout
+from rlstream.broker.layout import PUBLISH_ACK_TIMEOUT_S, PUBLISH_MAX_BACKOFF_S, PUBLISH_RETRY_S, Layout
 from rlstream.schemas import DEFAULT_LIMITS, DeadLetter, Limits, Record, RecordError
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,12 @@ class Publisher:
 
     ``publish_many`` sends everything with ``publish_async``, then waits for the acks.
     Whatever was not acked (timeout, broker down) is sent again with the same message id
-    after a backoff, until ``retry_for_s`` has passed.
+    after a backoff, until ``retry_for_s`` has passed. The streams' de-duplication window
+    (``layout.DUPLICATE_WINDOW_S``) covers that whole time with the defaults, so a retry
+    after a long outage is still recognised as a duplicate.
     """
 
-    def __init__(self, js: JetStreamContext, *, ack_timeout_s: float = 10.0, retry_for_s: float = 300.0):
+    def __init__(self, js: JetStreamContext, *, ack_timeout_s: float = PUBLISH_ACK_TIMEOUT_S, retry_for_s: float = PUBLISH_RETRY_S):
         self.js = js
         self.ack_timeout_s = ack_timeout_s
         self.retry_for_s = retry_for_s
@@ -107,7 +109,7 @@ class Publisher:
                     raise BrokerError(f"{len(todo)} publishes not acknowledged by JetStream within {self.retry_for_s:.0f}s")
                 log.warning("%d publishes not acknowledged yet; retrying in %.1fs", len(todo), delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, PUBLISH_MAX_BACKOFF_S)
         return acks  # type: ignore[return-value]
 
     async def publish(self, subject: str, data: bytes, msg_id: str | None = None, headers: dict[str, str] | None = None) -> PubAck:

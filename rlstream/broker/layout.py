@@ -11,11 +11,16 @@
 | objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
 
 Creating the layout twice is harmless: streams and consumers are created or updated.
+On a server with per-role permissions (deploy/nats/accounts.conf) the learner (or the
+operator) creates the layout; every other component waits for it (:func:`bind_layout`) and
+creates or updates only its own durable consumer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -32,11 +37,23 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from rlstream.broker.errors import BrokerError
 from rlstream.config import NatsConfig
 
 log = logging.getLogger(__name__)
 
 DAY_S = 86400.0
+PUBLISH_RETRY_S = 300.0
+"""How long a :class:`~rlstream.broker.io.Publisher` re-sends an unacknowledged publish."""
+PUBLISH_ACK_TIMEOUT_S = 10.0
+"""How long it waits for the acks of one attempt."""
+PUBLISH_MAX_BACKOFF_S = 5.0
+"""The longest pause between two attempts."""
+DUPLICATE_WINDOW_S = PUBLISH_RETRY_S + PUBLISH_MAX_BACKOFF_S + PUBLISH_ACK_TIMEOUT_S + 15.0
+"""JetStream's de-duplication window of every stream. A retry goes out at most
+``PUBLISH_RETRY_S + PUBLISH_MAX_BACKOFF_S`` after the first attempt (the deadline is checked
+before the last pause) and is stored within its ack timeout, so the window covers every
+retry of a message id, with a margin for clock steps between the attempts' stores."""
 
 
 @dataclass(frozen=True)
@@ -149,14 +166,45 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
             raise
 
 
-async def ensure_layout(js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *, ack_wait_s: float | None = None) -> Layout:
-    """Create (or update) the run's streams, durable consumers, KV bucket and object store."""
+def _consumer_config(durable: str, subject: str, ack_wait_s: float) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subject=subject,
+        ack_wait=ack_wait_s,
+        # We count deliveries ourselves and dead-letter at max_deliver; the server limit
+        # is one more so a record is never silently parked.
+        max_deliver=-1,
+        max_ack_pending=-1,
+        max_waiting=512,
+    )
+
+
+async def ensure_consumer(js: JetStreamContext, lay: Layout, durable: str, nats_cfg: NatsConfig | None = None, *, ack_wait_s: float | None = None) -> None:
+    """Create (or update) one durable pull consumer of the run."""
+    cfg = nats_cfg or NatsConfig()
+    stream, subject = lay.consumers()[durable]
+    await js.add_consumer(stream, _consumer_config(durable, subject, ack_wait_s or cfg.ack_wait_s))
+
+
+async def ensure_layout(
+    js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
+    ack_wait_s: float | None = None, durables: tuple[str, ...] | None = None,
+) -> Layout:
+    """Create (or update) the run's streams, KV bucket, object store and the durable
+    consumers ``durables`` (default: all three).
+
+    On a server with per-role permissions (deploy/nats/accounts.conf) only the learner and
+    the operator may do this.
+    """
     cfg = nats_cfg or NatsConfig()
     lay = Layout(run)
     replicas = cfg.replicas
     retention_s = cfg.retention_days * DAY_S
     max_msg = cfg.max_payload_mb * 1024 * 1024
-    common = dict(storage=StorageType.FILE, num_replicas=replicas, duplicate_window=120.0, max_msg_size=max_msg)
+    # JetStream refuses a de-duplication window longer than a stream's max age.
+    common = dict(storage=StorageType.FILE, num_replicas=replicas, duplicate_window=min(DUPLICATE_WINDOW_S, retention_s), max_msg_size=max_msg)
     await _ensure_stream(js, StreamConfig(name=lay.prompts_stream, subjects=[lay.prompts], retention=RetentionPolicy.WORK_QUEUE, **common))
     for name, subject in ((lay.rollouts_stream, lay.rollouts), (lay.scored_stream, lay.scored)):
         await _ensure_stream(js, StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
@@ -165,21 +213,8 @@ async def ensure_layout(js: JetStreamContext, run: str, nats_cfg: NatsConfig | N
         max_age=retention_s, discard=DiscardPolicy.OLD, **common))
     await _ensure_stream(js, StreamConfig(
         name=lay.dlq_stream, subjects=[f"rl.{run}.dlq.>"], retention=RetentionPolicy.LIMITS, max_age=retention_s * 4, **common))
-    wait = ack_wait_s or cfg.ack_wait_s
-    for durable, (stream, subject) in lay.consumers().items():
-        cc = ConsumerConfig(
-            durable_name=durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            filter_subject=subject,
-            ack_wait=wait,
-            # We count deliveries ourselves and dead-letter at max_deliver; the server limit
-            # is one more so a record is never silently parked.
-            max_deliver=-1,
-            max_ack_pending=-1,
-            max_waiting=512,
-        )
-        await js.add_consumer(stream, cc)
+    for durable in (lay.consumers() if durables is None else durables):
+        await ensure_consumer(js, lay, durable, cfg, ack_wait_s=ack_wait_s)
     try:
         await js.key_value(lay.state_bucket)
     except NotFoundError:
@@ -189,3 +224,52 @@ async def ensure_layout(js: JetStreamContext, run: str, nats_cfg: NatsConfig | N
     except NotFoundError:
         await js.create_object_store(lay.weights_bucket, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas))
     return lay
+
+
+async def bind_layout(
+    js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
+    durable: str | None, wait_s: float | None = None,
+) -> Layout:
+    """Wait until the run's layout exists (the learner or the operator creates it),
+    including this role's own durable consumer ``durable`` (None: the feeder has none).
+    Nothing is created or changed.
+
+    Raises :class:`BrokerError` naming what is missing after ``wait_s`` (default
+    ``nats.layout_wait_s``).
+    """
+    cfg = nats_cfg or NatsConfig()
+    lay = Layout(run)
+    wait = cfg.layout_wait_s if wait_s is None else wait_s
+    deadline = time.monotonic() + wait
+    delay = 0.2
+    logged = 0.0
+    while True:
+        missing = await _missing(js, lay, durable)
+        if not missing:
+            break
+        now = time.monotonic()
+        if now > deadline:
+            raise BrokerError(f"run {run!r}: the run's layout is not there after {wait:.0f}s (missing {missing}); "
+                              "the learner lays it out at start (or the operator, or `rlstream run`)")
+        if now - logged > 10:
+            log.info("run %s: waiting for the learner to lay out the run (missing %s)", run, missing)
+            logged = now
+        await asyncio.sleep(min(delay, max(0.0, deadline - now)))
+        delay = min(delay * 2, 2.0)
+    return lay
+
+
+async def _missing(js: JetStreamContext, lay: Layout, durable: str | None) -> str | None:
+    """The first part of the run's layout that does not exist yet, or None."""
+    for name in (*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            return name
+    if durable is not None:
+        stream = lay.consumers()[durable][0]
+        try:
+            await js.consumer_info(stream, durable)
+        except NotFoundError:
+            return f"consumer {durable} on {stream}"
+    return None

@@ -76,18 +76,20 @@ async def list_objects(js: JetStreamContext, bucket: str) -> list[str]:
     return names
 
 
-async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 64, timeout: float = 5.0) -> bytes:
+async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 64, timeout: float = 5.0, *, max_size: int | None = None) -> bytes:
     """Read an object fast and verify its digest.
 
     The chunks come from batched direct gets (``$JS.API.DIRECT.GET`` with ``next_by_subj`` and
     ``batch``, nats-server 2.11+; object-store streams allow direct gets): no consumer is
     created, so a read leaves nothing behind on the server and needs no permission beyond
-    reading.
+    reading. An object larger than ``max_size`` bytes is refused before anything is allocated.
     """
     store = await js.object_store(bucket)
     info = await store.get_info(name)
     if not info.nuid:
         raise BrokerError(f"object {bucket}/{name} has no data")
+    if info.size is None or info.size < 0 or (max_size is not None and info.size > max_size):
+        raise BrokerError(f"object {bucket}/{name}: size {info.size} is over the limit of {max_size} bytes")
     buf = bytearray(info.size)
     if info.size == 0:
         return bytes(buf)

@@ -24,12 +24,20 @@ How each function relates to its paper:
   DAPO's dynamic sampling drops groups whose rewards are all equal (zero advantage,
   zero gradient) and keeps sampling until the batch is full; here we only return the keep
   mask, the loop keeps filling. Overlong filtering masks the loss of truncated samples.
+- :func:`update_keep_rate` / :func:`admission_window`: dynamic sampling when the learner runs
+  asynchronously. The paper's trainer is synchronous: it samples another round whenever the
+  filter leaves the batch short. Here producers run ahead, paced by ``pacing.admit``, so the
+  pacing window is widened by the expected share of groups the filter keeps (an exponential
+  moving average over the groups the learner considered), and the learner takes further
+  groups until its batch is full. Every dropped group is counted and acked with the next
+  checkpoint, like a trained one: nothing is lost, nothing waits for a round trip.
 - :func:`staleness_keep` / :func:`staleness_histogram`: the off-policy filter of the
   asynchronous learner (samples older than ``max_staleness`` policy versions are dropped).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -44,6 +52,8 @@ __all__ = [
     "whiten",
     "compute_advantages",
     "dynamic_sampling_mask",
+    "update_keep_rate",
+    "admission_window",
     "overlong_mask",
     "staleness_keep",
     "staleness_histogram",
@@ -202,6 +212,34 @@ def dynamic_sampling_mask(rewards: Tensor, eps: float = 1e-8) -> Tensor:
     rewards = _check_groups(rewards)
     spread = rewards.max(dim=-1).values - rewards.min(dim=-1).values
     return spread > eps
+
+
+def update_keep_rate(rate: float, kept: bool, horizon: int) -> float:
+    """Exponential moving average of the share of groups dynamic sampling keeps.
+
+    ``rate + (kept - rate) / horizon``: each considered group moves the estimate by
+    ``1 / horizon`` of its distance to 1 (kept) or 0 (dropped), so it follows a drop rate that
+    changes as training goes (more all-correct groups later) over about ``horizon`` groups.
+    """
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+    return rate + ((1.0 if kept else 0.0) - rate) / horizon
+
+
+def admission_window(batch_groups: int, max_staleness: int, max_groups: int, keep_rate: float = 1.0,
+                     min_keep_rate: float = 0.125) -> int:
+    """Groups that may exist beyond those the learner consumed (the pacing window).
+
+    ``min(max_groups, ceil(batch_groups * (max_staleness + 1) / keep_rate))``: enough that the
+    groups in flight are expected to hold ``max_staleness + 1`` batches of *trainable* groups,
+    so the learner's batch fills without waiting while every admitted group is still expected
+    to be trained within the staleness bound. ``keep_rate`` is floored at ``min_keep_rate``
+    (a run where the filter drops everything must not admit without bound) and the window is
+    capped by the buffer (``max_groups``). With ``keep_rate = 1`` it is the plain window.
+    """
+    rate = min(1.0, max(keep_rate, min_keep_rate))
+    want = math.ceil(batch_groups * (max_staleness + 1) / rate - 1e-9)
+    return max(1, min(max_groups, want))
 
 
 def overlong_mask(finish_reasons: list[str]) -> Tensor:

@@ -64,6 +64,7 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None  # [R, L] long: positions restarting at 0 per document
     segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
     doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
+    policy_versions: torch.Tensor | None = None  # [B] long: the weights that sampled each row (RL)
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +120,8 @@ def collate(rows: list[Row], pad_id: int, max_len: int) -> TokenBatch:
             old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages)
+    versions = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
+    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions)
 
 
 def micro_batches(rows: list, size: int) -> list[list]:

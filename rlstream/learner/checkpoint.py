@@ -65,6 +65,8 @@ class LearnerState:
     dropped_filtered: int = 0
     duplicates_skipped: int = 0
     nan_steps_skipped: int = 0
+    keep_rate: float = 1.0
+    """Moving average of the share of groups dynamic sampling keeps (pacing; 1.0 without the filter)."""
     trained_ids: list[str] = field(default_factory=list)
     dropped_ids: list[str] = field(default_factory=list)
     next_seq: int | None = None

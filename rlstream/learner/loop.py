@@ -292,6 +292,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     values=learner.value_head(out.hidden.detach().float()).squeeze(-1) if ppo else None,
                     old_values=old_values[i], returns=returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
+                    lag=learner.state.policy_version - tb.policy_versions,
                 )
                 loss, metrics = loss_fn(batch, params)
                 if record and epoch == params.epochs_per_batch - 1:
@@ -303,7 +304,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
         grad_norms.append(grad_norm)
         if not stepped:
             break
-    out = _merged(learner, acc, weights)
+    out = losses.finish_offpolicy_metrics(_merged(learner, acc, weights), drop_parts=True)
     out.pop("policy/tokens", None)
     versions = torch.tensor([g.rollout.policy_version for g in groups])
     out.update(adv.staleness_stats(versions, learner.state.policy_version))
@@ -437,8 +438,10 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             continue
         state.groups_consumed += 1
         stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
-        filtered = (getattr(params, "dynamic_sampling", False)
-                    and not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]))
+        filtered = False
+        if getattr(params, "dynamic_sampling", False) and not stale:
+            filtered = not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0])
+            state.keep_rate = adv.update_keep_rate(state.keep_rate, not filtered, KEEP_RATE_BATCHES * cfg.learner.batch_groups)
         if stale or filtered:
             if stale:
                 state.dropped_stale += 1
@@ -456,8 +459,13 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
     return out
 
 
-def _admit(cfg: Config, consumed: int) -> int:
-    return consumed + min(cfg.buffer.max_groups, cfg.learner.batch_groups * (cfg.max_staleness + 1))
+KEEP_RATE_BATCHES = 4
+"""Dynamic sampling's keep rate is averaged over about this many batches of groups."""
+
+
+def _admit(cfg: Config, state: LearnerState) -> int:
+    """``pacing.admit``: groups consumed + the window, widened by dynamic sampling's expected drops."""
+    return state.groups_consumed + adv.admission_window(cfg.learner.batch_groups, cfg.max_staleness, cfg.buffer.max_groups, state.keep_rate)
 
 
 # ---- run directory ------------------------------------------------------------------------------
@@ -608,7 +616,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 buf = GroupBuffer(cfg.buffer.max_groups, gap_timeout_s=cfg.nats.ack_wait_s * 1.5 + 1.0, next_seq=state.next_seq)
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
-                await comp.state.set_admit(_admit(cfg, state.groups_consumed))
+                await comp.state.set_admit(_admit(cfg, state))
             try:
                 if comp is not None:
                     await comp.state.put_int(LEARNER_STEP, state.step)
@@ -623,7 +631,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                                 break
                             taken = StreamBatch([])
                         else:
-                            taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state.groups_consumed)))
+                            taken = await take_rl_batch(learner, buf, stop, on_drop=lambda: comp.state.set_admit(_admit(cfg, state)))
                             if taken is None:
                                 break
                             batch = [d.record for d in taken.deliveries]
@@ -653,7 +661,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             m["time/publish_s"] = pub.seconds
                             m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
                             if not offline:
-                                await comp.state.set_admit(_admit(cfg, state.groups_consumed))
+                                await comp.state.set_admit(_admit(cfg, state))
 
                         # 4. log
                         m.update({
@@ -661,6 +669,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             "buffer/dropped_stale": float(state.dropped_stale),
                             "buffer/dropped_filtered": float(state.dropped_filtered),
                             "buffer/duplicates_skipped": float(state.duplicates_skipped),
+                            "buffer/keep_rate": float(state.keep_rate),
                         })
                         record = {"step": state.step, "policy_version": state.policy_version, **{k: _json_safe(v) for k, v in m.items()},
                                   "scored_seqs": [d.stream_seq for d in taken.deliveries], "group_ids": ids}

@@ -39,24 +39,61 @@ and differ only in ``lo``/``hi``, the ratio's granularity and the value term:
   ``s_i`` on every token, its gradient ``s_i * grad logp_t``; with the default
   ``seq-mean-token-mean`` aggregation and sequence-level advantages it is exactly GSPO.
 
-**Off-policy correction** (``params.off_policy_correction``, cap ``params.is_cap``), with
-``old_logprobs`` the behaviour (sampler) log-probs and ``prox_logprobs`` the learner's own
-policy at the start of the step:
+**Policy-loss variants** (``params.policy_loss``, any RL mode; per token, ``r`` the ratio above):
 
-- ``none``: ``base = old``, ``w = 1`` (classic PPO: the sampler is the old policy).
-- ``tis``: given prox, ``base = prox`` and ``w = min(exp(prox - old), is_cap)`` (truncated
-  importance sampling, Yao et al. 2025). Without prox, ``base = old`` and ``w = 1``: the
-  clipped ratio against the sampler is the only correction.
-- ``mask``: as ``tis`` but tokens with ``exp(prox - old)`` outside ``[1/is_cap, is_cap]`` get
-  ``w = 0`` (masked out) and the rest ``w = 1``. Masked tokens stay in the normaliser, so
-  accumulation stays exact. Without prox, as ``tis``.
-- ``decoupled``: decoupled PPO (Hilton et al. 2022; AReaL): ``base = prox``,
-  ``w = min(exp(prox - old), is_cap)``. Without prox we use ``logprobs.detach()``: the policy
-  before the optimizer step is the current one during the first pass over a batch, so this
-  is exact for ``epochs_per_batch = 1``; the loop must pass prox for later epochs.
+- ``clip`` (default): the clipped surrogate above.
+- ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training"): the clipped surrogate
+  with advantages not divided by the group std and every sequence's token sum divided by one
+  constant length (``seq-mean-token-sum-norm``, ``max_tokens`` = the generation budget);
+  the config sets both. The paper's constant is the generation budget, which is what the loop
+  passes.
+- ``cispo`` (MiniMax-M1, 2025): :func:`cispo_surrogate`, ``-sg(clip(r, 1 - lo, 1 + hi)) * A *
+  log pi``: the IS weight is clipped and detached, so no token's gradient is dropped. The
+  paper sets no lower bound (``clip_low = 1``) and tunes only ``hi``; it gives no value, we
+  default to 0.2 (verl's example). The loss *value* is the paper's (it contains ``log pi``).
+- ``gspo_token`` (Zheng et al. 2025): the sequence's length-normalised ratio on every token,
+  clipped with the mode's clip range (see :func:`gspo_loss`).
+- ``sapo`` (Gao et al. 2025, "Soft Adaptive Policy Optimization"): :func:`sapo_surrogate`,
+  ``-(4 / tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where ``A > 0`` and
+  ``tau_neg`` elsewhere (paper defaults 1.0 / 1.05). Its gradient at ``r = 1`` equals the
+  clipped surrogate's. Deviation: the paper averages tokens per sequence; we keep
+  ``params.loss_aggregation`` (token-mean by default), like every other variant.
 
-For GSPO the behaviour weight is sequence-level like its ratio,
-``exp(mean_t(prox - old))``, truncated or masked per sequence.
+**Off-policy correction** (``params.off_policy_correction``; verl's rollout-correction menu and
+the papers behind it). ``old_logprobs`` are the behaviour (sampler) log-probs, ``prox_logprobs``
+the learner's policy at the start of the step, ``rho_t = exp(prox_t - old_t)``. Every
+correction but ``none`` anchors the ratio at prox (``base = prox``) and weighs tokens by ``w``
+(:func:`correction_weights`); masked tokens (``w = 0``) stay in the normaliser, so accumulation
+stays exact:
+
+- ``none``: ``base = old``, ``w = 1`` (verl's bypass mode: the sampler is the PPO anchor).
+- ``tis`` (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+  training"): ``w_t = min(rho_t, cap)``.
+- ``seq_tis``: ``w = min(prod_t rho_t, cap)`` on every token of the sequence.
+- ``token_mis`` / ``seq_mis`` (Liu, Li et al. 2025, "When Speed Kills Stability"): ``w = rho``
+  inside ``[low, high]``, else 0, per token / per sequence (``rho = prod_t rho_t``). The blog
+  bounds only from above; ``low`` adds the lower bound (0 turns it off).
+- ``icepop`` (Ling Team 2025, Ring-1T): ``w_t = rho_t`` inside ``[alpha, beta]``, else 0
+  (paper: 0.5, 5). Numerically token MIS with the paper's band, named for what users ask for.
+- ``geo_mask`` (verl's geometric rejection): the sequence is kept with ``w = 1`` while
+  ``exp(mean_t log rho_t)`` lies in ``[low, high]``, else dropped.
+- ``mask``: token rejection, ``w_t = 1`` inside ``[1/cap, cap]``, else 0 (no re-weighting).
+- ``decoupled`` (Hilton et al. 2022; AReaL): as ``tis``; without prox we use
+  ``logprobs.detach()``, exact for the first pass over a batch.
+
+Without prox every correction but ``decoupled`` falls back to ``base = old`` and ``w = 1``.
+For a sequence-level ratio (GSPO-token) the token-level corrections act on the sequence's
+geometric-mean weight ``exp(mean_t log rho_t)``, like its ratio.
+
+**Diagnostics** (:func:`offpolicy_metrics`, finished over the step by
+:func:`finish_offpolicy_metrics`): the Kish effective sample size of the weights applied
+(``is/ess``) and of the raw ``rho`` (``is/ess_raw``), both ``mean(w)^2 / mean(w^2)`` over
+tokens in ``(0, 1]``; the fractions of tokens truncated and masked; the mismatch k3 KL between
+the current policy and the sampler over all tokens (``policy/mismatch_kl``) and split by the
+policy-version lag of the token: lag 0 is the train/inference mismatch alone
+(``offpolicy/mismatch_kl_fresh``), lag >= 1 adds staleness (``offpolicy/mismatch_kl_stale``);
+the mean lag per token (``offpolicy/lag_mean``) and the share of lag-0 tokens
+(``offpolicy/fresh_frac``).
 """
 
 from __future__ import annotations
@@ -79,7 +116,12 @@ __all__ = [
     "step_normalizers",
     "PolicyBatch",
     "clipped_surrogate",
-    "importance_weights",
+    "correction_weights",
+    "cispo_surrogate",
+    "sapo_surrogate",
+    "effective_sample_size",
+    "offpolicy_metrics",
+    "finish_offpolicy_metrics",
     "ppo_loss",
     "grpo_loss",
     "dapo_loss",
@@ -230,24 +272,152 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
     return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
 
 
-def importance_weights(log_weights: Tensor, mode: str, is_cap: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Behaviour-correction weights from ``log_weights = log(pi_prox / pi_behaviour)``.
+def cispo_surrogate(
+    logprobs: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token CISPO loss (MiniMax-M1, 2025): ``-sg(clip(ratio, 1 - lo, 1 + hi)) * A * logprobs``.
 
-    Returns ``(w, truncated, masked)``, all shaped like ``log_weights`` and detached:
-    ``tis``/``decoupled``: ``w = min(exp(lw), is_cap)``, ``truncated = exp(lw) > is_cap``;
-    ``mask``: ``w = 1`` inside ``[1/is_cap, is_cap]`` else 0 (``masked``); ``none``: ``w = 1``.
+    Shapes ``[B, T]``. The clipped weight carries no gradient, so ``d loss / d logprobs =
+    -clip(ratio) * A`` on every token (none is dropped, unlike the clipped surrogate).
+    Returns ``(loss [B, T], clipped [B, T] bool)``, clipped where the weight was changed.
     """
-    log_weights = log_weights.detach()
-    raw = torch.exp(log_weights)
-    nothing = torch.zeros_like(raw, dtype=torch.bool)
-    if mode in ("tis", "decoupled"):
-        return raw.clamp(max=is_cap), raw > is_cap, nothing
-    if mode == "mask":
-        keep = (log_weights >= -math.log(is_cap)) & (log_weights <= math.log(is_cap))
-        return keep.to(raw.dtype), nothing, ~keep
-    if mode == "none":
-        return torch.ones_like(raw), nothing, nothing
-    raise ValueError(f"unknown off_policy_correction {mode!r}")
+    r = ratio.detach()
+    weight = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, (r > 1.0 + clip_high) | (r < 1.0 - clip_low)
+
+
+def sapo_surrogate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """Per-token SAPO loss (Gao et al. 2025): ``-(4 / tau) * sigmoid(tau * (ratio - 1)) * A``.
+
+    ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``. Shapes ``[B, T]``. The gradient in the
+    ratio is ``-4 * s * (1 - s) * A`` (``s`` the sigmoid): ``-A`` at ``ratio = 1``, decaying
+    smoothly away from it instead of a hard clip.
+    """
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+
+
+def _row_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return _masked(values, mask).sum(dim=-1, keepdim=True).expand(mask.shape)
+
+
+@dataclass(frozen=True)
+class _NoCorrection:
+    """``off_policy_correction: none`` without the config (used where no prox is given)."""
+
+    type: str = "none"
+
+
+NO_CORRECTION = _NoCorrection()
+
+
+def correction_weights(log_rho: Tensor, mask: Tensor, correction: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Behaviour-correction weights from ``log_rho = log(pi_prox / pi_behaviour)`` ``[B, T]``.
+
+    ``correction`` is an ``algorithm_params.off_policy_correction`` config (its ``type`` and
+    bounds; see the module docstring for each formula). Sequence-level corrections sum (or
+    average, ``geo_mask``) ``log_rho`` over the row's unmasked tokens and broadcast the result.
+    Returns ``(w, truncated, masked)``, each ``[B, T]`` and detached; bounds are compared in
+    log space, so a huge sequence ratio never turns into ``inf * 0``.
+    """
+    log_rho = _masked(log_rho.detach().float(), mask)
+    kind = correction.type
+    nothing = torch.zeros_like(log_rho, dtype=torch.bool)
+
+    def band(lr: Tensor, low: float, high: float) -> Tensor:
+        lower = math.log(low) if low > 0 else -math.inf
+        return (lr >= lower) & (lr <= math.log(high))
+
+    if kind == "none":
+        return torch.ones_like(log_rho), nothing, nothing
+    if kind in ("tis", "decoupled", "seq_tis"):
+        lr = _row_sum(log_rho, mask) if kind == "seq_tis" else log_rho
+        over = lr > math.log(correction.cap)
+        return torch.where(over, correction.cap, torch.exp(lr.clamp(max=math.log(correction.cap)))), over, nothing
+    if kind in ("token_mis", "seq_mis", "icepop"):
+        lr = _row_sum(log_rho, mask) if kind == "seq_mis" else log_rho
+        low, high = (correction.alpha, correction.beta) if kind == "icepop" else (correction.low, correction.high)
+        keep = band(lr, low, high)
+        return torch.where(keep, torch.exp(lr.clamp(max=math.log(high))), 0.0), nothing, ~keep
+    if kind == "geo_mask":
+        keep = band(_seq_mean(log_rho, mask).unsqueeze(-1).expand(mask.shape), correction.low, correction.high)
+        return keep.to(log_rho.dtype), nothing, ~keep
+    if kind == "mask":
+        keep = band(log_rho, 1.0 / correction.cap, correction.cap)
+        return keep.to(log_rho.dtype), nothing, ~keep
+    raise ValueError(f"unknown off_policy_correction {kind!r}")
+
+
+def effective_sample_size(weight_mean: float, weight_sq_mean: float) -> float:
+    """Normalised Kish effective sample size ``mean(w)^2 / mean(w^2)`` in ``[0, 1]`` (1: all weights
+    equal, as on-policy; 0: every weight is 0). Taking means, not sums, lets micro-batches merge
+    by token-weighted averages before the ratio is formed."""
+    return weight_mean**2 / weight_sq_mean if weight_sq_mean > 0 else 0.0
+
+
+def offpolicy_metrics(
+    logprobs: Tensor, old_logprobs: Tensor, log_rho: Tensor, weights: Tensor, truncated: Tensor, masked: Tensor,
+    mask: Tensor, lag: Tensor | None = None,
+) -> dict[str, float]:
+    """Per-micro-batch off-policy diagnostics (detached floats, token means; see the module docstring).
+
+    Args:
+        logprobs, old_logprobs: ``[B, T]`` current and behaviour log-probs.
+        log_rho: ``[B, T]`` raw ``log(pi_prox / pi_behaviour)`` whatever the correction.
+        weights, truncated, masked: ``[B, T]`` from :func:`correction_weights` (as applied).
+        mask: ``[B, T]``; lag: ``[B]`` or ``[B, T]`` policy versions between the learner and
+            the weights that sampled each token (None: no lag metrics).
+
+    ``*_part`` and ``*_sq_mean`` keys are means over all tokens that merge exactly across
+    micro-batches; :func:`finish_offpolicy_metrics` turns them into the ratios.
+    """
+    with torch.no_grad():
+        keep = mask.bool()
+        w = torch.where(keep, weights.double(), 0.0)
+        raw = torch.exp(torch.where(keep, log_rho.double(), 0.0).clamp(-50.0, 50.0))
+        kl = kl_k3(_clean(logprobs, mask).detach(), _clean(old_logprobs, mask).detach())
+        out = {
+            "is/weight_mean": _mean(w, mask),
+            "is/weight_sq_mean": _mean(w * w, mask),
+            "is/weight_max": float(w.max().item()) if keep.any() else 0.0,
+            "is/raw_weight_mean": _mean(raw, mask),
+            "is/raw_weight_sq_mean": _mean(raw * raw, mask),
+            "is/truncated_frac": _mean(truncated.float(), mask),
+            "is/masked_frac": _mean(masked.float(), mask),
+            "policy/mismatch_kl": _mean(kl, mask),
+        }
+        if lag is not None:
+            lag = lag.to(mask.device).float()
+            lag = lag.unsqueeze(-1).expand(mask.shape) if lag.dim() == 1 else lag
+            fresh = (lag <= 0).float()
+            out["offpolicy/lag_mean"] = _mean(lag, mask)
+            out["offpolicy/fresh_frac"] = _mean(fresh, mask)
+            out["offpolicy/mismatch_kl_fresh_part"] = _mean(kl * fresh, mask)
+            out["offpolicy/mismatch_kl_stale_part"] = _mean(kl * (1.0 - fresh), mask)
+        out.update(finish_offpolicy_metrics(out))
+    return out
+
+
+def finish_offpolicy_metrics(metrics: dict[str, float], *, drop_parts: bool = False) -> dict[str, float]:
+    """Form the step's ratios from token-mean metrics merged over micro-batches: ``is/ess``,
+    ``is/ess_raw``, ``offpolicy/mismatch_kl_fresh`` and ``offpolicy/mismatch_kl_stale`` (mean k3
+    over lag-0 / lagging tokens; 0 where there are none). A new dict; ``drop_parts`` leaves out
+    the ``*_part`` helpers (once the whole step is merged)."""
+    out = dict(metrics)
+    if "is/weight_sq_mean" in out:
+        out["is/ess"] = effective_sample_size(out["is/weight_mean"], out["is/weight_sq_mean"])
+    if "is/raw_weight_sq_mean" in out:
+        out["is/ess_raw"] = effective_sample_size(out["is/raw_weight_mean"], out["is/raw_weight_sq_mean"])
+    if "offpolicy/fresh_frac" in out:
+        fresh = out["offpolicy/fresh_frac"]
+        fresh_part = out.get("offpolicy/mismatch_kl_fresh_part", 0.0)
+        stale_part = out.get("offpolicy/mismatch_kl_stale_part", 0.0)
+        if drop_parts:
+            out.pop("offpolicy/mismatch_kl_fresh_part", None)
+            out.pop("offpolicy/mismatch_kl_stale_part", None)
+        out["offpolicy/mismatch_kl_fresh"] = fresh_part / fresh if fresh > 0 else 0.0
+        out["offpolicy/mismatch_kl_stale"] = stale_part / (1.0 - fresh) if fresh < 1 else 0.0
+    return out
 
 
 # ---- RL policy losses ------------------------------------------------------------------------
@@ -283,6 +453,8 @@ class PolicyBatch:
     """Sequences of the whole optimizer step (None: this batch's)."""
     max_tokens: int | None = None
     """Constant length for ``seq-mean-token-sum-norm`` (Dr.GRPO); None: this batch's T."""
+    lag: Tensor | None = None
+    """[B] or [B, T] policy versions between the learner and the weights that sampled each token (diagnostics)."""
 
 
 def _mean(values: Tensor, mask: Tensor) -> float:
@@ -315,36 +487,43 @@ def _seq_mean(values: Tensor, mask: Tensor) -> Tensor:
 def _policy_objective(
     batch: PolicyBatch, params: Any, clip_low: float, clip_high: float, *, sequence_ratio: bool = False
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate + KL shared by every RL loss; returns (loss, metrics) with loss/total."""
+    """The policy-loss variant + correction + KL shared by every RL loss; returns (loss, metrics) with loss/total."""
     mask = batch.mask
     logp = _clean(batch.logprobs, mask)
     old = _clean(batch.old_logprobs, mask).detach()
     advantages = _clean(_token_advantages(batch.advantages.detach(), mask), mask)
-    mode = params.off_policy_correction
+    correction = params.off_policy_correction
+    variant = params.policy_loss.type
+    sequence_ratio = sequence_ratio or variant == "gspo_token"
 
     prox = batch.prox_logprobs
-    if mode == "decoupled" and prox is None:
+    if prox is None and correction.type == "decoupled":
         prox = logp.detach()
-    if mode == "none" or prox is None:
-        base = old
-        log_w = torch.zeros_like(old)
-        weight_mode = "none"
+    prox = _clean(prox, mask).detach() if prox is not None else None
+    log_rho = (prox if prox is not None else logp.detach()) - old  # raw behaviour gap, for diagnostics
+    if correction.type == "none" or prox is None:
+        base, log_w, applied = old, torch.zeros_like(old), NO_CORRECTION
     else:
-        base = _clean(prox, mask).detach()
-        log_w = base - old
-        weight_mode = mode
+        base, log_w, applied = prox, prox - old, correction
 
     if sequence_ratio:
         # GSPO-token: value exp(mean_t(logp - base)) on every token, gradient ratio * grad logp_t
         seq_log_ratio = _seq_mean(logp - base, mask)  # [B]
         log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
-        log_w = _seq_mean(log_w, mask).unsqueeze(-1).expand(mask.shape)
+        if applied.type in ("tis", "decoupled", "token_mis", "icepop", "mask"):
+            log_w = _seq_mean(log_w, mask).unsqueeze(-1).expand(mask.shape)
     else:
         log_ratio = logp - base
     ratio = torch.exp(log_ratio)
-    weights, truncated, masked = importance_weights(log_w, weight_mode, params.is_cap)
+    weights, truncated, masked = correction_weights(log_w, mask, applied)
 
-    per_token, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    if variant == "cispo":
+        per_token, clipped = cispo_surrogate(logp, ratio, advantages, params.policy_loss.clip_low, params.policy_loss.clip_high)
+    elif variant == "sapo":
+        per_token = sapo_surrogate(ratio, advantages, params.policy_loss.tau_pos, params.policy_loss.tau_neg)
+        clipped = torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        per_token, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
     norms = {"token_normalizer": batch.token_normalizer, "seq_normalizer": batch.seq_normalizer, "max_tokens": batch.max_tokens}
     agg = params.loss_aggregation
     policy_loss = aggregate(agg, per_token * weights, mask, **norms)
@@ -357,13 +536,9 @@ def _policy_objective(
             "policy/clipfrac": _mean(clipped.float(), mask),
             "policy/ratio_mean": _mean(ratio.detach(), mask),
             "policy/approx_kl": _mean(torch.exp(log_ratio_d) - 1.0 - log_ratio_d, mask),
-            "policy/mismatch_kl": _mean(kl_k3(logp.detach(), old), mask),
             "policy/tokens": float(mask.sum().item()),
-            "is/weight_mean": _mean(weights, mask),
-            "is/weight_max": float(torch.where(mask.bool(), weights, 0.0).max().item()) if mask.any() else 0.0,
-            "is/truncated_frac": _mean(truncated.float(), mask),
-            "is/masked_frac": _mean(masked.float(), mask),
         }
+        metrics.update(offpolicy_metrics(logp, old, log_rho, weights, truncated, masked, mask, batch.lag))
         if batch.advantages.dim() == 1:
             rows = mask.sum(dim=-1) > 0
             seq_adv = batch.advantages.detach()[rows]

@@ -26,14 +26,12 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
-import numpy as np
 from rich.console import Console
 from rich.text import Text
 
 from rlstream.broker.errors import BrokerError
 from rlstream.observe import ObserveError, fail, matches, nats_url, open_connection, parse_time, parse_where
 from rlstream.schemas import DeadLetter, MetricEvent, Prompt, RolloutGroup, ScoredGroup, decode_any
-from rlstream.schemas.codec import plain
 
 MAX_TEXT = 160
 
@@ -46,20 +44,9 @@ def decode_message(data: bytes) -> tuple[Any | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _unpack_arrays(value: Any) -> Any:
-    """Packed arrays (``{dtype, shape, data}``) to lists, recursively, for people and ``jq``."""
-    if isinstance(value, dict):
-        if set(value) == {"dtype", "shape", "data"} and isinstance(value["data"], (bytes, bytearray)):
-            return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"]).tolist()
-        return {k: _unpack_arrays(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unpack_arrays(v) for v in value]
-    return value
-
-
 def plain_record(record: Any) -> dict[str, Any]:
-    """The record as JSON-friendly data: ``to_plain()``, with arrays as lists of numbers."""
-    return plain(_unpack_arrays(record.to_wire_view()))
+    """The record as JSON-friendly data, arrays as lists of numbers (``to_plain()``)."""
+    return record.to_plain()
 
 
 def to_json_line(subject: str, seq: int | None, when: float, record: Any | None, error: str | None, size: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Records that cross the broker, their MessagePack codec and validation."""
 
-from rlstream.schemas.codec import DEFAULT_LIMITS, Limits, RecordError
+from rlstream.schemas.codec import DEFAULT_LIMITS, Array, Limits, RecordError
 from rlstream.schemas.records import (
     RECORDS,
     DeadLetter,
@@ -18,7 +18,7 @@ from rlstream.schemas.records import (
 )
 
 __all__ = [
-    "DEFAULT_LIMITS", "Limits", "RecordError", "RECORDS", "DeadLetter", "MetricEvent",
+    "DEFAULT_LIMITS", "Array", "Limits", "RecordError", "RECORDS", "DeadLetter", "MetricEvent",
     "PreferencePair", "Prompt", "Record", "RolloutGroup", "Sample", "ScoredGroup",
     "SFTExample", "WeightsAnnouncement", "decode_any", "new_id",
 ]

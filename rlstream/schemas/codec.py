@@ -1,19 +1,39 @@
-"""Wire codec: MessagePack maps, numpy arrays as ``{dtype, shape, data}`` with raw bytes.
+"""One codec for every record: MessagePack maps, arrays as ``{dtype, shape, data}``.
 
 Every record is a plain MessagePack map, so any language can read it with a stock
 msgpack library. Arrays are little-endian and self-describing: ``dtype`` is a numpy
-type string (``"<i4"``, ``"<f4"``), ``shape`` a list, ``data`` the raw bytes. Decoding
-wraps the bytes with ``np.frombuffer`` (no copy) and checks every field it reads,
-raising :class:`RecordError` that names the field.
+type string (``"<i4"``, ``"<f4"``), ``shape`` a list, ``data`` the raw bytes.
+
+A record is one :class:`Record` struct (``rlstream.schemas.records``); this module reads
+its annotations once and derives from them everything the wire needs:
+
+- **encoding** is msgspec's, straight from the struct, fields in declaration order;
+  a numpy array is written as an :class:`Array`.
+- **decoding** goes through a *wire twin* of the struct, built here, not written by hand:
+  the same fields and defaults, except that an array field is an :class:`Array` (its
+  bytes a zero-copy view of the payload) and a free-form field (``columns``,
+  ``sampling``) is kept as raw MessagePack until it has been measured. msgspec checks the
+  structure in C; the twin becomes the record; ``validate()`` checks the values.
+- **bounds**: a payload over ``Limits.max_bytes`` is refused before parsing; every typed
+  list and map has a fixed ceiling that msgspec checks from its header, before building
+  it; free-form values may hold at most ``Limits.max_elements`` elements, nested at most
+  ``Limits.max_depth`` deep, counted on the raw bytes before they become Python objects.
+  A small MessagePack element can become a 60-120 byte Python object, so without these a
+  few MB of payload could take hundreds of MB to decode.
+
+Every failure is a :class:`RecordError` that names the field.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import struct
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-import msgpack
+import msgspec
 import numpy as np
 
 
@@ -28,13 +48,19 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds enforced while decoding. ``vocab_size`` is checked only when known."""
+    """Bounds enforced while decoding. ``vocab_size`` is checked only when known.
+
+    ``max_elements`` and ``max_depth`` bound the free-form fields (``columns``,
+    ``sampling``) of one record, all of them together.
+    """
 
     max_bytes: int = 16 * 1024 * 1024
     max_tokens: int = 1 << 20
     max_samples: int = 4096
     max_string: int = 1 << 20
     vocab_size: int | None = None
+    max_elements: int = 1 << 17
+    max_depth: int = 32
 
 
 DEFAULT_LIMITS = Limits()
@@ -42,142 +68,103 @@ DEFAULT_LIMITS = Limits()
 INT32 = np.dtype("<i4")
 FLOAT32 = np.dtype("<f4")
 
+# Ceilings of the typed lists and maps, checked from the MessagePack header before the
+# container is built. ``Limits`` can only tighten them (``max_samples`` above MAX_LIST
+# still stops at MAX_LIST).
+MAX_LIST = 1 << 16
+MAX_NAMES = 1024
 
-def pack_array(arr: np.ndarray, dtype: np.dtype) -> dict[str, Any]:
+
+def capped(kind: Any, n: int = MAX_LIST) -> Any:
+    """A list or map type whose length msgspec checks before building it."""
+    return Annotated[kind, msgspec.Meta(max_length=n)]
+
+
+class Array(msgspec.Struct):
+    """The one array type on the wire: ``{dtype, shape, data}``, data as raw bytes."""
+
+    dtype: str
+    shape: capped(list[int], 32)
+    data: memoryview
+
+
+# ---- field kinds, declared in a record's annotations ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayOf:
+    """Annotation of a 1-D numpy field: its dtype and the value check it gets.
+
+    ``check``: ``"tokens"`` (ids in ``[0, vocab)``), ``"logprobs"`` (finite, <= 0),
+    ``"finite"``, or ``None``.
+    """
+
+    dtype: np.dtype
+    check: str | None = None
+    wire_dtype: str = ""  # numpy computes ``dtype.str`` on every access (~0.5 us): kept here
+    itemsize: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wire_dtype", self.dtype.str)
+        object.__setattr__(self, "itemsize", self.dtype.itemsize)
+
+
+class FreeForm:
+    """Annotation of a free-form map (``dict[str, Any]``): bounded by ``max_elements`` and ``max_depth``."""
+
+
+TokenIds = Annotated[np.ndarray, ArrayOf(INT32, "tokens")]
+LogProbs = Annotated[np.ndarray, ArrayOf(FLOAT32, "logprobs")]
+Floats = Annotated[np.ndarray, ArrayOf(FLOAT32, "finite")]
+Counts = Annotated[np.ndarray, ArrayOf(INT32)]
+MaybeFloats = Annotated[np.ndarray, ArrayOf(FLOAT32)]  # NaN where there is no value (a reward term that did not apply)
+Columns = Annotated[dict[str, Any], FreeForm()]
+
+_ARRAY, _ARRAY_MAP, _FREE, _RECORD = "array", "array_map", "free", "record"
+
+
+def pack_array(arr: Any, dtype: np.dtype) -> dict[str, Any]:
+    """An array as the plain map a record holds on the wire (for building payloads by hand)."""
     a = np.ascontiguousarray(arr, dtype=dtype)
     return {"dtype": dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
-def packb(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):  # a record's arrays already have their wire dtype
+        a = np.ascontiguousarray(obj)
+        return Array(a.dtype.str, list(a.shape), memoryview(a).cast("B"))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def check_size(data: bytes, limits: Limits) -> None:
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def check_size(data: Any, limits: Limits) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("<payload>", f"expected bytes, got {type(data).__name__}")
     if len(data) > limits.max_bytes:
         raise RecordError("<payload>", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
 
 
-def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Parse the outer map, enforcing the payload size limit before anything else."""
-    check_size(data, limits)
-    try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=limits.max_bytes,
-            max_str_len=limits.max_string,
-            max_array_len=limits.max_tokens,
-            max_map_len=65536,
-        )
-    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-        raise RecordError("<payload>", f"not valid MessagePack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(obj, dict):
-        raise RecordError("<payload>", f"expected a map, got {type(obj).__name__}")
-    return obj
+# ---- value checks ----------------------------------------------------------------------
 
-
-# ---- field readers: each raises RecordError naming the field -------------------------
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def get(obj: dict, field: str, kind: type | tuple[type, ...], default: Any = ..., *, path: str = "") -> Any:
-    name = f"{path}{field}"
-    if field not in obj:
-        if default is ...:
-            raise RecordError(name, "missing")
-        return default
-    value = obj[field]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and kind is not bool and (kind is int or kind is float):
-        raise RecordError(name, f"expected {kind.__name__}, got bool")
-    if not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise RecordError(name, f"expected {expected}, got {_type_name(value)}")
-    return value
-
-
-def get_str(obj: dict, field: str, default: Any = ..., *, path: str = "", limits: Limits = DEFAULT_LIMITS) -> str:
-    value = get(obj, field, str, default, path=path)
-    if isinstance(value, str) and len(value) > limits.max_string:
-        raise RecordError(f"{path}{field}", f"string of {len(value)} chars exceeds {limits.max_string}")
-    return value
-
-
-def get_int(obj: dict, field: str, default: Any = ..., *, path: str = "", lo: int | None = None) -> int:
-    value = get(obj, field, int, default, path=path)
-    if lo is not None and value < lo:
-        raise RecordError(f"{path}{field}", f"{value} is below the minimum {lo}")
-    return value
-
-
-def get_float(obj: dict, field: str, default: Any = ..., *, path: str = "") -> float:
-    value = get(obj, field, float, default, path=path)
-    if not np.isfinite(value):
-        raise RecordError(f"{path}{field}", f"{value} is not finite")
-    return value
-
-
-def get_str_list(obj: dict, field: str, n: int | None, *, path: str = "", default: Any = ...) -> list[str]:
-    values = get(obj, field, list, default, path=path)
-    if n is not None and len(values) != n:
-        raise RecordError(f"{path}{field}", f"has {len(values)} entries, expected {n}")
-    for i, v in enumerate(values):
-        if not isinstance(v, str):
-            raise RecordError(f"{path}{field}[{i}]", f"expected str, got {_type_name(v)}")
-    return values
-
-
-def get_array(
-    obj: dict,
-    field: str,
-    dtype: np.dtype,
-    *,
-    path: str = "",
-    limits: Limits = DEFAULT_LIMITS,
-    length: int | None = None,
-) -> np.ndarray:
-    """Decode a 1-D array without copying; check dtype, shape and byte length."""
-    name = f"{path}{field}"
-    spec = get(obj, field, dict, path=path)
-    shape = spec.get("shape")
-    if not (isinstance(shape, list) and all(isinstance(x, int) for x in shape)):
-        raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
-    data = spec.get("data")
-    if not isinstance(data, (bytes, bytearray)):
-        raise RecordError(name, f"data must be bytes, got {_type_name(data)}")
-    return view_array(spec.get("dtype"), shape, data, dtype, name, limits, length)
-
-
-_DTYPE_INFO: dict[np.dtype, tuple[str, int]] = {}
-
-
-def view_array(got_dtype: Any, shape: list[int], data, dtype: np.dtype, name: str, limits: Limits,
-               length: int | None = None) -> np.ndarray:
-    """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit,
-    byte length, and the expected length when given."""
-    info = _DTYPE_INFO.get(dtype)
-    if info is None:  # numpy computes ``dtype.str`` on every access (~0.5 us): remember it
-        info = _DTYPE_INFO[dtype] = (dtype.str, dtype.itemsize)
-    expected, itemsize = info
-    if got_dtype != expected:
-        raise RecordError(name, f"dtype {got_dtype!r}, expected {expected!r}")
+def view_array(spec: Array, kind: ArrayOf, name: str, limits: Limits) -> np.ndarray:
+    """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit and
+    byte length."""
+    expected, itemsize, dtype = kind.wire_dtype, kind.itemsize, kind.dtype
+    if spec.dtype != expected:
+        raise RecordError(name, f"dtype {spec.dtype!r}, expected {expected!r}")
+    shape = spec.shape
     if len(shape) != 1 or shape[0] < 0:
         raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
     n = shape[0]
     if n > limits.max_tokens:
         raise RecordError(name, f"{n} elements exceeds the limit of {limits.max_tokens}")
-    if len(data) != n * itemsize:
-        raise RecordError(name, f"{len(data)} bytes do not hold shape [{n}] of {expected}")
-    if length is not None and n != length:
-        raise RecordError(name, f"has {n} elements, expected {length}")
-    return np.frombuffer(data, dtype)
+    if len(spec.data) != n * itemsize:
+        raise RecordError(name, f"{len(spec.data)} bytes do not hold shape [{n}] of {expected}")
+    return np.frombuffer(spec.data, dtype)
 
 
 _MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # without ndarray.max's Python wrapper
@@ -212,10 +199,423 @@ def check_finite(arr: np.ndarray, name: str) -> None:
         raise RecordError(name, "contains NaN or infinite values")
 
 
+def check_values(arrays: list[tuple[str, np.ndarray, str]], limits: Limits, path: str = "") -> None:
+    """``(name, array, check)`` triples, as :meth:`Record.value_arrays` lists them."""
+    for name, arr, check in arrays:
+        if check == "tokens":
+            check_token_ids(arr, path + name, limits)
+        elif check == "logprobs":
+            check_logprobs(arr, path + name)
+        else:
+            check_finite(arr, path + name)
+
+
+def values_ok(arrays: list[tuple[str, np.ndarray, str]], limits: Limits) -> bool:
+    """Whether all these arrays pass their checks, in one numpy pass per kind of check.
+
+    Per-array reductions cost more in call overhead than in work (a group's arrays are a
+    few KB), so a fetched batch is checked together; only when that fails are the records
+    checked one by one, to name the bad ones.
+    """
+    by_check: dict[str, list[np.ndarray]] = {}
+    for _, arr, check in arrays:
+        by_check.setdefault(check, []).append(arr)
+    try:
+        check_values([("", np.concatenate(arrs), check) for check, arrs in by_check.items()], limits)
+    except RecordError:
+        return False
+    return True
+
+
+# ---- free-form fields: measured on the raw bytes before they are built ------------------
+
+# The MessagePack type bytes that open a container (fixmap, fixarray, array16/32, map16/32):
+# their count in a value bounds how deep it can nest.
+_CONTAINER_BYTES = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+# bytes after the type byte, for scalars of fixed size
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+          0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+# a length field of 1, 2 or 4 bytes, then that many bytes (str, bin, ext: +1 type byte)
+_SIZED = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xC7: (">B", 1), 0xC8: (">H", 1),
+          0xC9: (">I", 1), 0xD9: (">B", 0), 0xDA: (">H", 0), 0xDB: (">I", 0)}
+
+
+def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple[int, int]:
+    """(elements, depth) of one MessagePack value, each counted only up to just past its
+    limit. Malformed bytes stop the count early; msgspec reports them when it decodes."""
+    data = bytes(raw)
+    pos, end, elements, depth = 0, len(data), 0, 0
+    stack: list[int] = [1]  # values still to read at each open level
+    unpack = struct.unpack_from
+    while stack and pos < end:
+        if stack[-1] == 0:
+            stack.pop()
+            continue
+        stack[-1] -= 1
+        elements += 1
+        if elements > max_elements:
+            break
+        b = data[pos]
+        pos += 1
+        n = -1  # entries of a container opened here
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x8F:
+            n = 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            n = b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            fmt, extra = _SIZED[b]
+            if pos + struct.calcsize(fmt) > end:
+                break
+            size = unpack(fmt, data, pos)[0]
+            pos += struct.calcsize(fmt) + extra + size
+        elif b in (0xDC, 0xDE):
+            if pos + 2 > end:
+                break
+            n = unpack(">H", data, pos)[0] * (2 if b == 0xDE else 1)
+            pos += 2
+        elif b in (0xDD, 0xDF):
+            if pos + 4 > end:
+                break
+            n = unpack(">I", data, pos)[0] * (2 if b == 0xDF else 1)
+            pos += 4
+        else:  # 0xC1 is never used
+            break
+        if n > 0:
+            stack.append(n)
+            depth = max(depth, len(stack) - 1)
+            if depth > max_depth:
+                break
+        elif n == 0:
+            depth = max(depth, len(stack))
+    return elements, depth
+
+
+def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: str) -> None:
+    """Refuse free-form values that hold too many elements or nest too deep, before decoding
+    them. One byte holds at most one element and at most one container, so most values are
+    cleared by their length and a count of container bytes, without walking them."""
+    budget, depth = limits.max_elements, limits.max_depth
+    total, walk = 0, False
+    for _, raw in raws:
+        n = len(raw)
+        total += n
+        if n > depth and n - len(bytes(raw).translate(None, _CONTAINER_BYTES)) > depth:
+            walk = True
+    if total <= budget and not walk:
+        return
+    for name, raw in raws:
+        elements, depth = measure(raw, budget, limits.max_depth)
+        if depth > limits.max_depth:
+            raise RecordError(path + name, f"nested deeper than the limit of {limits.max_depth}")
+        if elements > budget:
+            raise RecordError(path + name, f"holds more than {limits.max_elements} elements "
+                                           "(the limit, all free-form fields together)")
+        budget -= elements
+
+
+# ---- the generic codec -----------------------------------------------------------------
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+_INDEX = re.compile(r"\[\d+\]")
+
+
+def _field(msg: str, path: str) -> str:
+    """The field a msgspec error is about, in the record's own names."""
+    where = _AT.search(msg)
+    loc = where.group(1) if where else ""
+    missing = _MISSING.search(msg)
+    if missing:
+        loc = f"{loc}.{missing.group(1)}" if loc else missing.group(1)
+    # the element of a list (texts[3]) is reported as the list, and the inner field of an
+    # array (lengths.dtype) as the array, but a nested record keeps its path (rollout.lengths)
+    parts = _INDEX.sub("", loc).split(".") if loc else []
+    out: list[str] = []
+    for part in parts:
+        out.append(part)
+        if part not in _NESTED:
+            break
+    return path + ".".join(out) if out else path + "<payload>"
+
+
+def _message(msg: str) -> str:
+    """A msgspec error in the words of the rest of the codec (``expected int, got str``, ``missing``)."""
+    if _MISSING.search(msg):
+        return "missing"
+    msg = msg.split(" - at ")[0].replace("`", "")
+    return msg[:1].lower() + msg[1:]
+
+
+_NESTED: set[str] = set()  # names of fields that hold a nested record (``rollout``)
+
+
+class _Plan:
+    """What the codec derived from one record class's annotations."""
+
+    __slots__ = ("kinds", "arrays", "checked", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+
+    def __init__(self, cls: type) -> None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        self.kinds: dict[str, tuple] = {}
+        wire_fields = []
+        for f in msgspec.structs.fields(cls):
+            hint = hints[f.name]
+            kind, wire_type = _kind(hint)
+            self.kinds[f.name] = kind
+            default: Any = f.default if f.default is not msgspec.NODEFAULT else msgspec.NODEFAULT
+            factory = f.default_factory
+            if f.name in ("v", "id") or kind[0] == _ARRAY:
+                default, factory = msgspec.NODEFAULT, msgspec.NODEFAULT  # required on the wire
+            elif f.name == "ts":
+                default, factory = 0.0, msgspec.NODEFAULT
+            elif kind[0] == _FREE:
+                default, factory = msgspec.Raw(b"\x80"), msgspec.NODEFAULT  # an empty map
+            if factory is not msgspec.NODEFAULT:
+                wire_fields.append((f.name, wire_type, msgspec.field(default_factory=factory)))
+            elif default is not msgspec.NODEFAULT:
+                wire_fields.append((f.name, wire_type, default))
+            else:
+                wire_fields.append((f.name, wire_type))
+        self.arrays = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY]
+        self.checked = [(n, spec.check) for n, spec in self.arrays if spec.check]
+        self.array_maps = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY_MAP]
+        self.free = [n for n, k in self.kinds.items() if k[0] == _FREE]
+        self.records = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _RECORD]
+        _NESTED.update(n for n, _ in self.records)
+        self.strings = [n for n in self.kinds if hints[n] is str]
+        self.floats = [n for n in self.kinds if hints[n] is float]
+        self.wire = msgspec.defstruct(f"{cls.__name__}Wire", wire_fields, kw_only=True,
+                                      tag_field="schema", tag=cls.SCHEMA)
+        self.decoder = msgspec.msgpack.Decoder(self.wire)
+
+
+_PLANS: dict[type, _Plan] = {}
+
+
+def plan_of(cls: type) -> _Plan:
+    """The codec's plan for a record class, derived on first use (msgspec finishes a struct
+    class only after ``__init_subclass__``)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _Plan(cls)
+    return plan
+
+
+def _kind(hint: Any) -> tuple[tuple, Any]:
+    """(kind, wire type) of one annotation."""
+    if typing.get_origin(hint) is Annotated:
+        base, *meta = typing.get_args(hint)
+        for m in meta:
+            if isinstance(m, ArrayOf):
+                return (_ARRAY, m), Array
+            if isinstance(m, FreeForm):
+                return (_FREE,), msgspec.Raw
+        if typing.get_origin(base) is dict:
+            value = typing.get_args(base)[1]
+            if typing.get_origin(value) is Annotated and any(isinstance(m, ArrayOf) for m in typing.get_args(value)[1:]):
+                spec = next(m for m in typing.get_args(value)[1:] if isinstance(m, ArrayOf))
+                return (_ARRAY_MAP, spec), Annotated[dict[str, Array], *meta]
+        return ("plain",), hint
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return (_RECORD, hint), plan_of(hint).wire
+    return ("plain",), hint
+
+
+class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
+    """A record on the wire: ``schema`` (the tag), ``v``, ``id``, ``run``, ``ts``, then its own fields.
+
+    Subclasses set ``SCHEMA`` (the tag, passed as ``tag=``), ``VERSION`` (and redeclare
+    ``v`` with it as default) and may add to :meth:`validate`.
+    """
+
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+
+    v: int = 0
+    id: str
+
+    def __post_init__(self) -> None:
+        # arrays take their wire dtype here (a no-op for decoded ones), so encoding writes them as they are
+        plan = plan_of(type(self))
+        for n, spec in plan.arrays:
+            value = getattr(self, n)
+            if not (type(value) is np.ndarray and value.dtype == spec.dtype):
+                setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
+        for n, spec in plan.array_maps:
+            value = getattr(self, n)
+            if not all(isinstance(a, np.ndarray) and a.dtype == spec.dtype for a in value.values()):
+                setattr(self, n, {k: np.ascontiguousarray(a, dtype=spec.dtype) for k, a in value.items()})
+
+    # ---- encoding
+
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The plain map this record encodes to (arrays as ``{dtype, shape, data}``)."""
+        return msgspec.msgpack.decode(self.encode())
+
+    # ---- validation
+
+    def value_arrays(self, path: str = "") -> list[tuple[str, np.ndarray, str]]:
+        """``(name, array, check)`` for every array whose values need a check, nested records included."""
+        plan = plan_of(type(self))
+        out = [(path + n, getattr(self, n), check) for n, check in plan.checked]
+        for n, spec in plan.array_maps:
+            if spec.check:
+                out.extend((f"{path}{n}.{k}", a, spec.check) for k, a in getattr(self, n).items())
+        for n, _ in plan.records:
+            out.extend(getattr(self, n).value_arrays(f"{path}{n}."))
+        return out
+
+    def check_structure(self, limits: Limits = DEFAULT_LIMITS, path: str = "") -> None:
+        """Every rule but the array values: version, strings, finite floats, the record's own rules."""
+        for n, _ in plan_of(type(self)).records:
+            getattr(self, n).check_structure(limits, f"{path}{n}.")
+        self._check_own(limits, path, strings=True)
+
+    def _check_own(self, limits: Limits, path: str, strings: bool) -> None:
+        if not 1 <= self.v <= self.VERSION:
+            raise RecordError(f"{path}v", f"version {self.v} of {self.SCHEMA} is not known (1..{self.VERSION})")
+        plan = plan_of(type(self))
+        if strings:  # a decoded string is no longer than its payload: skipped when that is short enough
+            for n in plan.strings:
+                if len(getattr(self, n)) > limits.max_string:
+                    raise RecordError(f"{path}{n}", f"string of {len(getattr(self, n))} chars exceeds {limits.max_string}")
+        for n in plan.floats:
+            if not math.isfinite(getattr(self, n)):
+                raise RecordError(f"{path}{n}", f"{getattr(self, n)} is not finite")
+        self.check(limits, path)
+
+    def check(self, limits: Limits, path: str) -> None:
+        """The record's own rules (lengths that must agree, bounds); arrays values are not checked here."""
+
+    def validate(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        """Raise :class:`RecordError` naming the first field that breaks a rule."""
+        self.check_structure(limits)
+        check_values(self.value_arrays(), limits)
+
+    # ---- decoding
+
+    @classmethod
+    def _from_wire(cls, w: Any, limits: Limits, path: str, strings: bool) -> "Record":
+        plan = plan_of(cls)
+        kw = msgspec.structs.asdict(w)
+        for n, spec in plan.arrays:
+            kw[n] = view_array(kw[n], spec, path + n, limits)
+        for n, spec in plan.array_maps:
+            kw[n] = {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in kw[n].items()}
+        if plan.free:
+            raws = [(n, kw[n]) for n in plan.free]
+            check_free_form(raws, limits, path)
+            for n, raw in raws:
+                kw[n] = _decode_free(raw, path + n)
+        for n, sub in plan.records:
+            kw[n] = sub._from_wire(kw[n], limits, f"{path}{n}.", strings)
+        rec = cls(**kw)
+        rec._check_own(limits, path, strings)
+        rec.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
+        return rec
+
+    @classmethod
+    def _decode_structure(cls, data: Any, limits: Limits) -> "Record":
+        check_size(data, limits)
+        return cls._from_wire(_wire_decode(plan_of(cls).decoder, data), limits, "", len(data) > limits.max_string)
+
+    @classmethod
+    def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
+        rec = cls._decode_structure(data, limits)
+        check_values(rec.value_arrays(), limits)
+        return rec
+
+    @classmethod
+    def decode_many(cls, datas, limits: Limits = DEFAULT_LIMITS) -> list:
+        """A fetched batch, each item the record or the :class:`RecordError` it raised: the
+        structure of each record, then the array values of all of them in one pass."""
+        out: list = []
+        pending: list[tuple[int, list]] = []
+        for data in datas:
+            try:
+                rec = cls._decode_structure(data, limits)
+            except RecordError as exc:
+                out.append(exc)
+                continue
+            pending.append((len(out), rec.value_arrays()))
+            out.append(rec)
+        if pending and not values_ok([a for _, arrays in pending for a in arrays], limits):
+            for i, arrays in pending:
+                try:
+                    check_values(arrays, limits)
+                except RecordError as exc:
+                    out[i] = exc
+        return out
+
+    # ---- views
+
+    def to_plain(self) -> dict[str, Any]:
+        """A JSON-friendly view for tail/export: arrays as lists of numbers, bytes as a length note."""
+        return {"schema": self.SCHEMA, **plain(msgspec.structs.asdict(self))}
+
+
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def _decode_free(raw: msgspec.Raw, name: str) -> dict[str, Any]:
+    if len(raw) == 1 and bytes(raw) == b"\x80":  # the usual empty map
+        return {}
+    try:
+        value = _any_decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RecordError(name, f"not valid MessagePack ({exc})") from None
+    if not isinstance(value, dict):
+        raise RecordError(name, f"expected a map, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise RecordError(name, f"key {k!r} is not a string")
+    return value
+
+
+def _wire_decode(decoder: msgspec.msgpack.Decoder, data: Any) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text.startswith("Expected `object`") and " - at " not in text:
+            raise RecordError("<payload>", "expected a map, got " + text.split("got ")[-1].strip("`")) from None
+        raise RecordError(_field(text, ""), _message(text)) from None
+    except RecursionError:  # msgspec parses no deeper than Python's recursion limit, even to skip
+        raise RecordError("<payload>", "nested too deep to decode") from None
+    except msgspec.DecodeError as exc:
+        raise RecordError("<payload>", f"not valid MessagePack ({exc})") from None
+
+
+def decoder_for(classes: list[type[Record]]) -> msgspec.msgpack.Decoder:
+    """One decoder for a payload of any of these record types (the tag picks the type)."""
+    return msgspec.msgpack.Decoder(typing.Union[tuple(plan_of(c).wire for c in classes)])
+
+
+def decode_tagged(decoder: msgspec.msgpack.Decoder, by_wire: dict[type, type[Record]], data: Any,
+                  limits: Limits = DEFAULT_LIMITS) -> Record:
+    check_size(data, limits)
+    w = _wire_decode(decoder, data)
+    cls = by_wire[type(w)]
+    rec = cls._from_wire(w, limits, "", len(data) > limits.max_string)
+    check_values(rec.value_arrays(), limits)
+    return rec
+
+
 def plain(value: Any) -> Any:
     """Make a decoded value JSON-friendly: arrays to lists, bytes to a length note."""
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, Record):
+        return value.to_plain()
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

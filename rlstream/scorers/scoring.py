@@ -73,7 +73,7 @@ class Flat:
         """Completion lengths in tokens."""
         if self._ids is not None:
             return [len(ids) for ids in self._ids]
-        return [n for g in self.groups for n in g.lengths()]
+        return [n for g in self.groups for n in g.lengths.tolist()]
 
 
 def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | None = None) -> Flat:
@@ -85,13 +85,12 @@ def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | No
                 names.append(k)
     columns: dict[str, list[Any]] = {k: [] for k in names}
     for g in groups:
-        samples = g.samples
-        n = len(samples)
+        n = g.group_size
         sizes.append(n)
         prompts.extend([g.prompt_text] * n)
-        texts, why = g.texts(), g.finish_reasons()  # no per-sample objects for a decoded group
+        texts, why = g.texts, g.finish_reasons
         if decode is not None and not all(texts):
-            texts = [t or (decode(s.completion_ids) if len(s.completion_ids) else "") for t, s in zip(texts, samples)]
+            texts = [t or (decode(s.completion_ids) if len(s.completion_ids) else "") for t, s in zip(texts, g.samples)]
         completions.extend(texts)
         reasons.extend(why)
         for k in names:

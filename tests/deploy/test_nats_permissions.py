@@ -1,15 +1,21 @@
-"""deploy/nats/accounts.conf enforced by a real nats-server: each role publishes only its
-own records; only the learner writes weights and the policy version; wrong credentials
-fail with a clear BrokerError.
+"""deploy/nats/accounts.conf enforced by a real nats-server: every role tries every other
+role's subjects, streams, consumers (pull, ack, nak, reconfigure), KV keys and objects,
+another run's subjects, stream creation and other roles' reply inboxes; each attempt is
+refused, and the server's state (streams, messages, consumers, KV, objects) is unchanged.
 
-The server takes the passwords from its environment, as in the Kubernetes StatefulSet; the
-test generates fresh ones.
+The server runs the shipped file as is, for the run it names (the run of the Kubernetes
+ConfigMap). It takes the passwords from its environment, as in the StatefulSet; the test
+generates fresh ones. Each test gets a fresh server, so the run's names are free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import re
 import secrets
+import time
 from pathlib import Path
 
 import nats.errors
@@ -18,28 +24,42 @@ from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.cluster import LocalCluster
-from rlstream.broker.layout import PACING_ADMIT, WEIGHTS_LATEST
+from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
 from rlstream.config import NatsConfig
 
 ACCOUNTS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.conf"
 ROLES = ("feeder", "producer", "scorer", "learner", "operator", "sys")
+COMPONENTS = ("feeder", "producer", "scorer", "learner")
+OTHER_RUN = "other-run"
+OWN_DURABLE = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+OWN_RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
+LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory):
+def shipped_run() -> str:
+    """The run the shipped accounts.conf is written for (its subjects name it)."""
+    runs = set(re.findall(r'"rl\.([A-Za-z0-9_-]+)\.prompts"', ACCOUNTS.read_text()))
+    assert len(runs) == 1, f"accounts.conf must scope its subjects to one run, found {runs or 'rl.*'}"
+    return runs.pop()
+
+
+@pytest.fixture
+def secured(tmp_path):
     passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():
         mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
-    server = LocalCluster(tmp_path_factory.mktemp("secured"), size=1, accounts_file=ACCOUNTS)
-    server.start()
-    mp.undo()  # the server read them at start; the test process does not need them
+    server = LocalCluster(tmp_path / "secured", size=1, accounts_file=ACCOUNTS)
+    try:
+        server.start()
+    finally:
+        mp.undo()  # the server read them at start; the test process does not need them
     yield server, passwords
     server.stop()
 
 
-def _cfg(server, user: str, password: str) -> NatsConfig:
-    return NatsConfig(url=server.urls, user=user, password=SecretStr(password))
+def _cfg(server, user: str, password: str, **kw) -> NatsConfig:
+    return NatsConfig(url=server.urls, user=user, password=SecretStr(password), **kw)
 
 
 class Denials:
@@ -51,8 +71,8 @@ class Denials:
     async def cb(self, exc: Exception) -> None:
         self.errors.append(str(exc))
 
-    def denied(self, subject_part: str) -> bool:
-        return any("permissions violation" in e.lower() and subject_part.lower() in e.lower() for e in self.errors)
+    def denied(self, subject: str) -> bool:
+        return any("permissions violation" in e.lower() and f'"{subject.lower()}"' in e.lower() for e in self.errors)
 
 
 async def _client(server, passwords, role):
@@ -61,95 +81,266 @@ async def _client(server, passwords, role):
     return nc, nc.jetstream(timeout=3), denials
 
 
-async def test_only_the_learner_writes_weights_and_the_policy_version(secured, run_id):
+# ---- the server's state, as the operator sees it ---------------------------------------
+
+
+async def snapshot(js, runs: list[str]) -> dict:
+    out: dict = {"streams": {}, "consumers": {}, "kv": {}, "objects": {}}
+    names = sorted(await js.streams_info(), key=lambda s: s.config.name)
+    for info in names:
+        cfg = info.config.as_dict()
+        out["streams"][info.config.name] = (json.dumps(cfg, sort_keys=True), info.state.messages, info.state.last_seq)
+        for ci in await js.consumers_info(info.config.name):
+            c = ci.config
+            if (c.deliver_subject or "").startswith("_INBOX.operator."):
+                continue  # the operator's own KV key listing (this snapshot)
+            out["consumers"][(info.config.name, ci.name)] = (
+                c.ack_wait, c.max_deliver, c.filter_subject, c.deliver_subject, ci.delivered.stream_seq,
+                ci.num_ack_pending, ci.num_redelivered, ci.num_pending)
+    for run in runs:
+        lay = Layout(run)
+        kv = await js.key_value(lay.state_bucket)
+        try:
+            keys = await kv.keys()
+        except Exception:
+            keys = []
+        for key in keys:
+            entry = await kv.get(key)
+            out["kv"][(run, key)] = (entry.value, entry.revision)
+    return out
+
+
+async def prepared(server, passwords, run: str) -> tuple:
+    """The operator lays out ``run`` and another run, puts a record in every stream, a value
+    under every KV key, a weights object, and takes one delivery (unacked) from every
+    durable consumer: the reply subjects other roles will try to ack."""
+    op, ojs, _ = await _client(server, passwords, "operator")
+    cfg = NatsConfig(ack_wait_s=600)
+    replies: dict[tuple[str, str], str] = {}
+    for r in (run, OTHER_RUN):
+        lay = await ensure_layout(ojs, r, cfg)
+        for subject in (lay.prompts, lay.rollouts, lay.scored):
+            for i in range(3):
+                await ojs.publish(subject, b"x", headers={"Nats-Msg-Id": f"{subject}-{i}"})
+        state = await RunState.open(ojs, lay)
+        for key in (*LEARNER_KEYS, RUN_STATUS, "heartbeat.producer.p0", "heartbeat.learner.l0"):
+            await state.put_json(key, {"v": 1})
+        await put_object(ojs, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 1000)
+        for durable, (stream, _subject) in lay.consumers().items():
+            sub = await ojs.pull_subscribe_bind(durable, stream)
+            (msg,) = await sub.fetch(1, timeout=5)
+            replies[(r, durable)] = msg.reply
+    return op, ojs, replies
+
+
+def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]:
+    """(subject, payload, what) for everything ``role`` must not do."""
+    out: list[tuple[str, bytes, str]] = []
+    lay, other = Layout(run), Layout(OTHER_RUN)
+
+    def add(subject: str, payload: bytes, what: str) -> None:
+        out.append((subject, payload, what))
+
+    # other roles' records, and even its own kind in another run
+    for kind in ("prompts", "rollouts", "scored"):
+        if OWN_RECORDS.get(role) != kind:
+            add(getattr(lay, kind), b"forged", f"publish {kind}")
+        add(getattr(other, kind), b"forged", f"publish {kind} of another run")
+    for comp in (*COMPONENTS, "operator"):
+        if comp != role:
+            add(lay.metrics(comp, "x"), b"forged", f"metrics as {comp}")
+            add(lay.dlq(comp), b"forged", f"dead letter as {comp}")
+            add(f"$KV.{lay.state_bucket}.heartbeat.{comp}.x", b"{}", f"heartbeat as {comp}")
+    add(other.metrics(role, "x"), b"forged", "metrics in another run")
+    add(f"$KV.{other.state_bucket}.heartbeat.{role}.x", b"{}", "heartbeat in another run")
+    # the learner's KV keys and objects; the operator's run.status
+    for key in (*LEARNER_KEYS, RUN_STATUS):
+        if role != "learner" or key == RUN_STATUS:
+            add(f"$KV.{lay.state_bucket}.{key}", b'{"policy_version": 999}', f"KV {key}")
+        add(f"$KV.{other.state_bucket}.{key}", b"999", f"KV {key} of another run")
+    meta = base64.urlsafe_b64encode(b"policy-v000999.safetensors").decode()
+    if role != "learner":
+        add(f"$O.{lay.weights_bucket}.C.forged", b"evil", "weights chunk")
+        add(f"$O.{lay.weights_bucket}.M.{meta}", b"{}", "weights meta")
+    add(f"$O.{other.weights_bucket}.M.{meta}", b"{}", "weights meta of another run")
+    # streams, KV buckets and object stores: only the learner creates the run's own
+    evil = {"name": "EVIL", "subjects": [f"rl.{run}.evil"], "republish": {"src": ">", "dest": f"$KV.{lay.state_bucket}.{POLICY_VERSION}"}}
+    add("$JS.API.STREAM.CREATE.EVIL", json.dumps(evil).encode(), "create a republishing stream")
+    add("$JS.API.STREAM.CREATE.KV_evil", json.dumps({"name": "KV_evil", "subjects": ["$KV.evil.>"]}).encode(), "create a KV bucket")
+    add("$JS.API.STREAM.CREATE.OBJ_evil", json.dumps({"name": "OBJ_evil", "subjects": ["$O.evil.>"]}).encode(), "create an object store")
+    for name, subject in other.streams().items():
+        add(f"$JS.API.STREAM.CREATE.{name}", json.dumps({"name": name, "subjects": [subject]}).encode(), "create another run's stream")
+    for name in (*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+        if role != "learner":
+            add(f"$JS.API.STREAM.CREATE.{name}", json.dumps({"name": name, "subjects": ["rl.x"]}).encode(), f"create {name}")
+            add(f"$JS.API.STREAM.UPDATE.{name}", json.dumps({"name": name, "subjects": ["rl.x"]}).encode(), f"update {name}")
+        add(f"$JS.API.STREAM.DELETE.{name}", b"", f"delete {name}")
+        if not (role == "learner" and name.startswith("OBJ_")):
+            add(f"$JS.API.STREAM.PURGE.{name}", b"", f"purge {name}")
+    # every other role's durable consumer: reconfigure, delete, pull, ack, nak, terminate
+    # (only the learner lays out the consumers; even its own one a component cannot
+    # reconfigure, e.g. into a push consumer that delivers into another subject)
+    for r, layout in ((run, lay), (OTHER_RUN, other)):
+        for durable, (stream, subject) in layout.consumers().items():
+            if r == OTHER_RUN or role != "learner":
+                cc = json.dumps({"stream_name": stream, "config": {
+                    "durable_name": durable, "ack_policy": "explicit", "ack_wait": 1_000_000_000, "max_deliver": 1,
+                    "filter_subject": subject, "deliver_subject": f"rl.{run}.scored"}}).encode()
+                add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{subject}", cc, f"reconfigure {durable}")
+                add(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
+                add(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
+            add(f"$JS.API.CONSUMER.CREATE.{stream}.evil.{subject}", b"{}", "a consumer of its own naming")
+            add(f"$JS.API.CONSUMER.DELETE.{stream}.{durable}", b"", f"delete {durable}")
+            if r == run and OWN_DURABLE.get(role) == durable:
+                continue
+            add(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", b'{"batch": 1}', f"pull from {durable}")
+            for verb in (b"+ACK", b"-NAK", b"+TERM"):
+                add(replies[(r, durable)], verb, f"{verb.decode()} a delivery of {durable}")
+        # a new consumer on a stream that is not its own (reading other stages' data)
+        if role != "operator":
+            add(f"$JS.API.CONSUMER.CREATE.{layout.scored_stream}", b'{"config": {"ack_policy": "none"}}', "an ephemeral consumer")
+    return out
+
+
+@pytest.mark.parametrize("role", COMPONENTS)
+async def test_each_role_is_refused_everything_of_the_other_roles(secured, role):
     server, passwords = secured
-    learner, ljs, _ = await _client(server, passwords, "learner")
-    producer, pjs, denied = await _client(server, passwords, "producer")
+    run = shipped_run()
+    op, ojs, replies = await prepared(server, passwords, run)
+    nc, _js, denials = await _client(server, passwords, role)
     try:
-        lay = await ensure_layout(ljs, run_id, NatsConfig())
+        before = await snapshot(ojs, [run, OTHER_RUN])
+        tried = attempts(role, run, replies)
+        for subject, payload, _what in tried:
+            await nc.publish(subject, payload, reply=nc.new_inbox())
+        # reading what other roles receive: their reply inboxes, or every inbox
+        snoop = ["_INBOX.>", *(f"_INBOX.{r}.>" for r in ROLES if r != role), ">"]
+        for subject in snoop:
+            await nc.subscribe(subject)
+        await nc.flush(5)
+        deadline = time.monotonic() + 10
+        missing = [(s, w) for s, _, w in tried if not denials.denied(s)] + [(s, "subscribe") for s in snoop if not denials.denied(s)]
+        while missing and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            missing = [(s, w) for s, w in missing if not denials.denied(s)]
+        assert not missing, f"{role} was allowed {len(missing)} of {len(tried) + len(snoop)}: {missing[:20]}"
+        # nothing it tried changed the server's state
+        after = await snapshot(ojs, [run, OTHER_RUN])
+        for part in before:
+            assert after[part] == before[part], f"{role} changed {part}"
+    finally:
+        await nc.close()
+        await op.close()
+
+
+async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_weights(secured):
+    """The attack found in review: with the producer's password, create a stream that
+    re-publishes into the run's KV, so that ``policy.version`` and ``weights.latest`` point
+    at forged weights in a bucket of the attacker's. Every step is refused."""
+    server, passwords = secured
+    run = shipped_run()
+    op, ojs, _ = await prepared(server, passwords, run)
+    nc, pjs, _ = await _client(server, passwords, "producer")
+    lay = Layout(run)
+    try:
+        from nats.js.api import RePublish, StreamConfig
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await pjs.add_stream(StreamConfig(name="FORGE", subjects=["forge.version"],
+                                              republish=RePublish(src="forge.version", dest=f"$KV.{lay.state_bucket}.{POLICY_VERSION}")))
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await pjs.create_object_store("forged")
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await put_object(pjs, lay.weights_bucket, "policy-v000999.safetensors", b"evil")
+        state = await RunState.open(pjs, lay)
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await state.put_json(WEIGHTS_LATEST, {"policy_version": 999, "location": "object://forged/w"})
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await state.set_policy_version(999)
+        ostate = await RunState.open(ojs, lay)
+        assert await ostate.get_json(POLICY_VERSION) == {"v": 1}
+        assert await ostate.get_json(WEIGHTS_LATEST) == {"v": 1}
+        assert {s.config.name for s in await ojs.streams_info()}.isdisjoint({"FORGE", "OBJ_forged"})
+    finally:
+        await nc.close()
+        await op.close()
+
+
+# ---- what each role may do, it can do --------------------------------------------------
+
+
+async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured):
+    """The learner lays out the run (streams, KV, object store, the durable consumers); every
+    other component waits for that layout and binds to it, creating nothing."""
+    from rlstream.broker.layout import bind_layout
+
+    server, passwords = secured
+    run = shipped_run()
+    cfg = NatsConfig(ack_wait_s=30)
+    producer, pjs, _ = await _client(server, passwords, "producer")
+    learner, ljs, _ = await _client(server, passwords, "learner")
+    scorer, sjs, _ = await _client(server, passwords, "scorer")
+    feeder, fjs, _ = await _client(server, passwords, "feeder")
+    op, ojs, _ = await _client(server, passwords, "operator")
+    try:
+        # a producer alone cannot lay out the run: it waits, then says what is missing
+        with pytest.raises(BrokerError, match="layout|learner"):
+            await bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=1.0)
+        assert not await ojs.streams_info()
+        waiting = asyncio.create_task(bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=30))
+        lay = await ensure_layout(ljs, run, cfg)
+        assert (await waiting).run == run
+        await bind_layout(sjs, run, cfg, durable=Layout.SCORERS, wait_s=5)
+        await bind_layout(fjs, run, cfg, durable=None, wait_s=5)
+        assert {ci.name for ci in await ojs.consumers_info(lay.prompts_stream)} == {Layout.PRODUCERS}
+        assert (await ojs.consumer_info(lay.prompts_stream, Layout.PRODUCERS)).config.ack_wait == 30
+
+        # the whole path, each step by its own role
+        assert (await fjs.publish(lay.prompts, b"p")).seq == 1
+        (msg,) = await (await pjs.pull_subscribe_bind(Layout.PRODUCERS, lay.prompts_stream)).fetch(1, timeout=5)
+        assert (await pjs.publish(lay.rollouts, b"r")).seq == 1
+        await msg.ack_sync()
+        (msg,) = await (await sjs.pull_subscribe_bind(Layout.SCORERS, lay.rollouts_stream)).fetch(1, timeout=5)
+        assert (await sjs.publish(lay.scored, b"s")).seq == 1
+        await msg.nak()
+        (msg,) = await (await ljs.pull_subscribe_bind(Layout.LEARNER, lay.scored_stream)).fetch(1, timeout=5)
+        await msg.in_progress()
+        await msg.ack_sync()
+        # the learner's state and weights; every role reads them and writes its heartbeat
         lstate = await RunState.open(ljs, lay)
         await put_object(ljs, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 300_000)
         await lstate.put_json(WEIGHTS_LATEST, {"policy_version": 1})
         await lstate.set_policy_version(1)
         await lstate.put_int(PACING_ADMIT, 16)
-
-        # The producer starts like every component (ensure_layout), reads the state and the
-        # weights, publishes rollouts and its heartbeat...
-        await ensure_layout(pjs, run_id, NatsConfig())
-        pstate = await RunState.open(pjs, lay)
-        assert await pstate.policy_version() == 1
+        for role, js in (("producer", pjs), ("scorer", sjs), ("feeder", fjs), ("learner", ljs)):
+            state = await RunState.open(js, lay)
+            assert await state.policy_version() == 1
+            await state.heartbeat(role, "x0")
+            await js.publish(lay.dlq(role), b"bad record")
+            await js.stream_info(lay.rollouts_stream)
         assert await get_object(pjs, lay.weights_bucket, "policy-v000001.safetensors") == b"w" * 300_000
-        ack = await pjs.publish(lay.rollouts, b"rollout")
-        assert ack.stream == lay.rollouts_stream
-        await pstate.heartbeat("producer", "p0")
-
-        # ...but cannot move the policy version, announce or upload weights, or feed prompts.
-        with pytest.raises(nats.errors.TimeoutError):
-            await pstate.set_policy_version(99)
-        with pytest.raises(nats.errors.TimeoutError):
-            await pstate.put_json(WEIGHTS_LATEST, {"policy_version": 99})
-        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
-            await put_object(pjs, lay.weights_bucket, "policy-v000099.safetensors", b"evil")
-        with pytest.raises(nats.errors.TimeoutError):
-            await pjs.publish(lay.prompts, b"prompt")
-        await asyncio.sleep(0.2)
-        assert denied.denied(f"$KV.{lay.state_bucket}.policy.version")
-        assert denied.denied(f"$KV.{lay.state_bucket}.weights.latest")
-        assert denied.denied(f"$O.{lay.weights_bucket}.")
-        assert denied.denied(lay.prompts)
-
-        # Nothing the producer tried reached the state: the learner still reads version 1.
-        assert await lstate.policy_version() == 1
-        assert (await lstate.get_json(WEIGHTS_LATEST)) == {"policy_version": 1}
-        assert "policy-v000099.safetensors" not in {o.name for o in await (await ljs.object_store(lay.weights_bucket)).list()}
-        # and the learner can go on moving it
-        await lstate.set_policy_version(2)
-        assert await pstate.policy_version() == 2
+        assert set((await RunState.open(ojs, lay)).kv and await (await ojs.key_value(lay.state_bucket)).keys()) >= {
+            "heartbeat.producer.x0", "heartbeat.scorer.x0", "heartbeat.feeder.x0", "heartbeat.learner.x0"}
     finally:
-        await producer.close()
-        await learner.close()
+        for c in (producer, learner, scorer, feeder, op):
+            await c.close()
 
 
-@pytest.mark.parametrize("role,allowed,denied", [
-    ("feeder", "prompts", "rollouts"),
-    ("producer", "rollouts", "scored"),
-    ("scorer", "scored", "rollouts"),
-])
-async def test_each_role_publishes_only_its_own_records(secured, run_id, role, allowed, denied):
+async def test_components_cannot_delete_streams_but_the_operator_can(secured):
     server, passwords = secured
-    nc, js, denials = await _client(server, passwords, role)
-    try:
-        lay = await ensure_layout(js, run_id, NatsConfig())
-        ack = await js.publish(getattr(lay, allowed), b"x")
-        assert ack.seq == 1
-        with pytest.raises(nats.errors.TimeoutError):
-            await js.publish(getattr(lay, denied), b"x")
-        # metrics and dead letters are open to every component
-        await js.publish(lay.dlq(role), b"bad record")
-        await asyncio.sleep(0.2)
-        assert denials.denied(getattr(lay, denied))
-        info = await js.stream_info(getattr(lay, f"{denied}_stream"))
-        assert info.state.messages == 0
-    finally:
-        await nc.close()
-
-
-async def test_components_cannot_delete_streams_but_the_operator_can(secured, run_id):
-    server, passwords = secured
-    scorer, sjs, denials = await _client(server, passwords, "scorer")
+    run = shipped_run()
+    learner, ljs, _ = await _client(server, passwords, "learner")
     operator, ojs, _ = await _client(server, passwords, "operator")
     try:
-        lay = await ensure_layout(sjs, run_id, NatsConfig())
+        lay = await ensure_layout(ojs, run, NatsConfig())
         with pytest.raises(nats.errors.TimeoutError):
-            await sjs.delete_stream(lay.scored_stream)
+            await ljs.delete_stream(lay.scored_stream)
         with pytest.raises(nats.errors.TimeoutError):
-            await sjs.purge_stream(lay.rollouts_stream)
-        await asyncio.sleep(0.2)
-        assert denials.denied(f"$JS.API.STREAM.DELETE.{lay.scored_stream}")
+            await ljs.purge_stream(lay.rollouts_stream)
+        await asyncio.sleep(0)
         assert await ojs.stream_info(lay.scored_stream)
         assert await ojs.delete_stream(lay.scored_stream)
     finally:
-        await scorer.close()
+        await learner.close()
         await operator.close()
 
 
@@ -167,3 +358,94 @@ async def test_wrong_credentials_give_a_clear_broker_error(secured):
         assert "127.0.0.1" in str(exc)
     else:
         raise AssertionError("the producer's password opened the learner's account")
+
+
+async def test_components_run_under_their_roles_without_a_permission_error(secured, caplog, monkeypatch):
+    """Each rlstream Component with its role's credentials: the producer, scorer and feeder
+    start before the learner and wait for its layout; then each binds its consumer,
+    reports metrics and heartbeats, and no request of theirs is refused."""
+    from rlstream.broker import Component, Consumer
+    from rlstream.config import parse_config
+    from rlstream.schemas import Prompt
+
+    server, passwords = secured
+    run = shipped_run()
+    for role in COMPONENTS:
+        monkeypatch.setenv(f"TEST_{role.upper()}_PW", passwords[role])
+
+    def cfg(role):
+        return parse_config({
+            "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
+            "nats": {"url": server.urls, "user": role, "password_env": f"TEST_{role.upper()}_PW", "layout_wait_s": 60},
+            "metrics": {"prometheus_port": None, "interval_s": 0.2}, "algorithm_params": {"group_size": 2}})
+
+    async def component(role):
+        comp = Component(cfg(role), server.urls, role, f"{role[0]}0", handle_signals=False)
+        return await comp.__aenter__()
+
+    caplog.set_level("WARNING")
+    waiting = [asyncio.create_task(component(role)) for role in ("producer", "scorer", "feeder")]
+    await asyncio.sleep(0.5)
+    assert not any(t.done() for t in waiting)  # nothing to bind to before the learner
+    learner = await component("learner")
+    comps = {"learner": learner, **{c.component: c for c in await asyncio.gather(*waiting)}}
+    op, ojs, _ = await _client(server, passwords, "operator")
+    try:
+        lay = learner.layout
+        await comps["feeder"].publisher.publish(lay.prompts, Prompt(id="p1", text="1+1", run=run).encode(), "p1")
+        consumer = await Consumer(comps["producer"].js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+        deadline = time.monotonic() + 10
+        got = []
+        while not got and time.monotonic() < deadline:
+            got = await consumer.fetch(1, timeout=0.5)
+        (delivery,) = got
+        await delivery.in_progress()
+        await delivery.ack()
+        for durable, role in ((Layout.SCORERS, "scorer"), (Layout.LEARNER, "learner")):
+            c = await Consumer(comps[role].js, lay, durable, Prompt, stage=role).start()
+            assert await c.fetch(1, timeout=0.2) == []
+        kv = await ojs.key_value(lay.state_bucket)
+        deadline = time.monotonic() + 15
+        want = {f"heartbeat.{r}.{r[0]}0" for r in COMPONENTS}
+        while time.monotonic() < deadline:
+            keys = set(await kv.keys())
+            metrics = (await ojs.stream_info(lay.metrics_stream, subjects_filter=lay.metrics_all)).state.subjects or {}
+            if want <= keys and {lay.metrics(r, f"{r[0]}0") for r in COMPONENTS} <= set(metrics):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"heartbeats or metrics missing: {want - keys}, {sorted(metrics)}")
+    finally:
+        for c in comps.values():
+            await c.__aexit__(None, None, None)
+        await op.close()
+    refused = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
+    assert not refused, refused
+
+
+def test_the_shipped_accounts_are_rendered_for_the_deployed_run():
+    """deploy/nats/accounts.conf is what the renderer writes for the run of the Kubernetes
+    ConfigMap (so the permissions name the run the components use), and no wildcard run."""
+    import yaml
+
+    from rlstream.broker.accounts import render_accounts
+
+    cm = yaml.safe_load((ACCOUNTS.parents[1] / "k8s" / "base" / "rlstream-config.yaml").read_text())
+    run = yaml.safe_load(cm["data"]["config.yaml"])["run"]
+    assert ACCOUNTS.read_text() == render_accounts(run), "regenerate: python -m rlstream.broker.accounts --run " + run
+    assert "rl.*" not in ACCOUNTS.read_text() and '"$JS.ACK.>"' not in ACCOUNTS.read_text()
+
+
+async def test_the_runs_account_has_jetstream_limits(secured):
+    """The run's account caps memory, storage, streams and consumers (set per run)."""
+    from rlstream.broker.accounts import AccountLimits
+
+    server, passwords = secured
+    nc, js, _ = await _client(server, passwords, "learner")
+    try:
+        info = await js.account_info()
+        want = AccountLimits()
+        assert info.limits.max_streams == want.max_streams and info.limits.max_consumers == want.max_consumers
+        assert (info.limits.max_memory, info.limits.max_storage) == (10**9, 200 * 10**9)  # "1G", "200G" (decimal)
+    finally:
+        await nc.close()

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -31,6 +31,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from rlstream.broker import Layout, connect, ensure_layout
 from rlstream.config import NatsConfig
@@ -71,7 +72,7 @@ def good_prompt(i: int) -> Prompt:
 
 def good_rollout(i: int) -> RolloutGroup:
     samples = [Sample(np.arange(n, dtype=np.int32) % 100, np.full(n, -0.5, np.float32), "stop", str(2 * i)) for n in (3, 4)]
-    return RolloutGroup(id=f"rollout-{i:04d}", prompt_id=f"rollout-{i:04d}", prompt_text=f"Q: What is {i} + {i}? A:",
+    return RolloutGroup.from_samples(id=f"rollout-{i:04d}", prompt_id=f"rollout-{i:04d}", prompt_text=f"Q: What is {i} + {i}? A:",
                         prompt_ids=np.array([1, 2, 3], np.int32), samples=samples, policy_version=0, columns={"answer": str(2 * i)})
 
 
@@ -412,7 +413,7 @@ async def trained(live: Live, js) -> list[str]:
 def scored_group(template: ScoredGroup, i: int) -> ScoredGroup:
     gid = f"scored-{i:04d}"
     rollout = replace(template.rollout, id=gid, prompt_id=gid)
-    return replace(template, rollout=rollout, rewards=np.array([1.0, 0.0], np.float32))
+    return replace(template, id=gid, rollout=rollout, rewards=np.array([1.0, 0.0], np.float32))
 
 
 @pytest.mark.slow

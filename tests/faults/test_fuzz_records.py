@@ -8,14 +8,26 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlstream.schemas import RECORDS, Limits, RecordError, decode_any
 from rlstream.schemas import (
-    DeadLetter, MetricEvent, PreferencePair, Prompt, RolloutGroup, Sample, ScoredGroup, SFTExample, WeightsAnnouncement,
+    RECORDS,
+    DeadLetter,
+    Limits,
+    MetricEvent,
+    PreferencePair,
+    Prompt,
+    RecordError,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    SFTExample,
+    WeightsAnnouncement,
+    decode_any,
 )
+
 
 def make_group(g: int = 3, n: int = 5) -> RolloutGroup:
     samples = [Sample(np.arange(n, dtype=np.int32), np.full(n, -0.5, np.float32), "stop", "t") for _ in range(g)]
-    return RolloutGroup(id="g1", prompt_id="p1", prompt_text="q", prompt_ids=np.array([5, 6], np.int32), samples=samples, policy_version=1)
+    return RolloutGroup.from_samples(id="g1", prompt_id="p1", prompt_text="q", prompt_ids=np.array([5, 6], np.int32), samples=samples, policy_version=1)
 
 
 LIMITS = Limits(max_bytes=1 << 20, max_tokens=1 << 16, vocab_size=1000)
@@ -78,8 +90,7 @@ def test_mutated_fields_are_rejected_by_name_or_decode_validly(which, data):
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=40))
 def test_logprob_values_must_be_finite_and_non_positive(lps):
     g = make_group(g=1, n=len(lps))
-    g.samples[0].completion_ids = np.arange(len(lps), dtype=np.int32)
-    g.samples[0].logprobs = np.array(lps, np.float32)
+    g.logprobs = np.array(lps, np.float32)
     ok = all(math.isfinite(x) and x <= 0 for x in np.array(lps, np.float32).tolist())
     try:
         type(g).decode(g.encode(), LIMITS)
@@ -92,8 +103,7 @@ def test_logprob_values_must_be_finite_and_non_positive(lps):
 @given(st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=40))
 def test_token_ids_must_be_in_vocabulary(ids):
     g = make_group(g=1, n=len(ids))
-    g.samples[0].completion_ids = np.array(ids, np.int32)
-    g.samples[0].logprobs = np.zeros(len(ids), np.float32) - 1
+    g.completion_ids = np.array(ids, np.int32)
     ok = all(0 <= i < LIMITS.vocab_size for i in ids)
     try:
         type(g).decode(g.encode(), LIMITS)
@@ -144,3 +154,68 @@ def test_batch_decode_agrees_with_one_by_one(items):
     for got, data in zip(batch, datas):
         want = _outcome(RolloutGroup, data)
         assert (("error", got.field, got.message) if isinstance(got, RecordError) else got.to_plain()) == want
+
+
+# ---- at the real size limits: payloads near the default 16 MB decode in bounded memory ----
+
+REAL = Limits()  # the defaults every consumer runs with
+
+
+def _big_payload(which: str, field: str, filler, count: int, nest: int) -> bytes:
+    """A valid record whose ``field`` holds ``count`` copies of ``filler``, ``nest`` lists deep,
+    written as bytes directly (building the Python list first would take GBs)."""
+    g = make_group()
+    rec = {"rollout": g, "prompt": Prompt(id="p", text="t"),
+           "scored": ScoredGroup(rollout=g, rewards=np.zeros(3, np.float32))}[which]
+    wire = rec.to_wire()
+    inner = wire["rollout"] if which == "scored" else wire
+    mark = "@big@"
+    if field in ("columns", "sampling"):
+        inner[field] = {"answer": "4", "big": mark}
+    elif field == "components":
+        wire["components"] = mark
+    else:
+        inner[field] = mark
+    body = msgpack.packb(filler, use_bin_type=True)
+    if field == "components":  # a map of many names: "a0": filler, ...
+        count = min(count, 100_000)  # 100 times the ceiling of names is plenty
+        big = b"\xdf" + count.to_bytes(4, "big") + b"".join(msgpack.packb(f"a{i}") + body for i in range(count))
+    else:
+        big = b"\xdd" + count.to_bytes(4, "big") + body * count
+    big = b"\x91" * nest + big
+    return msgpack.packb(wire, use_bin_type=True).replace(msgpack.packb(mark), big)
+
+
+_FIELDS = {"rollout": ["columns", "sampling", "texts", "finish_reasons"], "prompt": ["columns", "messages"],
+           "scored": ["columns", "sampling", "texts", "components"]}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from(sorted(_FIELDS)), st.data(), st.sampled_from([None, [], {}, 0, "a", -1.5, b"", {"role": "a", "content": "b"}]),
+       st.integers(4 << 20, (16 << 20) - 65536), st.integers(0, 40))
+def test_records_near_the_size_limit_decode_in_bounded_memory(which, data, filler, size, nest):
+    """Whatever a valid-looking record near the payload limit holds, decoding either refuses
+    it with a named field or returns it, and never allocates more than a fixed budget
+    (the payload's own bytes aside: arrays are views on them)."""
+    import tracemalloc
+
+    field = data.draw(st.sampled_from(_FIELDS[which]))
+    count = max(1, size // (len(msgpack.packb(filler, use_bin_type=True)) + (3 if field == "components" else 0)))
+    payload = _big_payload(which, field, filler, count, nest)
+    assert len(payload) <= REAL.max_bytes
+    cls = {"rollout": RolloutGroup, "prompt": Prompt, "scored": ScoredGroup}[which]
+    tracemalloc.start()
+    try:
+        for decode in (lambda b: cls.decode(b, REAL), lambda b: decode_any(b, REAL), lambda b: cls.decode_many([b], REAL)[0]):
+            try:
+                out = decode(payload)
+            except RecordError as exc:
+                out = exc
+            assert isinstance(out, (cls, RecordError))
+            if isinstance(out, RecordError):
+                assert out.field and out.message
+            del out
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"{which}.{field}: {peak / 1e6:.0f} MB to decode {len(payload) / 1e6:.1f} MB"

@@ -9,6 +9,7 @@ import torch
 
 from rlstream.config import DAPOParams, GRPOParams, GSPOParams, PPOParams
 from rlstream.learner.advantages import (
+    admission_window,
     compute_advantages,
     dynamic_sampling_mask,
     gae,
@@ -19,6 +20,7 @@ from rlstream.learner.advantages import (
     staleness_histogram,
     staleness_keep,
     staleness_stats,
+    update_keep_rate,
     whiten,
 )
 
@@ -202,3 +204,32 @@ def test_staleness_keep_and_stats():
     assert stats["buffer/staleness_max"] == 3.0
     assert stats["buffer/stale_frac"] == pytest.approx(0.4)
     assert staleness_stats(torch.tensor([], dtype=torch.long), 5)["buffer/staleness_max"] == 0.0
+
+
+def test_update_keep_rate_by_hand():
+    # horizon 4: each group moves the rate a quarter of the way to 1 (kept) or 0 (dropped)
+    rate = update_keep_rate(1.0, False, 4)  # 1 - 1/4 = 0.75
+    assert rate == pytest.approx(0.75)
+    rate = update_keep_rate(rate, True, 4)  # 0.75 + 0.25/4 = 0.8125
+    assert rate == pytest.approx(0.8125)
+    rate = update_keep_rate(rate, False, 4)  # 0.8125 * 3/4 = 0.609375
+    assert rate == pytest.approx(0.609375)
+    assert update_keep_rate(0.3, True, 1) == 1.0  # horizon 1: the last group alone
+    with pytest.raises(ValueError, match="horizon"):
+        update_keep_rate(1.0, True, 0)
+
+
+def test_admission_window_by_hand():
+    # nothing dropped: batch 8 x (staleness 2 + 1) = 24, capped by the buffer (64)
+    assert admission_window(8, 2, 64, 1.0) == 24
+    assert admission_window(8, 2, 16, 1.0) == 16
+    # half the groups dropped: 24 / 0.5 = 48 in flight hold the same 24 trainable ones
+    assert admission_window(8, 2, 64, 0.5) == 48
+    # 0.8 keeps: 24 / 0.8 = 30 exactly (no rounding up of float noise); 0.7: 34.29 -> 35
+    assert admission_window(8, 2, 64, 0.8) == 30
+    assert admission_window(8, 2, 64, 0.7) == 35
+    # a filter that drops everything: floored at keep rate 1/8 (24 * 8 = 192), then capped by the buffer
+    assert admission_window(8, 2, 1000, 0.0) == 192
+    assert admission_window(8, 2, 64, 0.0) == 64
+    # synchronous: staleness 0, batch 2 -> 2 (the pacing the loop test reads back as admit - consumed)
+    assert admission_window(2, 0, 64) == 2

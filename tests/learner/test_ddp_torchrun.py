@@ -142,11 +142,10 @@ def _grpo_cfg(model_dir, run, mode="RL_GRPO", **learner):
 
 
 def _singletons(groups):
-    from dataclasses import replace
-
     import numpy as np
+    from msgspec.structs import replace
 
-    return [replace(g, rollout=replace(g.rollout, id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}", samples=[s]),
+    return [replace(g, id=f"{g.id}-{j}", rollout=g.rollout.with_samples([s], id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}"),
                     rewards=np.asarray([r], dtype=np.float32))
             for g in groups for j, (s, r) in enumerate(zip(g.rollout.samples, g.rewards))]
 

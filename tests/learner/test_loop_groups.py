@@ -67,7 +67,7 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_to
             samples.append(Sample(ids, lp[:n].numpy().astype(np.float32), reason, tok.decode(ids)))
             rewards.append(even_reward(ids))
         gid = f"{prefix}{i:04d}"
-        rollout = RolloutGroup(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=prompt_ids[0].numpy().astype(np.int32),
+        rollout = RolloutGroup.from_samples(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=prompt_ids[0].numpy().astype(np.int32),
                                samples=samples, policy_version=policy_version)
         groups.append(ScoredGroup(rollout=rollout, rewards=np.asarray(rewards, dtype=np.float32)))
     return groups

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from msgspec.structs import replace
 
 import numpy as np
 import pytest
@@ -35,8 +35,8 @@ def _singletons(groups):
     out = []
     for g in groups:
         for j, (s, r) in enumerate(zip(g.rollout.samples, g.rewards)):
-            ro = replace(g.rollout, id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}", samples=[s])
-            out.append(replace(g, rollout=ro, rewards=np.asarray([r], dtype=np.float32)))
+            ro = g.rollout.with_samples([s], id=f"{g.id}-{j}", prompt_id=f"{g.id}-{j}")
+            out.append(replace(g, id=ro.id, rollout=ro, rewards=np.asarray([r], dtype=np.float32)))
     return out
 
 
@@ -54,7 +54,7 @@ def test_rl_mode_learns_from_rule_rewards(mode, tiny_model_dir, tmp_path, nats_s
     cfg = make_cfg(tiny_model_dir, mode, run=run_id, algo={"max_staleness": 1000, **algo}, learner={"lr": 2e-3, **learner})
     groups = _singletons(recorded) if mode == "RL_PPO" else list(recorded)
     if mode == "RL_DAPO":
-        flat = replace(recorded[0], rollout=replace(recorded[0].rollout, id="flat", prompt_id="flat"),
+        flat = replace(recorded[0], id="flat", rollout=replace(recorded[0].rollout, id="flat", prompt_id="flat"),
                        rewards=np.full(8, 0.5, dtype=np.float32))
         groups = [flat] + groups  # all-equal rewards: dropped by dynamic sampling, the batch keeps filling
     asyncio.run(publish_groups(nats_server.url, cfg, groups[:4]))
@@ -90,7 +90,8 @@ def test_stale_groups_dropped_and_pacing_written(tiny_model_dir, tmp_path, nats_
     # max_staleness 0 (synchronous): after version 1 is published, version-0 groups are too old
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 8, "max_staleness": 0},
                    learner={"batch_groups": 2, "micro_batch_size": 8})
-    fresh = [replace(g, rollout=replace(g.rollout, id=g.id + "v1", prompt_id=g.id + "v1", policy_version=1)) for g in recorded[6:8]]
+    fresh = [replace(g, id=g.id + "v1", rollout=replace(g.rollout, id=g.id + "v1", prompt_id=g.id + "v1", policy_version=1))
+             for g in recorded[6:8]]
     asyncio.run(publish_groups(nats_server.url, cfg, recorded[:6] + fresh))
     run_dir = tmp_path / "run"
     assert asyncio.run(main(cfg, nats_server.url, "learner", run_dir=run_dir, max_steps=2)) == 0
@@ -103,3 +104,52 @@ def test_stale_groups_dropped_and_pacing_written(tiny_model_dir, tmp_path, nats_
     assert asyncio.run(kv_int(nats_server.url, cfg, "pacing.admit")) == 10
     assert asyncio.run(kv_int(nats_server.url, cfg, "learner.step")) == 2
     assert asyncio.run(kv_int(nats_server.url, cfg, "policy.version")) == 2
+
+
+def test_dynamic_sampling_keeps_batches_full_and_widens_admission(tiny_model_dir, tmp_path, nats_server, run_id, recorded):
+    # DAPO running ahead (max_staleness 1): every other group has equal rewards. Each batch must still
+    # hold batch_groups trainable groups, every consumed group is either trained or dropped (and all
+    # are acked by the final checkpoint), and pacing.admit leaves room for the expected drops.
+    from rlstream.broker import connect
+    from rlstream.broker.layout import Layout
+    from rlstream.learner.advantages import admission_window, update_keep_rate
+
+    cfg = make_cfg(tiny_model_dir, "RL_DAPO", run=run_id, algo={"group_size": 8, "max_staleness": 1},
+                   learner={"batch_groups": 2, "micro_batch_size": 8})
+    groups = []
+    for g in recorded:
+        flat = replace(g, id=g.id + "-flat", rollout=replace(g.rollout, id=g.id + "-flat", prompt_id=g.id + "-flat"), rewards=np.full(8, 0.5, np.float32))
+        groups += [flat, g]
+    assert all(np.ptp(g.rewards) > 0 for g in recorded)  # the recorded groups all carry a signal
+    asyncio.run(publish_groups(nats_server.url, cfg, groups))
+    run_dir = tmp_path / "run"
+    assert asyncio.run(main(cfg, nats_server.url, "learner", run_dir=run_dir, max_steps=2)) == 0
+
+    metrics = _metrics(run_dir)
+    assert [m["group_ids"] for m in metrics] == [[g.id for g in recorded[0:2]], [g.id for g in recorded[2:4]]]  # full batches
+    summary = json.loads((run_dir / "learner_summary.json").read_text())
+    consumed = [g.id for g in groups[:8]]  # flat, good, flat, good, ... up to the 4th good group
+    assert summary["groups_consumed"] == 8 and summary["dropped_filtered"] == 4 and summary["dropped_stale"] == 0
+    state = json.loads((run_dir / "checkpoints" / "step_2" / "learner_state.json").read_text())
+    assert sorted(state["trained_ids"] + state["dropped_ids"]) == sorted(consumed)  # nothing lost, nothing twice
+    assert not set(state["trained_ids"]) & set(state["dropped_ids"])
+
+    rate = 1.0
+    for gid in consumed:
+        rate = update_keep_rate(rate, not gid.endswith("-flat"), 4 * 2)
+    assert metrics[-1]["buffer/keep_rate"] == pytest.approx(rate)
+    window = admission_window(2, 1, 64, rate)
+    assert window > 2 * (1 + 1)  # wider than the plain window of 4: room for the groups the filter will drop
+    assert asyncio.run(kv_int(nats_server.url, cfg, "pacing.admit")) == 8 + window
+
+    async def learner_consumer():
+        nc = await connect(cfg.nats, nats_server.url)
+        try:
+            return await nc.jetstream().consumer_info(Layout(cfg.run).scored_stream, Layout.LEARNER)
+        finally:
+            await nc.close()
+
+    info = asyncio.run(learner_consumer())
+    # the 8 consumed groups (4 trained, 4 dropped) were acked with the final checkpoint; the 8 fetched
+    # but not consumed stay unacked for the next learner
+    assert info.ack_floor.stream_seq == 8 and info.num_ack_pending == len(groups) - 8

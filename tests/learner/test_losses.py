@@ -8,7 +8,8 @@ import typing
 import pytest
 import torch
 
-from rlstream.config import DAPOParams, DPOParams, GRPOParams, GSPOParams, LossAggregation, PPOParams
+from rlstream.config import (DAPOParams, DPOParams, GeometricMask, GRPOParams, GSPOParams, IcePop, LossAggregation, NoCorrection,
+                             PPOParams, SequenceMIS, SequenceTIS, TokenMask, TokenMIS, TokenTIS)
 from rlstream.learner.losses import (
     AGGREGATIONS,
     PolicyBatch,
@@ -18,7 +19,7 @@ from rlstream.learner.losses import (
     entropy_from_logits,
     gspo_loss,
     grpo_loss,
-    importance_weights,
+    correction_weights,
     kl_k3,
     policy_loss_fn,
     ppo_loss,
@@ -136,19 +137,18 @@ def test_clipped_surrogate_boundaries(advantage, ratio, loss, clipped, grad):
     assert r.grad.item() == pytest.approx(grad)
 
 
-def test_importance_weights_modes():
-    log_w = torch.log(torch.tensor([3.0, 1.5, 0.25, 0.5]))
+def test_correction_weights_token_modes():
+    log_w = torch.log(torch.tensor([[3.0, 1.5, 0.25, 0.5]]))
+    mask = torch.ones(1, 4)
     # cap 2: tis truncates 3 -> 2; mask keeps only [1/2, 2] -> 1.5 and 0.5 (the boundary) kept
-    w, truncated, masked = importance_weights(log_w, "tis", 2.0)
-    close(w, [2.0, 1.5, 0.25, 0.5])
-    assert truncated.tolist() == [True, False, False, False] and not masked.any()
-    w, truncated, masked = importance_weights(log_w, "mask", 2.0)
-    close(w, [0.0, 1.0, 0.0, 1.0])
-    assert masked.tolist() == [True, False, True, False] and not truncated.any()
-    w, _, _ = importance_weights(log_w, "none", 2.0)
-    close(w, [1.0, 1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match="off_policy_correction"):
-        importance_weights(log_w, "bogus", 2.0)
+    w, truncated, masked = correction_weights(log_w, mask, TokenTIS(cap=2.0))
+    close(w, [[2.0, 1.5, 0.25, 0.5]])
+    assert truncated.tolist() == [[True, False, False, False]] and not masked.any()
+    w, truncated, masked = correction_weights(log_w, mask, TokenMask(cap=2.0))
+    close(w, [[0.0, 1.0, 0.0, 1.0]])
+    assert masked.tolist() == [[True, False, True, False]] and not truncated.any()
+    w, _, _ = correction_weights(log_w, mask, NoCorrection())
+    close(w, [[1.0, 1.0, 1.0, 1.0]])
 
 
 # ---- policy losses: clipping ------------------------------------------------------------------
@@ -570,10 +570,11 @@ LOSSES = [
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
 @pytest.mark.parametrize("fn, make, token_advantages", LOSSES)
-@pytest.mark.parametrize("mode", ["tis", "mask", "decoupled", "none"])
+@pytest.mark.parametrize("mode", ["tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_mask", "mask", "decoupled", "none"])
 def test_microbatch_accumulation_equals_full_batch(fn, make, token_advantages, aggregation, mode):
     data = _random_step(seed=len(aggregation) + len(mode))
-    params = make(aggregation, mode)
+    # geo_mask's default band (1 +- 0.001) would mask every row of this random data: widen it
+    params = make(aggregation, {"type": mode, "low": 0.5, "high": 2.0} if mode == "geo_mask" else mode)
     full, full_grad, full_vgrad = _policy_loss_and_grads(data, fn, params, None, token_advantages=token_advantages)
     for micro in (1, 3):  # 8 x 1 and uneven 3 + 3 + 2
         acc, acc_grad, acc_vgrad = _policy_loss_and_grads(data, fn, params, micro, token_advantages=token_advantages)
@@ -659,3 +660,217 @@ def test_sft_ignores_padding():
     loss.backward()
     assert loss.item() == pytest.approx(2.0)  # mean of [1, 3]
     close(logprobs.grad, [[-0.5, 0.0], [-0.5, 0.0]])
+
+
+# ---- the correction menu, by hand --------------------------------------------------------------
+# _is_batch: one sequence of 3 tokens, ratio vs prox = 1, A = 1, rho = prox/old = [3, 1.5, 0.25];
+# per-token loss = -w_t, token-mean over the 3 tokens.
+
+
+def _grpo(correction, **kw):
+    return GRPOParams(kl_coefficient=0.0, off_policy_correction=correction, **kw)
+
+
+@pytest.mark.parametrize(
+    "correction, weights, loss, truncated, masked",
+    [
+        # product 3 * 1.5 * 0.25 = 1.125 on every token: under cap 2 -> -1.125
+        (SequenceTIS(cap=2.0), [1.125] * 3, -1.125, 0.0, 0.0),
+        # cap 1.1 truncates the sequence: -1.1, all 3 tokens truncated
+        (SequenceTIS(cap=1.1), [1.1] * 3, -1.1, 1.0, 0.0),
+        # token MIS [0.5, 2]: 3 and 0.25 masked, 1.5 kept with its weight -> -1.5 / 3 = -0.5
+        (TokenMIS(low=0.5, high=2.0), [0.0, 1.5, 0.0], -0.5, 0.0, 2 / 3),
+        # low 0: no lower bound, 0.25 kept -> -(1.5 + 0.25) / 3
+        (TokenMIS(low=0.0, high=2.0), [0.0, 1.5, 0.25], -1.75 / 3, 0.0, 1 / 3),
+        # sequence MIS: 1.125 in [0.5, 5] -> kept with weight 1.125; high 1.1 -> the whole sequence masked
+        (SequenceMIS(low=0.5, high=5.0), [1.125] * 3, -1.125, 0.0, 0.0),
+        (SequenceMIS(low=0.5, high=1.1), [0.0] * 3, 0.0, 0.0, 1.0),
+        # IcePop band [0.5, 5]: 3 and 1.5 kept with their weights, 0.25 masked -> -4.5 / 3 = -1.5
+        (IcePop(alpha=0.5, beta=5.0), [3.0, 1.5, 0.0], -1.5, 0.0, 1 / 3),
+        # geometric mean 1.125^(1/3) = 1.040042: outside [0.999, 1.001] -> masked; inside [0.9, 1.05] -> w = 1
+        (GeometricMask(low=0.999, high=1.001), [0.0] * 3, 0.0, 0.0, 1.0),
+        (GeometricMask(low=0.9, high=1.05), [1.0] * 3, -1.0, 0.0, 0.0),
+    ],
+)
+def test_correction_menu_by_hand(correction, weights, loss, truncated, masked):
+    batch = _is_batch()
+    out, m = grpo_loss(batch, _grpo(correction))
+    out.backward()
+    assert out.item() == pytest.approx(loss, abs=1e-5)
+    close(batch.logprobs.grad, [[-w / 3 for w in weights]])  # d loss / d logp_t = -w_t / 3
+    assert m["is/truncated_frac"] == pytest.approx(truncated, abs=1e-6)
+    assert m["is/masked_frac"] == pytest.approx(masked, abs=1e-6)
+    assert m["is/weight_mean"] == pytest.approx(sum(weights) / 3, abs=1e-5)
+
+
+def test_sequence_corrections_ignore_padding():
+    # row 0 as _is_batch; row 1 has one real token with rho 2 and a padded one holding rho e^40:
+    # seq_tis row 1 = min(2, 5) = 2, not the padding's e^40 (which would truncate at 5)
+    w, truncated, masked = correction_weights(
+        torch.tensor([[math.log(3.0), math.log(1.5), math.log(0.25)], [LN2, 40.0, 0.0]]),
+        torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), SequenceTIS(cap=5.0))
+    close(w[0], [1.125] * 3)
+    close(w[1, :1], [2.0])
+    assert not truncated[1, 0]
+
+
+def test_cispo_by_hand():
+    # correction none: ratio vs the sampler r = [1.5, 0.5, 1.1], A = [1, 1, -1]; clip_low 1 (no lower bound),
+    # clip_high 0.2: weight sg(clip(r, 0, 1.2)) = [1.2, 0.5, 1.1]
+    # per token -w * A * logp with logp = ln r: [-1.2 ln 1.5, -0.5 ln 0.5, +1.1 ln 1.1], token-mean over 3
+    # gradient -w * A / 3 = [-0.4, -1/6, 1.1/3]: the clipped token keeps its gradient (PPO would zero it)
+    batch = _one_token_batches([1.5, 0.5, 1.1], [1.0, 1.0, -1.0])
+    loss, m = grpo_loss(batch, _grpo("none", policy_loss={"type": "cispo", "clip_low": 1.0, "clip_high": 0.2}))
+    loss.backward()
+    expected = (-1.2 * math.log(1.5) - 0.5 * math.log(0.5) + 1.1 * math.log(1.1)) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    close(batch.logprobs.grad, [[-0.4], [-1 / 6], [1.1 / 3]])
+    assert m["policy/clipfrac"] == pytest.approx(1 / 3)
+    # a lower bound: clip_low 0.2 lifts 0.5 to 0.8 -> gradient of token 1 = -0.8 / 3
+    batch = _one_token_batches([1.5, 0.5, 1.1], [1.0, 1.0, -1.0])
+    loss, m = grpo_loss(batch, _grpo("none", policy_loss={"type": "cispo", "clip_low": 0.2, "clip_high": 0.2}))
+    loss.backward()
+    close(batch.logprobs.grad[1], [-0.8 / 3])
+    assert m["policy/clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_sapo_by_hand():
+    # ratios [1, 1.5], A = [1, -1], tau_pos 1, tau_neg 2
+    # token 0: -(4/1) * sigmoid(0) * 1 = -2; d/dlogp = -4 s (1 - s) * A * r = -1
+    # token 1: -(4/2) * sigmoid(2 * 0.5) * (-1) = 2 sigmoid(1) = 1.462117;
+    #          d/dlogp = -4 s (1 - s) * A * r with s = sigmoid(1): 4 * 0.196612 * 1.5 = 1.179672
+    # token-mean: (-2 + 1.462117) / 2 = -0.268941; gradients halved
+    s1 = 1 / (1 + math.exp(-1))
+    batch = _one_token_batches([1.0, 1.5], [1.0, -1.0])
+    loss, m = grpo_loss(batch, _grpo("none", policy_loss={"type": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}))
+    loss.backward()
+    assert loss.item() == pytest.approx((-2 + 2 * s1) / 2, abs=1e-6)
+    close(batch.logprobs.grad, [[-0.5], [4 * s1 * (1 - s1) * 1.5 / 2]])
+    assert m["policy/clipfrac"] == 0.0
+
+
+def test_dr_grpo_by_hand():
+    from rlstream.learner.advantages import compute_advantages
+
+    params = _grpo("none", policy_loss="dr_grpo")
+    assert params.advantage_type == "group_relative_no_std" and params.loss_aggregation == "seq-mean-token-sum-norm"
+    # advantages: mean-centred only, [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5] (GRPO would divide by std 0.5)
+    close(compute_advantages(params, torch.tensor([[1.0, 0.0, 0.0, 1.0]])), [[0.5, -0.5, -0.5, 0.5]])
+    # two sequences of 2 and 1 tokens, ratio 1, A = [1, 2]: token sums -2 and -2, / max_tokens 4 / 2 sequences = -0.5
+    logp = lp([[-1.0, -1.0], [-1.0, -1.0]])
+    batch = PolicyBatch(logp, logp.detach().clone(), torch.tensor([1.0, 2.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), max_tokens=4)
+    loss, _ = grpo_loss(batch, params)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5)
+    close(logp.grad, [[-1 / 8, -1 / 8], [-2 / 8, 0.0]])  # -A / (4 * 2): no dependence on the sequence's own length
+
+
+def test_gspo_token_variant_of_grpo_is_gspo():
+    # the GSPO-token variant of GRPO with GSPO's clip range and aggregation is exactly gspo_loss
+    g = torch.Generator().manual_seed(4)
+    logp = -torch.rand(3, 5, generator=g) * 2
+    old = logp + 0.01 * torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    grads = []
+    for fn, params in ((gspo_loss, GSPOParams(off_policy_correction="none", clip_low=0.005, clip_high=0.005)),
+                       (grpo_loss, _grpo("none", policy_loss="gspo_token", clip_range=0.005, loss_aggregation="seq-mean-token-mean"))):
+        x = logp.clone().requires_grad_()
+        loss, _ = fn(PolicyBatch(x, old, adv, mask), params)
+        loss.backward()
+        grads.append((loss.item(), x.grad))
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-7)
+    close(grads[0][1], grads[1][1], tol=0.0)
+
+
+# ---- diagnostics ----------------------------------------------------------------------------------
+
+
+def _diag_batch(rows=(0, 1)):
+    # row 0 sampled by the current version (lag 0), row 1 two versions ago (lag 2); 2 tokens each,
+    # rho = [2, 1 | 1, 0.5]; logp == prox, so the ratio is 1
+    log_rho = torch.log(torch.tensor([[2.0, 1.0], [1.0, 0.5]]))[list(rows)]
+    logp = lp(torch.full((len(rows), 2), -1.0).tolist())
+    return PolicyBatch(logp, (logp.detach() - log_rho), torch.ones(len(rows)), torch.ones(len(rows), 2),
+                       prox_logprobs=logp.detach().clone(), lag=torch.tensor([0, 2])[list(rows)])
+
+
+def test_offpolicy_diagnostics_by_hand():
+    _, m = grpo_loss(_diag_batch(), _grpo(TokenTIS(cap=2.0)))
+    # weights = rho = [2, 1, 1, 0.5]: mean 1.125, mean square (4 + 1 + 1 + 0.25) / 4 = 1.5625
+    # ESS = 1.125^2 / 1.5625 = 0.81, the same raw (nothing truncated at cap 2)
+    assert m["is/ess"] == pytest.approx(0.81, abs=1e-6) and m["is/ess_raw"] == pytest.approx(0.81, abs=1e-6)
+    # lag per token [0, 0, 2, 2]: mean 1, half the tokens fresh
+    assert m["offpolicy/lag_mean"] == pytest.approx(1.0) and m["offpolicy/fresh_frac"] == pytest.approx(0.5)
+    # k3(logp, old) = 1/rho + ln rho - 1: rho 2 -> 0.193147, 1 -> 0, 0.5 -> 1 - ln 2 = 0.306853
+    # fresh (train/inference mismatch alone): (0.193147 + 0) / 2; stale: (0 + 0.306853) / 2; all: 0.5 / 4
+    assert m["offpolicy/mismatch_kl_fresh"] == pytest.approx(K3_HALF / 2, abs=1e-6)
+    assert m["offpolicy/mismatch_kl_stale"] == pytest.approx((1 - LN2) / 2, abs=1e-6)
+    assert m["policy/mismatch_kl"] == pytest.approx((K3_HALF + 1 - LN2) / 4, abs=1e-6)
+    # a cap of 1.5 truncates the 2: applied weights [1.5, 1, 1, 0.5] -> ESS 1^2 / ((2.25 + 1 + 1 + 0.25) / 4) = 0.888889,
+    # the raw ESS is unchanged
+    _, m = grpo_loss(_diag_batch(), _grpo(TokenTIS(cap=1.5)))
+    assert m["is/ess"] == pytest.approx(1 / 1.125, abs=1e-6) and m["is/ess_raw"] == pytest.approx(0.81, abs=1e-6)
+    # every token masked: ESS 0, not NaN
+    _, m = grpo_loss(_diag_batch(), _grpo(SequenceMIS(low=0.9, high=1.1)))
+    # (row 0's product 2 and row 1's 0.5 both leave [0.9, 1.1])
+    assert m["is/masked_frac"] == 1.0 and m["is/ess"] == 0.0
+
+
+def test_offpolicy_diagnostics_merge_exactly_over_micro_batches():
+    # the loop averages non-loss metrics weighted by tokens, then finishes the ratios: equal to the full batch
+    from rlstream.learner.losses import finish_offpolicy_metrics
+
+    params = _grpo(TokenTIS(cap=1.5))
+    _, full = grpo_loss(_diag_batch(), params)
+    parts = [grpo_loss(_diag_batch(rows=(i,)), params)[1] for i in (0, 1)]
+    merged = {k: sum(p[k] * p["policy/tokens"] for p in parts) / sum(p["policy/tokens"] for p in parts)
+              for k in parts[0] if not k.startswith("loss/") and k != "is/weight_max"}
+    done = finish_offpolicy_metrics(merged, drop_parts=True)
+    assert not any(k.endswith("_part") for k in done)
+    for k in ("is/ess", "is/ess_raw", "offpolicy/mismatch_kl_fresh", "offpolicy/mismatch_kl_stale", "offpolicy/lag_mean"):
+        assert done[k] == pytest.approx(full[k], abs=1e-6), k
+
+
+# ---- invariant: with behaviour == current policy, every correction is the on-policy loss ---------------
+
+ALL_CORRECTIONS = [TokenTIS(), SequenceTIS(), TokenMIS(), SequenceMIS(), IcePop(), GeometricMask(), TokenMask(),
+                   {"type": "decoupled"}, NoCorrection()]
+VARIANTS = [
+    pytest.param(grpo_loss, lambda c: GRPOParams(off_policy_correction=c, kl_coefficient=0.0), id="grpo-clip"),
+    pytest.param(grpo_loss, lambda c: GRPOParams(off_policy_correction=c, kl_coefficient=0.0, policy_loss="dr_grpo"), id="dr_grpo"),
+    pytest.param(grpo_loss, lambda c: GRPOParams(off_policy_correction=c, kl_coefficient=0.0, policy_loss="cispo"), id="cispo"),
+    pytest.param(grpo_loss, lambda c: GRPOParams(off_policy_correction=c, kl_coefficient=0.0, policy_loss="sapo"), id="sapo"),
+    pytest.param(dapo_loss, lambda c: DAPOParams(off_policy_correction=c), id="dapo"),
+    pytest.param(gspo_loss, lambda c: GSPOParams(off_policy_correction=c), id="gspo"),
+    pytest.param(ppo_loss, lambda c: PPOParams(off_policy_correction=c), id="ppo"),
+]
+
+
+@pytest.mark.parametrize("fn, make", VARIANTS)
+@pytest.mark.parametrize("correction", ALL_CORRECTIONS, ids=lambda c: c["type"] if isinstance(c, dict) else c.type)
+def test_every_correction_is_the_on_policy_loss_when_behaviour_is_current(fn, make, correction):
+    data = _random_step(seed=21)
+    mask = data["mask"]
+    adv = data["token_advantages"] if fn is ppo_loss else data["advantages"]
+
+    def run(params):
+        logp = data["logprobs"].clone().requires_grad_()
+        # behaviour == proximal == current: the sampler was this very policy
+        batch = PolicyBatch(logp, logp.detach().clone(), adv, mask, prox_logprobs=logp.detach().clone(), max_tokens=T)
+        loss, m = fn(batch, params)
+        loss.backward()
+        return loss.item(), logp.grad, m
+
+    loss, grad, m = run(make(correction))
+    on_policy, on_policy_grad, _ = run(make("none"))
+    assert loss == pytest.approx(on_policy, abs=1e-6)
+    close(grad, on_policy_grad, tol=1e-7)
+    assert m["is/ess"] == pytest.approx(1.0) and m["is/masked_frac"] == 0.0 and m["is/truncated_frac"] == 0.0
+    assert m["policy/mismatch_kl"] == pytest.approx(0.0, abs=1e-7)
+    if fn is grpo_loss and make(correction).policy_loss.type == "clip":
+        # and that is the textbook on-policy GRPO loss: ratio 1 -> -token_mean(A), gradient -A / tokens
+        tokens = mask.sum()
+        expected = -(adv.unsqueeze(-1) * mask).sum() / tokens
+        assert loss == pytest.approx(expected.item(), abs=1e-6)
+        close(grad, -(adv.unsqueeze(-1) * mask) / tokens, tol=1e-7)

@@ -34,7 +34,7 @@ def rollout(i: int, version: int = 0, completion_ids=((5, 6, 7), (8, 9))) -> Rol
         Sample(np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), "stop", f"text{i}-{j}")
         for j, ids in enumerate(completion_ids)
     ]
-    return RolloutGroup(id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"prompt {i}", prompt_ids=np.asarray([1, 2, 3], np.int32),
+    return RolloutGroup.from_samples(id=f"g{i}", prompt_id=f"g{i}", prompt_text=f"prompt {i}", prompt_ids=np.asarray([1, 2, 3], np.int32),
                         samples=samples, policy_version=version, producer_id="p0")
 
 
@@ -107,7 +107,7 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_to
                    for ids, lp in zip(completions.tolist(), logprobs)]
         rewards = np.asarray([np.mean(np.asarray(s.completion_ids) % 2 == 0) for s in samples], np.float32)
         gid = f"g{i:04d}"
-        ro = RolloutGroup(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=prompt_ids[0].numpy().astype(np.int32),
+        ro = RolloutGroup.from_samples(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=prompt_ids[0].numpy().astype(np.int32),
                           samples=samples, policy_version=0)
         groups.append(ScoredGroup(rollout=ro, rewards=rewards))
     return groups

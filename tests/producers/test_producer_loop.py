@@ -4,6 +4,7 @@ producers, weight reloads stamped on the rollouts, pacing, kill -9 and SIGTERM."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -248,7 +249,7 @@ async def test_generation_gate_runs_batches_together_and_reloads_alone():
     assert events == ["a start", "b start", "a end", "b end", "reload", "c start", "c end"]
 
 
-async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, nats_server, run_id, config, dataset):
+async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, nats_server, run_id, config, dataset, tmp_path):
     """Two lanes: the next batch generates while the last one is out; a reload waits for both."""
     from rlstream.producers.backends.fake import FakeBackend
 
@@ -275,7 +276,7 @@ async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, 
     n = 96
     cfg, _ = config(data_source={"path": str(dataset(n))}, producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 4,
                                                                     "pipeline_batches": 2},
-                    buffer={"max_groups": 1000}, learner={"batch_groups": 1000})  # no pacing bound in reach
+                    buffer={"max_groups": 1000}, learner={"batch_groups": 1000, "shared_path": str(tmp_path)})  # no pacing bound in reach
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     backend = Watched()
@@ -283,9 +284,17 @@ async def test_pipelined_batches_overlap_and_never_straddle_a_weight_reload(js, 
     async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
         for version in (1, 2, 3):
             await wait_until(lambda v=version: _ge(rollout_count(js, lay), v * 12), 60)
-            ann = WeightsAnnouncement(id=f"w{version}", policy_version=version, step=version, location="file:///nowhere", run=lay.run)
+            folder = tmp_path / lay.run / f"policy-v{version:06d}"  # the run's shared folder, as the learner writes it
+            folder.mkdir(parents=True)
+            (folder / "model.safetensors").write_bytes(b"v%d" % version)
+            ann = WeightsAnnouncement(id=f"w{version}", policy_version=version, step=version, location=f"file://{folder}", run=lay.run,
+                                      size=2, sha256=hashlib.sha256(b"v%d" % version).hexdigest())
             await state.kv.put(WEIGHTS_LATEST, ann.encode())
             await state.set_policy_version(version)
+
+            async def loaded(v=version):  # before the next version, or a slow machine loads only the newer
+                return backend.loaded_versions[-1:] == [v]
+            await wait_until(loaded, 60)
         await wait_until(lambda: _eq(rollout_count(js, lay), n), 60)
     groups = await read_rollouts(js, lay)
     assert sorted(g.prompt_id for g in groups) == sorted({g.prompt_id for g in groups}) and len(groups) == n

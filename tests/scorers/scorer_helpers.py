@@ -13,7 +13,7 @@ def group(gid: str, texts: list[str], *, columns: dict | None = None, lengths: l
           prompt: str = "Q: 1+1?", run: str = "", version: int = 0) -> RolloutGroup:
     lengths = lengths or [max(1, len(t) // 2) for t in texts]
     samples = [Sample(np.arange(n, dtype=np.int32) % 100, np.full(n, -0.5, np.float32), "stop", t) for n, t in zip(lengths, texts)]
-    return RolloutGroup(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=np.array([1, 2, 3], np.int32),
+    return RolloutGroup.from_samples(id=gid, prompt_id=gid, prompt_text=prompt, prompt_ids=np.array([1, 2, 3], np.int32),
                         samples=samples, policy_version=version, columns=dict(columns or {}), run=run)
 
 

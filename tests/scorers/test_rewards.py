@@ -203,6 +203,6 @@ async def test_groups_without_text_are_decoded_with_the_tokenizer(tiny_reward_mo
     cfg = config({"terms": [{"rule": "exact_match", "params": {"extract": True}}]})
     cfg.model_checkpoint_path = str(tiny_reward_model_dir)
     g = group("t", [""], columns={"answer": "42"}, lengths=[len(ids)])
-    g.samples[0].completion_ids = np.array(ids, np.int32)
+    g.completion_ids = np.array(ids, np.int32)
     [s] = await Scorer(cfg, decode=text_decoder(cfg)).score([g])
     assert list(s.rewards) == [1.0]

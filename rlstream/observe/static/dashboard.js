@@ -7,7 +7,9 @@
     { name: "kl", title: "KL", keys: ["policy/kl", "policy/approx_kl", "policy/mismatch_kl"] },
     { name: "loss", title: "loss", keys: ["loss/total", "loss/policy"] },
     { name: "throughput", title: "throughput (/s)", keys: ["producer/tokens_per_s", "producer/groups_per_s", "scorer/groups_per_s"] },
-    { name: "staleness", title: "staleness (policy versions)", keys: ["buffer/staleness_mean", "buffer/staleness_max"] },
+    { name: "staleness", title: "staleness (policy versions)", keys: ["buffer/staleness_mean", "buffer/staleness_max", "offpolicy/lag_mean"] },
+    { name: "mismatch", title: "mismatch KL: train/inference (lag 0) vs stale", keys: ["offpolicy/mismatch_kl_fresh", "offpolicy/mismatch_kl_stale"] },
+    { name: "importance", title: "importance weights", keys: ["is/ess", "is/ess_raw", "is/truncated_frac", "is/masked_frac"] },
     { name: "buffer", title: "buffer depth (groups)", keys: ["buffer/depth"] },
   ];
   const MAX_POINTS = 20000;

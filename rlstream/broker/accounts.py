@@ -1,0 +1,160 @@
+"""The nats-server accounts and per-role permissions of one run (``deploy/nats/accounts.conf``).
+
+    python -m rlstream.broker.accounts --run grpo-math > deploy/nats/accounts.conf
+
+One account holds one run, with JetStream limits (memory, storage, streams, consumers), and
+one user per role. Every permission names the run: its subjects, its streams, its KV keys,
+its object store, and for each role its own durable consumer. Anything not listed is denied.
+
+| role     | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
+|----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
+| feeder   | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
+| producer | rollouts          | -                                                                     | producers on RL_<run>_PROMPTS     | heartbeat.producer.* |
+| scorer   | scored            | -                                                                     | scorers on RL_<run>_ROLLOUTS      | heartbeat.scorer.* |
+| learner  | weights (objects) | the run's streams, KV bucket, object store and three durable consumers | learner on RL_<run>_SCORED        | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| operator | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
+
+Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
+letters (``rl.<run>.dlq.<role>``), reads the run's stream infos, KV keys and weights, and
+receives replies only on its own inbox prefix ``_INBOX.<user>.`` (rlstream's client uses it,
+see ``connect_options``), so no role reads another role's deliveries. Only the learner and
+the operator create or update streams and consumers: a stream that re-publishes or sources
+into the run's subjects, or a consumer that pushes its messages to another subject, is how a
+component could otherwise write what its role may not. So components only bind to what the
+learner laid out; each may pull from, ack and nak on its own durable consumer alone.
+
+Passwords come from the environment of the nats-server process (a Kubernetes Secret):
+nats-server reads an undefined ``$VARIABLE`` from the environment and refuses to start when
+it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
+
+ROLES = ("feeder", "producer", "scorer", "learner")
+RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
+DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
+
+
+@dataclass(frozen=True)
+class AccountLimits:
+    """JetStream limits of the run's account (nats-server units: ``1G``, ``200G``)."""
+
+    max_mem: str = "1G"
+    max_file: str = "200G"
+    max_streams: int = 16
+    """The run has 7 (5 record streams, the KV bucket, the object store)."""
+    max_consumers: int = 256
+    """3 durables, plus what operators' tools open (tail, dashboard, status)."""
+
+
+def streams(lay: Layout) -> list[str]:
+    """Every JetStream stream of the run, KV bucket and object store included."""
+    return [*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"]
+
+
+def permissions(role: str, run: str) -> list[str]:
+    """The subjects ``role`` may publish to in ``run``."""
+    lay = Layout(run)
+    kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
+    allow = [f"rl.{run}.{RECORDS[role]}"] if role in RECORDS else []
+    allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
+    allow += [f"$JS.API.STREAM.INFO.{s}" for s in streams(lay)]
+    for s in (kv, obj):
+        allow += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
+    durable = DURABLES.get(role)
+    if durable is not None:
+        stream, _subject = lay.consumers()[durable]
+        allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
+    if role == "learner":
+        allow += [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
+        allow += [f"$O.{lay.weights_bucket}.>", f"$JS.API.STREAM.PURGE.{obj}"]
+        allow += [f"$JS.API.STREAM.{verb}.{s}" for s in streams(lay) for verb in ("CREATE", "UPDATE")]
+        for name, (stream, _subject) in lay.consumers().items():
+            allow += [f"$JS.API.CONSUMER.CREATE.{stream}.{name}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
+                      f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"]
+    return allow
+
+
+def _user(role: str, run: str) -> str:
+    lines = [
+        "      {",
+        f"        user: {role}",
+        f"        password: $RLSTREAM_{role.upper()}_PASSWORD",
+        "        permissions: {",
+        "          publish: { allow: [",
+    ]
+    lines += [f'            "{s}"' for s in permissions(role, run)]
+    lines += [
+        "          ] }",
+        f'          subscribe: {{ allow: ["_INBOX.{role}.>"] }}',
+        "        }",
+        "      }",
+    ]
+    return "\n".join(lines)
+
+
+def render_accounts(run: str, limits: AccountLimits = AccountLimits()) -> str:
+    """The text of ``accounts.conf`` for ``run`` (included by ``nats-server.conf``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run):
+        raise ValueError(f"run id {run!r}: letters, digits, _ and - only")
+    head = [
+        f"# rlstream accounts and per-role permissions for the run {run!r}.",
+        f"# Generated by `python -m rlstream.broker.accounts --run {run}`: edit that, not this file.",
+        "# What each role may do: the table in rlstream/broker/accounts.py.",
+        "",
+        "accounts {",
+        "  RLSTREAM {",
+        "    jetstream {",
+        f"      max_mem: {limits.max_mem}",
+        f"      max_file: {limits.max_file}",
+        f"      max_streams: {limits.max_streams}",
+        f"      max_consumers: {limits.max_consumers}",
+        "    }",
+        "    users: [",
+    ]
+    users = [_user(role, run) for role in ROLES]
+    users.append("\n".join([
+        "      {",
+        "        user: operator",
+        "        password: $RLSTREAM_OPERATOR_PASSWORD",
+        '        permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"] } }',
+        "      }",
+    ]))
+    tail = [
+        "    ]",
+        "  }",
+        "  SYS {",
+        "    users: [",
+        "      { user: sys, password: $RLSTREAM_SYS_PASSWORD }",
+        "    ]",
+        "  }",
+        "}",
+        "system_account: SYS",
+    ]
+    return "\n".join(head + users + tail) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlstream.broker.accounts", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="the run id (config `run`)")
+    d = AccountLimits()
+    p.add_argument("--max-mem", default=d.max_mem)
+    p.add_argument("--max-file", default=d.max_file)
+    p.add_argument("--max-streams", type=int, default=d.max_streams)
+    p.add_argument("--max-consumers", type=int, default=d.max_consumers)
+    args = p.parse_args(argv)
+    limits = AccountLimits(args.max_mem, args.max_file, args.max_streams, args.max_consumers)
+    sys.stdout.write(render_accounts(args.run, limits))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
