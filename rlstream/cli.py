@@ -13,8 +13,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlstream import __version__
+
+if TYPE_CHECKING:
+    from rlstream.broker.component import ComponentMain
 
 
 class _MaskingFormatter(logging.Formatter):
@@ -116,7 +120,7 @@ def _component(module: str, default_id: str):
         # an offline SFT/DPO learner needs no broker (nothing to publish to)
         offline = module == "rlstream.learner.loop" and cfg.data_source.type == "off_policy"
         url = _nats_url(args, cfg, optional=offline)
-        main = _call(module)
+        main: ComponentMain = _call(module)
         extra = {}
         if getattr(args, "run_dir", None):
             extra["run_dir"] = Path(args.run_dir)

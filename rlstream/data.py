@@ -70,10 +70,3 @@ def require_columns(rows: list[dict[str, Any]], columns: list[str], path: str | 
             v = row[c]
             if v is None or (isinstance(v, (str, list)) and len(v) == 0):
                 raise DatasetError(f"{path}: row {i} column {c!r} is empty")
-
-
-def first_present(row: dict[str, Any], *columns: str) -> str | None:
-    for c in columns:
-        if c in row and row[c] not in (None, "", []):
-            return c
-    return None

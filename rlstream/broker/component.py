@@ -9,13 +9,24 @@ metrics reporter, and a stop event set by SIGTERM/SIGINT.
 
 On exit the reporter stops, and buffered acks and publishes are flushed before the
 connection closes.
+
+Besides :class:`Component`, the plumbing the stages share:
+
+- :func:`signals_to`: the one place SIGTERM/SIGINT are turned into a stop event;
+- :func:`lanes`: ``n`` copies of a loop at once, sharing one fetch lock, all stopped when
+  one fails;
+- :func:`kept_in_progress`: in-progress acks for records while slow work on them runs;
+- :class:`ComponentMain`: the signature every component's ``main`` has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from rlstream.broker.connection import connect
 from rlstream.broker.io import Publisher
@@ -29,15 +40,93 @@ log = logging.getLogger(__name__)
 ROLE_DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
 """The one durable consumer each role reads (and alone may pull from, ack and nak on)."""
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ComponentMain(Protocol):
+    """A component's entry point: ``async def main(cfg, nats_url, component_id, **options) -> int``
+    (``rlstream feed|producer|scorer|learner`` call it).
+
+    It runs until its work is done or SIGTERM/SIGINT and returns the process's exit code.
+    ``nats_url`` is None only for a learner on an offline dataset. Options are keywords with
+    defaults, particular to a component (the learner's ``run_dir``, ``resume``, ``max_steps``).
+    """
+
+    def __call__(self, cfg: Any, nats_url: str | None, component_id: str, /) -> Awaitable[int]: ...
+
+
+@contextlib.contextmanager
+def signals_to(stop: asyncio.Event, enabled: bool = True, *, who: str | None = None) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT set ``stop`` (logged as ``who`` when given); the
+    handlers are removed on the way out. ``enabled=False`` leaves signals alone (several
+    components in one event loop, or a caller that owns them)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        if who:
+            log.info("%s: %s received, draining", who, signal.Signals(sig).name)
+        stop.set()
+
+    if enabled:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        yield
+    finally:
+        if enabled:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+
+async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str) -> None:
+    """Run ``n`` copies of ``lane`` at once, as tasks named ``<name>-lane-<i>``, until all return.
+
+    The lanes share one lock, handed to each: hold it around a pull on the shared
+    subscription (one pull request at a time) and whatever must be decided with it. When
+    one lane raises, the others are cancelled (what they hold comes back unacked) and the
+    error propagates.
+    """
+    fetching = asyncio.Lock()
+    tasks = [asyncio.create_task(lane(fetching), name=f"{name}-lane-{i}") for i in range(n)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def kept_in_progress(deliveries: Sequence[Any], every_s: float, *, name: str) -> AsyncIterator[None]:
+    """In-progress acks for ``deliveries`` every ``every_s`` seconds while inside (a task
+    named ``name``), so slow work on them does not get them redelivered meanwhile."""
+
+    async def keep() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            for d in deliveries:
+                await d.in_progress()
+
+    task = asyncio.create_task(keep(), name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
 
 class Component:
-    def __init__(self, cfg, nats_url: str, component: str, component_id: str, *, handle_signals: bool = True):
+    """A connected component. ``stop`` is set by SIGTERM/SIGINT unless ``handle_signals`` is
+    False; pass a ``stop`` of your own to stop it from outside (signals are then left alone)."""
+
+    def __init__(self, cfg, nats_url: str, component: str, component_id: str, *, handle_signals: bool = True,
+                 stop: asyncio.Event | None = None):
         self.cfg = cfg
         self.nats_url = nats_url
         self.component = component
         self.component_id = component_id
-        self.handle_signals = handle_signals
-        self.stop = asyncio.Event()
+        self.handle_signals = handle_signals and stop is None
+        self.stop = stop or asyncio.Event()
         self.nc = None
         self.js = None
         self.layout: Layout | None = None
@@ -45,6 +134,7 @@ class Component:
         self.publisher: Publisher | None = None
         self.reporter: Reporter | None = None
         self._reporter_task: asyncio.Task | None = None
+        self._signals: contextlib.ExitStack | None = None
 
     async def __aenter__(self) -> "Component":
         cfg = self.cfg
@@ -56,10 +146,8 @@ class Component:
         port = cfg.metrics.prometheus_port
         self.reporter = Reporter(self.nc, self.layout, self.component, self.component_id, state=self.state,
                                  prometheus_port=port, interval_s=cfg.metrics.interval_s)
-        if self.handle_signals:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._on_signal, sig)
+        self._signals = contextlib.ExitStack()
+        self._signals.enter_context(signals_to(self.stop, self.handle_signals, who=f"{self.component} {self.component_id}"))
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
         log.info("%s %s connected to %s (run %s)", self.component, self.component_id, mask_secrets(self.nats_url or ""), cfg.run)
         return self
@@ -81,10 +169,6 @@ class Component:
             return await ensure_layout(self.js, cfg.run, nats_cfg)
         return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component))
 
-    def _on_signal(self, sig) -> None:
-        log.info("%s %s: %s received, draining", self.component, self.component_id, signal.Signals(sig).name)
-        self.stop.set()
-
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self.stop.set()
         if self._reporter_task is not None:
@@ -94,10 +178,8 @@ class Component:
                 self._reporter_task.cancel()
         if self.reporter is not None:
             self.reporter.close()
-        if self.handle_signals:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        if self._signals is not None:
+            self._signals.close()
         if self.nc is not None and self.nc.is_connected:
             # flush sends every ack and publish still buffered; drain() would also wait on
             # open pull subscriptions, which only end at their fetch timeout.

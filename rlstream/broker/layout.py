@@ -128,12 +128,6 @@ class Layout:
             self.dlq_stream: f"rl.{self.run}.dlq.>",
         }
 
-    def stream_for(self, subject: str) -> str | None:
-        for stream, filt in self.streams().items():
-            if subject == filt or (filt.endswith(">") and subject.startswith(filt[:-1])):
-                return stream
-        return None
-
     def consumers(self) -> dict[str, tuple[str, str]]:
         """durable name -> (stream, subject)."""
         return {
@@ -173,8 +167,8 @@ def _consumer_config(durable: str, subject: str, ack_wait_s: float) -> ConsumerC
         deliver_policy=DeliverPolicy.ALL,
         filter_subject=subject,
         ack_wait=ack_wait_s,
-        # We count deliveries ourselves and dead-letter at max_deliver; the server limit
-        # is one more so a record is never silently parked.
+        # No server limit: we count deliveries ourselves and dead-letter at
+        # nats.max_deliver, so a record is never silently parked by the server.
         max_deliver=-1,
         max_ack_pending=-1,
         max_waiting=512,

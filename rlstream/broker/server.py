@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -227,7 +226,3 @@ def run_foreground(port: int | None, store: str | Path, host: str = "127.0.0.1",
     finally:
         server.stop()
     return 0 if stopping else (server.proc.returncode or 1)
-
-
-def env_url() -> str | None:
-    return os.environ.get("RLSTREAM_NATS_URL")

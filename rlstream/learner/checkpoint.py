@@ -46,6 +46,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from rlstream.rundir import RunDir
+
 STATE_FILE = "learner_state.json"
 TRAINER_DIR = "trainer"
 STATE_VERSION = 1
@@ -154,7 +156,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def step_of(path: Path) -> int:
@@ -203,7 +205,7 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
     model = engine.unwrapped
     full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
     save_optimizer = learner.cfg.checkpoint.save_optimizer
-    sharded = save_optimizer and getattr(engine, "optimizer_sharded", False)
+    sharded = save_optimizer and engine.optimizer_sharded
     if sharded:
         # ZeRO 1-3: every rank writes the partition of the optimizer state it holds
         tensors, shard_meta = engine.optimizer_tensors()
@@ -274,15 +276,14 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
     engine = learner.engine
     weights = load_file(str(step_dir / "model.safetensors"))
     model = engine.unwrapped
-    if getattr(engine, "stage", 0) == 3:
+    if engine.gathers_weights:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             _load_weights(model, weights)
     else:
         _load_weights(model, weights)
-    if hasattr(engine, "weights_loaded"):
-        engine.weights_loaded()
+    engine.weights_loaded()
     trainer_dir = step_dir / TRAINER_DIR
     opt_file = trainer_dir / "optimizer.safetensors"
     opt_meta = extra.get("optimizer") or {}

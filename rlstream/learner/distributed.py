@@ -22,6 +22,7 @@ step together.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
+from rlstream.learner.engines import Engine
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
 log = logging.getLogger(__name__)
@@ -39,17 +41,31 @@ RECORD_TYPES = {cls.SCHEMA: cls for cls in (ScoredGroup, SFTExample, PreferenceP
 _HEAD = struct.Struct("<I")
 
 
-def is_active(engine) -> bool:
+def is_active(engine: Engine) -> bool:
     """True when the engine runs in a process group of more than one rank."""
-    return getattr(engine, "world_size", 1) > 1
+    return engine.world_size > 1
 
 
 # ---- messages from rank 0 ------------------------------------------------------------------------
 
 
+class Op(enum.StrEnum):
+    """What rank 0 tells the other ranks to do next (the ``op`` of a :class:`Message`)."""
+
+    RESUME = "resume"
+    """Load the checkpoint at ``fields["path"]`` (none: start fresh)."""
+    STEP = "step"
+    """Train on the message's records."""
+    CHECKPOINT = "checkpoint"
+    """Join the checkpoint's collectives (gathering weights, optimizer partitions)."""
+    PUBLISH = "publish"
+    """Join the gathering of the full weights for a publish (ZeRO-3)."""
+    STOP = "stop"
+
+
 @dataclass
 class Message:
-    op: str
+    op: Op
     records: list = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
 
@@ -74,7 +90,7 @@ class Message:
                 chunk = data[pos:pos + size]
                 records.append(rtype.decode(chunk, limits) if limits is not None else rtype.decode(chunk))
                 pos += size
-        return cls(head["op"], records, head.get("fields") or {})
+        return cls(Op(head["op"]), records, head.get("fields") or {})
 
 
 def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
@@ -92,7 +108,7 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
     return payload if mine else buf.numpy().tobytes()
 
 
-def send(op: str, records: Iterable = (), **fields: Any) -> None:
+def send(op: Op, records: Iterable = (), **fields: Any) -> None:
     """Rank 0: tell the other ranks what to do next."""
     broadcast_bytes(Message(op, list(records), fields).encode())
 
@@ -154,17 +170,11 @@ def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
         p.grad.div_(world)
 
 
-def sync_context(engine, last: bool):
+def sync_context(engine: Engine, last: bool):
     """DDP's ``no_sync`` for every micro-batch but the last (one gradient all-reduce per step)."""
-    module = getattr(engine, "module", None)
-    if not last and isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        return module.no_sync()
+    if not last and isinstance(engine.module, torch.nn.parallel.DistributedDataParallel):
+        return engine.module.no_sync()
     return contextlib.nullcontext()
-
-
-def needs_collective_weights(engine) -> bool:
-    """Whether gathering the full weights is a collective every rank must join (ZeRO-3)."""
-    return getattr(engine, "stage", 0) == 3
 
 
 # ---- ranks > 0 ---------------------------------------------------------------------------------------
@@ -180,20 +190,18 @@ def follow(learner, run_dir, limits: Limits | None = None) -> int:
     steps = 0
     while True:
         msg = receive(limits)
-        if msg.op == "stop":
+        if msg.op is Op.STOP:
             break
-        if msg.op == "step":
+        if msg.op is Op.STEP:
             train_step(learner, msg.records)
             steps += 1
-        elif msg.op == "resume":
+        elif msg.op is Op.RESUME:
             if msg.fields.get("path"):
                 load_checkpoint(learner, msg.fields["path"])
-        elif msg.op == "checkpoint":
+        elif msg.op is Op.CHECKPOINT:
             save_checkpoint(learner, run_dir)
-        elif msg.op == "publish":
-            if needs_collective_weights(engine):
+        elif msg.op is Op.PUBLISH:
+            if engine.gathers_weights:
                 engine.full_state_dict()
-        else:
-            raise RuntimeError(f"rank {engine.rank}: unknown message {msg.op!r} from rank 0")
     log.info("rank %d: stopped after %d steps", engine.rank, steps)
     return 0

@@ -1,15 +1,6 @@
 """Training engines: plain torch (one process, or DDP under ``torchrun``) and DeepSpeed (ZeRO 0-3).
 
-Both expose the same small surface the training step uses:
-
-- ``module``: the model to call forward on (DDP / DeepSpeed wrapper included),
-- ``backward(loss, last)``: accumulate gradients (``last`` = the step's final micro-batch),
-- ``step() -> (grad_norm, stepped)``: clip to ``learner.max_grad_norm`` and update, or, when
-  the gradient norm is NaN/inf, zero the gradients and skip the update,
-- ``full_state_dict()``: every weight on CPU under ``AutoModelForCausalLM.state_dict()`` names
-  (gathered under ZeRO-3), ``unwrapped``: the plain HF model,
-- ``optimizer_tensors()/load_optimizer_tensors()``: optimizer state as flat tensors + JSON
-  (safetensors-friendly; no pickle).
+Both implement :class:`Engine`, the small surface the training step and checkpoints use.
 
 The learning rate is a pure function of the step (:func:`lr_at`), set on the param groups
 before each update, so a checkpoint needs only the step to restore the schedule.
@@ -20,11 +11,60 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What the training step, checkpoints and the data-parallel ranks ask of an engine."""
+
+    name: str
+    """``torch`` or ``deepspeed`` (recorded in checkpoints)."""
+    rank: int
+    world_size: int
+    """Ranks in the process group (1: a single process)."""
+    module: torch.nn.Module
+    """The model to call forward on (DDP / DeepSpeed wrapper included)."""
+    unwrapped: torch.nn.Module
+    """The plain HF model."""
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """Each rank holds (and saves) only its partition of the optimizer state (ZeRO 1-3)."""
+        ...
+
+    @property
+    def gathers_weights(self) -> bool:
+        """The full weights are partitioned over ranks (ZeRO-3): gathering them is a
+        collective every rank must join, and so is loading them."""
+        ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """Accumulate gradients (``last``: the step's final micro-batch)."""
+
+    def step(self) -> tuple[float, bool]:
+        """Clip to ``learner.max_grad_norm`` and update: ``(grad_norm, stepped)``."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight on CPU under ``AutoModelForCausalLM.state_dict()`` names."""
+        ...
+
+    def optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Optimizer state as flat tensors + JSON meta (safetensors-friendly; no pickle)."""
+        ...
+
+    def load_optimizer_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
+
+    def weights_loaded(self) -> None:
+        """Called after the model's weights were overwritten (a checkpoint load)."""
 
 
 def lr_at(step: int, lcfg) -> float:
@@ -91,6 +131,8 @@ class TorchEngine:
     """Plain torch: AdamW, ``clip_grad_norm_``; DDP when ``WORLD_SIZE`` > 1 (``torchrun``)."""
 
     name = "torch"
+    optimizer_sharded = False
+    gathers_weights = False
 
     def __init__(self, model: torch.nn.Module, lcfg):
         self.lcfg = lcfg
@@ -135,6 +177,9 @@ class TorchEngine:
     def load_optimizer_tensors(self, tensors, meta) -> None:
         optimizer_from_tensors(self.optimizer, tensors, meta)
 
+    def weights_loaded(self) -> None:
+        return None  # the optimizer works on the model's own parameters
+
 
 def init_deepspeed_single_process() -> None:
     """DeepSpeed without a launcher: a one-process gloo group (see PLATFORM.md)."""
@@ -161,9 +206,9 @@ class DeepSpeedEngine:
     micro-batch's loss is already normalised over the whole optimizer step, so the engine
     never rescales it, and the accumulation boundary is set explicitly on the last one.
 
-    A NaN/inf loss is caught before its backward (the step then runs no optimizer update);
-    gradients that turn nonfinite with a finite loss are DeepSpeed's to handle (bf16/fp32 do
-    not skip by themselves), which is why the loss check comes first.
+    A NaN/inf loss is caught by the training step before its backward (the step then runs
+    no optimizer update); gradients that turn nonfinite with a finite loss are DeepSpeed's
+    to handle (bf16/fp32 do not skip by themselves), which is why the loss check comes first.
     """
 
     name = "deepspeed"
@@ -189,7 +234,6 @@ class DeepSpeedEngine:
         self.module = self.engine
         self.unwrapped = self.engine.module
         self._base_opt = getattr(self.optimizer, "optimizer", self.optimizer)
-        self._bad = False
         self.ds_config = ds
 
     def set_lr(self, lr: float) -> None:
@@ -201,18 +245,11 @@ class DeepSpeedEngine:
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> tuple[float, bool]:
-        if self._bad:
-            self._bad = False
-            self.zero_grad()
-            return float("nan"), False
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else 0.0
         return norm, True
-
-    def mark_nonfinite(self) -> None:
-        self._bad = True
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -222,7 +259,7 @@ class DeepSpeedEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         model = self.unwrapped
-        if self.stage == 3:
+        if self.gathers_weights:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
@@ -243,6 +280,10 @@ class DeepSpeedEngine:
     def optimizer_sharded(self) -> bool:
         """True when each rank holds (and saves) only its partition of the optimizer state."""
         return self.stage in (1, 2, 3)
+
+    @property
+    def gathers_weights(self) -> bool:
+        return self.stage == 3
 
     def _master_partitions(self) -> list[torch.Tensor]:
         if self.stage == 3:
@@ -334,7 +375,7 @@ class DeepSpeedEngine:
             refresh()
 
 
-def build_engine(model: torch.nn.Module, lcfg, accumulation: int = 1):
+def build_engine(model: torch.nn.Module, lcfg, accumulation: int = 1) -> Engine:
     if lcfg.engine == "deepspeed":
         return DeepSpeedEngine(model, lcfg, accumulation)
     return TorchEngine(model, lcfg)

@@ -36,7 +36,6 @@ import contextlib
 import json
 import logging
 import math
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlstream.broker.component import signals_to
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
@@ -52,13 +52,12 @@ from rlstream.learner import losses
 from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction,
                                        sequence_logps)
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlstream.learner.engines import build_engine, lr_at
+from rlstream.learner.engines import Engine, build_engine, lr_at
+from rlstream.rundir import RunDir, default_run_dir
 from rlstream.schemas import Limits, PreferencePair, ScoredGroup, SFTExample
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "learner_summary.json"
 
 
 class LearnerError(RuntimeError):
@@ -71,7 +70,7 @@ class Learner:
 
     cfg: Config
     run_dir: Path
-    engine: Any
+    engine: Engine
     tokenizer: Any
     ref_model: torch.nn.Module | None
     value_head: torch.nn.Module | None
@@ -121,7 +120,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
         torch.nn.init.zeros_(value_head.bias)
         value_opt = torch.optim.AdamW(value_head.parameters(), lr=params.value_lr or lcfg.lr, betas=tuple(lcfg.betas))
     engine = build_engine(model, lcfg, accumulation_steps(cfg))
-    learner = Learner(cfg, Path(run_dir or Path("runs") / cfg.run), engine, tokenizer, ref_model, value_head, value_opt,
+    learner = Learner(cfg, Path(run_dir or default_run_dir(cfg.run)), engine, tokenizer, ref_model, value_head, value_opt,
                       device=device, pad_id=pad_id)
     return learner
 
@@ -496,21 +495,6 @@ async def _maybe_component(cfg: Config, nats_url: str | None, component_id: str)
         yield comp
 
 
-@contextlib.contextmanager
-def _signals_to(stop: asyncio.Event, enabled: bool):
-    """Offline runs without NATS still stop cleanly on SIGTERM/SIGINT (a final checkpoint)."""
-    loop = asyncio.get_running_loop()
-    if enabled:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-
 async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
     """Write a checkpoint (off the event loop), then ack what it holds.
 
@@ -524,7 +508,7 @@ async def _checkpoint(learner: Learner, buf, comp=None) -> Path | None:
         state.pending_ack = buf.pending_ack()
     def save() -> Path:
         if dist.is_active(learner.engine):
-            dist.send("checkpoint")
+            dist.send(dist.Op.CHECKPOINT)
         return save_checkpoint(learner, learner.run_dir)
 
     try:
@@ -561,21 +545,21 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     offline = cfg.data_source.type == "off_policy"
     if not offline and nats_url is None:
         raise LearnerError(f"training_mode {cfg.training_mode} streams scored groups: it needs a NATS URL")
-    run_dir = Path(run_dir or Path("runs") / cfg.run)
+    run_dir = Path(run_dir or default_run_dir(cfg.run))
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / METRICS_FILE
+    metrics_path = RunDir(run_dir).metrics
     limit = max_steps or cfg.learner.max_steps
 
     learner = await asyncio.to_thread(build_learner, cfg, run_dir)
     ranks = dist.is_active(learner.engine)
     if ranks and learner.engine.rank != 0:
         # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
-        with _signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
+        with signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
             return await asyncio.to_thread(dist.follow, learner, run_dir)
     state = learner.state
     latest = latest_checkpoint(run_dir) if resume else None
     if ranks:
-        await asyncio.to_thread(dist.send, "resume", path=str(latest) if latest is not None else None)
+        await asyncio.to_thread(dist.send, dist.Op.RESUME, path=str(latest) if latest is not None else None)
     if latest is not None:
         state = await asyncio.to_thread(load_checkpoint, learner, latest)
         learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
@@ -592,12 +576,12 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
 
     def _train(batch: list) -> dict[str, float]:
         if ranks:
-            dist.send("step", batch)
+            dist.send(dist.Op.STEP, batch)
         return train_step(learner, batch)
 
     def _full_state_dict() -> dict[str, torch.Tensor]:
         if ranks:
-            dist.send("publish")
+            dist.send(dist.Op.PUBLISH)
         return learner.engine.full_state_dict()
 
     final_checkpoint_failed = False
@@ -606,7 +590,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         stop = comp.stop if comp is not None else asyncio.Event()
         tasks_stop = asyncio.Event()
         buf, tasks = None, []
-        with _signals_to(stop, comp is None):
+        with signals_to(stop, comp is None):
             if not offline:
                 # token ids outside the model's vocabulary would crash the forward pass: such
                 # groups are rejected at decode and dead-lettered with the reason instead
@@ -692,7 +676,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         final_checkpoint_failed = True
             finally:
                 if followers_running:
-                    await asyncio.to_thread(dist.send, "stop")
+                    await asyncio.to_thread(dist.send, dist.Op.STOP)
                     followers_running = False
                 # always stop the fill/hold tasks, also when a step raised: nats-py turns the
                 # cancellation of a pending fetch into a timeout, so only the event ends them
@@ -716,5 +700,5 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
         log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
         return 1
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(run_dir).learner_summary.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

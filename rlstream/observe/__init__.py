@@ -1,18 +1,22 @@
 """Operator tools: tail, status, export/import, replay, the live dashboard.
 
-Each command module exposes ``cli(args) -> int`` (called by ``rlstream.cli``). The
-helpers here are what they share: the NATS URL, time arguments, field filters.
+Each command module exposes ``cli(args) -> int`` (called by ``rlstream.cli``), most of
+them made by :func:`command` from an ``async def run_x(args) -> int``. The helpers here are
+what they share: the CLI wrapper, the NATS URL, time arguments, field filters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import re
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlstream.broker.connection import connect
+from rlstream.broker.errors import BrokerError
 from rlstream.config import NatsConfig
 
 _AGO_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
@@ -123,3 +127,16 @@ def matches(obj: dict[str, Any], where: list[tuple[list[str], str]]) -> bool:
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def command(run: Callable[[Any], Awaitable[int]], *, also: tuple[type[Exception], ...] = ()) -> Callable[[Any], int]:
+    """``cli(args) -> int`` for an operator command ``async def run(args) -> int``: an
+    :class:`ObserveError`, a :class:`BrokerError` (or one of ``also``) is printed and exits 2."""
+
+    def cli(args: Any) -> int:
+        try:
+            return asyncio.run(run(args))
+        except (ObserveError, BrokerError, *also) as exc:
+            return fail(str(exc))
+
+    return cli

@@ -28,7 +28,6 @@ import hmac
 import json
 import logging
 import os
-import signal
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,10 +38,10 @@ from aiohttp import web
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from rlstream.broker.errors import BrokerError
+from rlstream.broker.component import signals_to
 from rlstream.broker.layout import Layout
 from rlstream.broker.server import is_loopback
-from rlstream.observe import ObserveError, fail, nats_url, open_connection
+from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.schemas import MetricEvent, RecordError
 
 log = logging.getLogger(__name__)
@@ -249,26 +248,24 @@ async def serve(args) -> int:
                            "--token-file (or bind 127.0.0.1)")
     nc = await open_connection(nats_url(args), "rlstream-dashboard", args)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     runner = hub = None
     try:
-        js = nc.jetstream(timeout=10.0)
-        try:
-            await js.stream_info(Layout(args.run).metrics_stream)
-        except NotFoundError:
-            raise ObserveError(f"run {args.run!r} has no metrics stream on this server (is the run id right?)") from None
-        hub = Hub(js, Layout(args.run), getattr(args, "backfill", None) or DEFAULT_BACKFILL,
-                  getattr(args, "max_viewers", None) or DEFAULT_MAX_VIEWERS)
-        await hub.start()
-        runner = web.AppRunner(make_app(hub, token), shutdown_timeout=2.0)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        print(f"dashboard for run {args.run} on http://{args.host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
-        await stop.wait()
+        with signals_to(stop):
+            js = nc.jetstream(timeout=10.0)
+            try:
+                await js.stream_info(Layout(args.run).metrics_stream)
+            except NotFoundError:
+                raise ObserveError(f"run {args.run!r} has no metrics stream on this server (is the run id right?)") from None
+            hub = Hub(js, Layout(args.run), getattr(args, "backfill", None) or DEFAULT_BACKFILL,
+                      getattr(args, "max_viewers", None) or DEFAULT_MAX_VIEWERS)
+            await hub.start()
+            runner = web.AppRunner(make_app(hub, token), shutdown_timeout=2.0)
+            await runner.setup()
+            site = web.TCPSite(runner, args.host, args.port)
+            await site.start()
+            port = runner.addresses[0][1]
+            print(f"dashboard for run {args.run} on http://{args.host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+            await stop.wait()
     finally:
         if hub is not None:
             for viewer in list(hub.viewers):  # open event streams end, so shutdown does not wait on them
@@ -278,14 +275,8 @@ async def serve(args) -> int:
             await hub.stop()
         if runner is not None:
             await runner.cleanup()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await nc.close()
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(serve(args))
-    except (ObserveError, BrokerError, OSError) as exc:
-        return fail(str(exc))
+cli = command(serve, also=(OSError,))

@@ -21,7 +21,6 @@ sequence for ``--since`` is found by binary search over the stream.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import sys
 import time
@@ -32,9 +31,8 @@ from typing import Any, BinaryIO
 import msgpack
 from nats.js.errors import NotFoundError
 
-from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import Layout
-from rlstream.observe import ObserveError, fail, nats_url, open_connection, parse_time
+from rlstream.observe import ObserveError, command, nats_url, open_connection, parse_time
 
 FORMAT = "rlstream-export"
 VERSION = 1
@@ -195,8 +193,4 @@ async def run_export(args) -> int:
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(run_export(args))
-    except (ObserveError, BrokerError) as exc:
-        return fail(str(exc))
+cli = command(run_export)

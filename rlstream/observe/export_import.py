@@ -20,11 +20,10 @@ from pathlib import Path
 
 from nats.js.errors import KeyNotFoundError
 
-from rlstream.broker.errors import BrokerError
 from rlstream.broker.io import MSG_ID, Outgoing, Publisher
 from rlstream.broker.layout import ensure_layout
 from rlstream.broker.state import RunState
-from rlstream.observe import ObserveError, fail, nats_url, open_connection
+from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.observe.export import check_export, iter_export
 
 CHUNK = 256
@@ -107,8 +106,4 @@ async def run_import(args) -> int:
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(run_import(args))
-    except (ObserveError, BrokerError, OSError) as exc:
-        return fail(str(exc))
+cli = command(run_import, also=(OSError,))

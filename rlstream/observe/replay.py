@@ -35,13 +35,14 @@ from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import Layout
 from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
 from rlstream.observe import ObserveError, fail, nats_config
+from rlstream.rundir import RunDir
 from rlstream.schemas import ScoredGroup
 
 ALWAYS_COMPARED = ("loss/total", "optim/grad_norm")
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         raise ObserveError(f"{path} does not exist (not a learner run directory?)")
     out = {}
@@ -56,7 +57,7 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def load_run_config(run_dir: Path, overrides: list[str]):
-    path = run_dir / "config.resolved.json"
+    path = RunDir(run_dir).config
     if not path.exists():
         raise ObserveError(f"{path} does not exist")
     try:
@@ -109,9 +110,9 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
     if not cfg.is_rl:
         raise ObserveError(f"training_mode {cfg.training_mode}: replay re-runs streamed RL steps only")
     metrics = read_metrics(run_dir)
-    ckpt = run_dir / "checkpoints" / f"step_{from_step}"
+    ckpt = RunDir(run_dir).checkpoint(from_step)
     if not ckpt.is_dir():
-        have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+        have = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
         raise ObserveError(f"no checkpoint {ckpt}; available: {', '.join(have) or 'none'}")
     wanted = list(range(from_step + 1, from_step + steps + 1))
     missing = [s for s in wanted if s not in metrics]

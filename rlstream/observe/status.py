@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -23,10 +22,9 @@ from nats.js.errors import NotFoundError
 from rich.console import Console
 from rich.table import Table
 
-from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import PACING_ADMIT, Layout
 from rlstream.broker.state import RunState
-from rlstream.observe import ObserveError, fail, nats_url, open_connection
+from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.schemas import MetricEvent, RecordError
 
 ALIVE_INTERVALS = 3.0
@@ -199,8 +197,4 @@ async def run_status(args) -> int:
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(run_status(args))
-    except (ObserveError, BrokerError) as exc:
-        return fail(str(exc))
+cli = command(run_status)

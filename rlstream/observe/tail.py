@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
 from typing import Any
@@ -29,8 +28,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.console import Console
 from rich.text import Text
 
-from rlstream.broker.errors import BrokerError
-from rlstream.observe import ObserveError, fail, matches, nats_url, open_connection, parse_time, parse_where
+from rlstream.broker.component import signals_to
+from rlstream.observe import ObserveError, command, matches, nats_url, open_connection, parse_time, parse_where
 from rlstream.schemas import DeadLetter, MetricEvent, Prompt, RolloutGroup, ScoredGroup, decode_any
 
 MAX_TEXT = 160
@@ -187,49 +186,41 @@ async def run_tail(args) -> int:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.tokenizer)
     nc = await open_connection(nats_url(args), "rlstream-tail", args)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        js = nc.jetstream(timeout=10.0)
-        sub, stream = await _subscribe(nc, js, args.subject, args)
-        printer = None if args.json else TextPrinter(Console(file=sys.stdout, highlight=False, soft_wrap=True), tokenizer)
-        how = f"stream {stream} (ordered consumer)" if stream else "core NATS (live)"
-        print(f"tailing {args.subject} via {how}; Ctrl-C stops", file=sys.stderr, flush=True)
-        shown = 0
-        last = time.monotonic()
-        while not stop.is_set():
-            if args.count is not None and shown >= args.count:
-                break
-            if args.timeout is not None and time.monotonic() - last >= args.timeout:
-                break
-            try:
-                msg = await sub.next_msg(timeout=0.25)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
+        with signals_to(stop):
+            js = nc.jetstream(timeout=10.0)
+            sub, stream = await _subscribe(nc, js, args.subject, args)
+            printer = None if args.json else TextPrinter(Console(file=sys.stdout, highlight=False, soft_wrap=True), tokenizer)
+            how = f"stream {stream} (ordered consumer)" if stream else "core NATS (live)"
+            print(f"tailing {args.subject} via {how}; Ctrl-C stops", file=sys.stderr, flush=True)
+            shown = 0
             last = time.monotonic()
-            seq, when = _meta(msg, stream)
-            record, error = decode_message(msg.data)
-            obj = to_json_line(msg.subject, seq, when, record, error, len(msg.data))
-            if where and not matches(obj, where):
-                continue
-            shown += 1
-            if printer is None:
-                sys.stdout.write(json.dumps(obj, default=str) + "\n")
-                sys.stdout.flush()
-            else:
-                printer.show(msg.subject, seq, when, record, error, len(msg.data))
-                sys.stdout.flush()
-        await sub.unsubscribe()
+            while not stop.is_set():
+                if args.count is not None and shown >= args.count:
+                    break
+                if args.timeout is not None and time.monotonic() - last >= args.timeout:
+                    break
+                try:
+                    msg = await sub.next_msg(timeout=0.25)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    continue
+                last = time.monotonic()
+                seq, when = _meta(msg, stream)
+                record, error = decode_message(msg.data)
+                obj = to_json_line(msg.subject, seq, when, record, error, len(msg.data))
+                if where and not matches(obj, where):
+                    continue
+                shown += 1
+                if printer is None:
+                    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+                    sys.stdout.flush()
+                else:
+                    printer.show(msg.subject, seq, when, record, error, len(msg.data))
+                    sys.stdout.flush()
+            await sub.unsubscribe()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await nc.close()
     return 0
 
 
-def cli(args) -> int:
-    try:
-        return asyncio.run(run_tail(args))
-    except (ObserveError, BrokerError) as exc:
-        return fail(str(exc))
+cli = command(run_tail)

@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
+from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import WEIGHTS_LATEST
-from rlstream.producers.backends import Backend, ProducerError, SamplingSpec, WeightsSource, make_backend
+from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class GenerationGate:
                 self._cond.notify_all()
 
 
-async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None = None) -> ProducerStats:
+async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:
     """The loop, until ``comp.stop`` is set (or ``max_groups`` groups were produced).
 
     ``producer.pipeline_batches`` lanes run the loop at once (default: the backend's
@@ -161,15 +162,14 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
     bound = default_admit(cfg)
     stats = ProducerStats()
     reporter = comp.reporter
-    lanes = p.pipeline_batches or backend.concurrent_batches
-    reporter.info.update(backend=backend.name, weights_reload=backend.can_reload, pipeline_batches=lanes)
+    n_lanes = p.pipeline_batches or backend.concurrent_batches
+    reporter.info.update(backend=backend.name, weights_reload=backend.can_reload, pipeline_batches=n_lanes)
     if not backend.can_reload:
         reporter.info["weights_note"] = backend.reload_note
         log.warning("producer %s: %s", comp.component_id, backend.reload_note)
     stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
     reporter.set("producer/policy_version", stats.policy_version)
     gate = GenerationGate()
-    fetching = asyncio.Lock()  # one pull request at a time on the shared subscription
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     last_done = time.monotonic()
 
@@ -183,7 +183,7 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
         async with gate.reload():
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
 
-    async def lane() -> None:
+    async def lane(fetching: asyncio.Lock) -> None:
         nonlocal pending, last_done
         while more_wanted():
             room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending)
@@ -209,8 +209,7 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
 
     async def produce(deliveries) -> None:
         nonlocal last_done
-        keeper = asyncio.create_task(keep_in_progress(deliveries, keepalive_s), name=f"producer-{comp.component_id}-in-progress")
-        try:
+        async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
             # after the fetch (which may have waited) and before generating: the newest weights
             await newest_weights()
             async with gate.generation():
@@ -221,8 +220,6 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
                     raise ProducerError(f"{MAX_FAILED_BATCHES} batches in a row failed to generate; see the log")
                 return
             await publish_batch(comp, groups, deliveries)
-        finally:
-            await stop_task(keeper)
         stats.failed_batches = 0
         now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
@@ -241,20 +238,15 @@ async def run(comp: Component, backend: Backend, cfg, *, max_groups: int | None 
             "producer/policy_version": stats.policy_version,
         })
 
-    tasks = [asyncio.create_task(lane(), name=f"producer-{comp.component_id}-lane-{i}") for i in range(lanes)]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:  # one lane failed: the others stop (their prompts come back unacked)
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    # one lane failing stops the others (their prompts come back unacked)
+    await lanes(n_lanes, lane, name=f"producer-{comp.component_id}")
     # Nothing is in hand now; dropping the pull subscription lets the connection drain at once.
     await consumer.sub.unsubscribe()
     log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
     return stats
 
 
-async def generate_batch(comp: Component, backend: Backend, consumer: Consumer, deliveries, spec: SamplingSpec,
+async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
                          sampling: dict[str, Any], version: int) -> list[RolloutGroup] | None:
     """Tokenise and generate one batch into RolloutGroups. None when it failed (prompts nak'ed)."""
     try:
@@ -309,19 +301,6 @@ async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries)
         await d.ack()
 
 
-async def stop_task(task: asyncio.Task) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-
-
-async def keep_in_progress(deliveries, every_s: float) -> None:
-    """Tell JetStream we are still working on these prompts, until cancelled."""
-    while True:
-        await asyncio.sleep(every_s)
-        for d in deliveries:
-            await d.in_progress()
-
-
 async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0) -> tuple[int, float]:
     """How many groups we may generate now (<= batch), waiting while there is no room;
     ``in_flight()`` groups of ours are being published and count as existing.
@@ -372,7 +351,7 @@ def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
         raise WeightsRefused(f"{where}: unknown location")
 
 
-async def sync_weights(comp: Component, backend: Backend, loaded: int, stats: ProducerStats) -> int:
+async def sync_weights(comp: Component, backend: GenerationBackend, loaded: int, stats: ProducerStats) -> int:
     """Load the newest announced weights if they are newer than ``loaded``; returns the
     version now loaded (the one to stamp on what we generate next).
 

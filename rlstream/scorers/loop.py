@@ -24,12 +24,14 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
+from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers.functions import RewardError
@@ -80,14 +82,6 @@ def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
     return decode
 
 
-async def _keep_in_progress(deliveries: list[Delivery], every_s: float) -> None:
-    """In-progress acks while a slow batch is scored, so it is not redelivered meanwhile."""
-    while True:
-        await asyncio.sleep(every_s)
-        for d in deliveries:
-            await d.in_progress()
-
-
 async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.Event | None = None, **_unused) -> int:
     """Score until SIGTERM/SIGINT (or until ``stop`` is set, when given: then signals are
     left alone, so several scorers can share one event loop)."""
@@ -96,9 +90,7 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
     except RewardError as exc:  # a bad term in the config: say which, and do not start
         log.error("scorer %s: %s", component_id, exc)
         return 2
-    comp = Component(cfg, nats_url, "scorer", component_id, handle_signals=stop is None)
-    if stop is not None:
-        comp.stop = stop
+    comp = Component(cfg, nats_url, "scorer", component_id, stop=stop)
     async with comp:
         consumer = Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
                             max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
@@ -114,66 +106,80 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
     return 0
 
 
+@dataclass
+class ScorerLanes:
+    """What the lanes of one scorer share: the consumer, the ids recently scored or in
+    hand, the reward statistics and the throughput window."""
+
+    cfg: Config
+    comp: Component
+    consumer: Consumer
+    scorer: Scorer
+    component_id: str
+    seen: RecentIds = field(default_factory=RecentIds)
+    in_flight: set[str] = field(default_factory=set)
+    stats: RewardStats = field(default_factory=RewardStats)
+    window_start: float = field(default_factory=time.monotonic)
+    window_groups: int = 0
+    raised_dlq: int = 0
+    """Groups this scorer dead-lettered because a reward raised (the consumer counts the rest)."""
+
+    def report_window(self) -> None:
+        """Every ``metrics.interval_s``: groups per second since the last window, and the reward statistics."""
+        now = time.monotonic()
+        if now - self.window_start >= self.cfg.metrics.interval_s:
+            reporter = self.comp.reporter
+            reporter.set("scorer/groups_per_s", self.window_groups / (now - self.window_start))
+            reporter.update(self.stats.summary())
+            self.window_start, self.window_groups = now, 0
+
+
 async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str) -> None:
     """``scorer.pipeline_batches`` lanes run :func:`score_batch` at once; they share the
     consumer (one pull at a time), the set of recently scored ids and the figures."""
     reporter = comp.reporter
-    seen = RecentIds()
-    in_flight: set[str] = set()
-    stats = RewardStats()
-    fetching = asyncio.Lock()
-    figures = {"window_start": time.monotonic(), "window_groups": 0, "raised_dlq": 0}
+    shared = ScorerLanes(cfg, comp, consumer, scorer, component_id)
     for key in ("scorer/failures", "scorer/dead_lettered", "scorer/duplicates_skipped", "scorer/groups"):
         reporter.set(key, 0)
     log.info("scorer %s: terms %s", component_id, [(t.name, t.weight) for t in scorer.terms])
 
-    async def lane() -> None:
+    async def lane(fetching: asyncio.Lock) -> None:
         while not comp.stop.is_set():
-            now = time.monotonic()
-            if now - figures["window_start"] >= cfg.metrics.interval_s:
-                reporter.set("scorer/groups_per_s", figures["window_groups"] / (now - figures["window_start"]))
-                reporter.update(stats.summary())
-                figures["window_start"], figures["window_groups"] = now, 0
+            shared.report_window()
             async with fetching:
                 deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
                 # at-least-once delivery: a group scored before (or being scored by the other
                 # lane) is acked again, not re-scored
                 fresh: list[Delivery[RolloutGroup]] = []
                 for d in deliveries:
-                    if d.record.id in seen or d.record.id in in_flight:
+                    if d.record.id in shared.seen or d.record.id in shared.in_flight:
                         await d.ack()
                         reporter.inc("scorer/duplicates_skipped")
                     else:
-                        in_flight.add(d.record.id)
+                        shared.in_flight.add(d.record.id)
                         fresh.append(d)
             if not fresh:
                 continue
             try:
-                await score_batch(cfg, comp, consumer, scorer, component_id, fresh, seen, stats, figures)
+                await score_batch(shared, fresh)
             finally:
-                in_flight.difference_update(d.record.id for d in fresh)
+                shared.in_flight.difference_update(d.record.id for d in fresh)
 
-    lanes = [asyncio.create_task(lane(), name=f"scorer-{component_id}-lane-{i}") for i in range(cfg.scorer.pipeline_batches)]
-    try:
-        await asyncio.gather(*lanes)
-    finally:
-        for t in lanes:
-            t.cancel()
-        await asyncio.gather(*lanes, return_exceptions=True)
-    reporter.update(stats.summary())
+    await lanes(cfg.scorer.pipeline_batches, lane, name=f"scorer-{component_id}")
+    reporter.update(shared.stats.summary())
     log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))
 
 
-async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str,
-                      fresh: list[Delivery[RolloutGroup]], seen: RecentIds, stats: RewardStats, figures: dict) -> None:
+async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) -> None:
     """Score one batch, publish what scored, ack; dead-letter what raised."""
+    comp, consumer = shared.comp, shared.consumer
     reporter, layout = comp.reporter, comp.layout
 
     # 1. score, keeping the records with in-progress acks if it is slow
     t0 = time.monotonic()
-    keep = asyncio.create_task(_keep_in_progress(fresh, cfg.nats.ack_wait_s / 3), name="scorer-in-progress")
     try:
-        results = await scorer.score([d.record for d in fresh], scorer_id=component_id)
+        async with kept_in_progress(fresh, shared.cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
+            results = await shared.scorer.score([d.record for d in fresh], scorer_id=shared.component_id)
     except EndpointError as exc:
         log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
         for d in fresh:
@@ -181,9 +187,6 @@ async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: 
                 reporter.inc("scorer/dead_lettered")
         reporter.inc("scorer/failures", len(fresh))
         return
-    finally:
-        keep.cancel()
-        await asyncio.gather(keep, return_exceptions=True)
     score_s = time.monotonic() - t0
 
     # 2. publish what scored (msg id = group id), then ack those groups
@@ -199,8 +202,8 @@ async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: 
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
-        seen.add(s.id)
-        stats.add(s)
+        shared.seen.add(s.id)
+        shared.stats.add(s)
 
     # 3. a reward that raised: the group goes to the DLQ with the traceback
     for d, tb in failed:
@@ -212,9 +215,9 @@ async def score_batch(cfg: Config, comp: Component, consumer: Consumer, scorer: 
         reporter.inc("scorer/failures", len(failed))
         reporter.inc("scorer/dead_lettered", len(failed))
 
-    figures["raised_dlq"] += len(failed)
-    reporter.set("dlq/count", consumer.dead_lettered + figures["raised_dlq"])
-    figures["window_groups"] += len(done)
+    shared.raised_dlq += len(failed)
+    reporter.set("dlq/count", consumer.dead_lettered + shared.raised_dlq)
+    shared.window_groups += len(done)
     reporter.inc("scorer/groups", len(done))
     if done:
         reporter.set("scorer/latency_s", float(np.mean([acked - d.received for d, _ in done])))

@@ -33,7 +33,6 @@ import hmac
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from rlstream.broker.component import signals_to
 from rlstream.broker.server import is_loopback
 
 log = logging.getLogger(__name__)
@@ -262,30 +262,25 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
     """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
     model = await asyncio.to_thread(RewardModel, model_dir)
     server = Server(model, token=token, max_batch=max_batch, max_texts=max_texts, max_body_mb=max_body_mb)
-    signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
-    # handler_cancellation: a client that disconnects cancels its handler, and so its queued texts
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
-    if ready is not None:
-        ready.set()
-    try:
-        await stop.wait()
-    finally:
-        log.info("reward server: stopping (%d texts queued are answered 503)", server.queued_texts)
-        server.close()  # waiting requests get 503 now, not after the whole queue is scored
-        batcher.cancel()
-        await asyncio.gather(batcher, return_exceptions=True)
-        await runner.cleanup()
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+    stop_event = stop or asyncio.Event()
+    with signals_to(stop_event, stop is None):
+        batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
+        # handler_cancellation: a client that disconnects cancels its handler, and so its queued texts
+        runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
+        if ready is not None:
+            ready.set()
+        try:
+            await stop_event.wait()
+        finally:
+            log.info("reward server: stopping (%d texts queued are answered 503)", server.queued_texts)
+            server.close()  # waiting requests get 503 now, not after the whole queue is scored
+            batcher.cancel()
+            await asyncio.gather(batcher, return_exceptions=True)
+            await runner.cleanup()
 
 
 def read_token_file(path: str) -> str:

@@ -6,12 +6,12 @@ package imports without them.
 
 from __future__ import annotations
 
-from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource
+from rlstream.producers.backends.base import Backend, Completion, GenerationBackend, ProducerError, SamplingSpec, WeightsSource
 
 BACKENDS = ("hf", "vllm", "openai", "fake")
 
 
-def make_backend(cfg, name: str | None = None) -> Backend:
+def make_backend(cfg, name: str | None = None) -> GenerationBackend:
     """Build the configured backend (loads the model; call it off the event loop, or for
     vLLM from the main thread before the loop starts serving)."""
     name = name or cfg.producer.backend
@@ -34,4 +34,4 @@ def make_backend(cfg, name: str | None = None) -> Backend:
     raise ProducerError(f"producer.backend {name!r} is not one of {BACKENDS}")
 
 
-__all__ = ["BACKENDS", "Backend", "Completion", "ProducerError", "SamplingSpec", "WeightsSource", "make_backend"]
+__all__ = ["BACKENDS", "Backend", "Completion", "GenerationBackend", "ProducerError", "SamplingSpec", "WeightsSource", "make_backend"]

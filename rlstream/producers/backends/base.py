@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,8 +91,36 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+class GenerationBackend(Protocol):
+    """What the producer loop asks of a generation backend."""
+
+    name: str
+    """``hf``, ``vllm``, ``openai`` or ``fake`` (recorded in ``RolloutGroup.sampling``)."""
+    concurrent_batches: int
+    """Batches the producer keeps in flight by default (``producer.pipeline_batches``)."""
+    can_reload: bool
+    """False where new weights cannot reach the generator; ``reload_note`` says why."""
+    reload_note: str
+    vocab_size: int | None
+    """The model's vocabulary, when known (prompt ids outside it are dead-lettered)."""
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[np.ndarray, str]:
+        """Token ids and text of a prompt (called off the event loop)."""
+        ...
+
+    async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        """Per prompt, ``spec.n`` completions."""
+        ...
+
+    async def load_weights(self, source: WeightsSource) -> bool:
+        """True when the generator now uses ``source``; False when it cannot."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class Backend:
-    """Base of the backends: prompt tokenisation and the interface.
+    """Base of the backends: prompt tokenisation and the :class:`GenerationBackend` interface.
 
     Subclasses set ``name`` and ``tokenizer`` and implement ``generate`` and ``load_weights``.
     ``can_reload`` is False where new weights cannot reach the generator (a remote server

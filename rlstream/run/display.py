@@ -1,0 +1,120 @@
+"""The live view of ``rlstream run``: the latest figures from the metrics subject, shown as
+a rich table on a terminal or as a plain log line every 10 s without one."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rlstream.broker import Layout
+from rlstream.config import Config
+from rlstream.schemas import MetricEvent, RecordError
+
+
+class LiveFigures:
+    """The latest figure of each kind, fed by the metrics subject."""
+
+    def __init__(self):
+        self.learner: dict[str, float] = {}
+        self.producers: dict[str, dict[str, float]] = {}
+        self.scorers: dict[str, dict[str, float]] = {}
+        self.dlq = 0
+        self.events = 0
+        self.started = time.time()
+        self.timeline: list[dict[str, float]] = []
+
+    def add(self, ev: MetricEvent) -> None:
+        self.events += 1
+        if "dlq/count" in ev.values:  # every component reports the DLQ stream's depth
+            self.dlq = int(ev.values["dlq/count"])
+        if ev.component == "learner":
+            if ev.step >= 0:
+                self.learner.update(ev.values)
+                self.learner["step"] = ev.step
+                self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, **{
+                    k: ev.values[k] for k in ("reward/mean", "loss/total", "samples") if k in ev.values}})
+            else:
+                self.learner.update({k: v for k, v in ev.values.items() if k not in self.learner or k.startswith(("buffer/", "process/"))})
+        elif ev.component == "producer":
+            self.producers[ev.component_id] = ev.values
+        elif ev.component == "scorer":
+            self.scorers[ev.component_id] = ev.values
+
+    @property
+    def step(self) -> int:
+        return int(self.learner.get("step", 0))
+
+    def line(self, max_steps: int) -> dict[str, str]:
+        lf = self.learner
+
+        def f(key: str, fmt: str = "{:.3f}", src: dict | None = None) -> str:
+            v = (src or lf).get(key)
+            return fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+        tok_s = sum(p.get("producer/tokens_per_s", 0.0) for p in self.producers.values())
+        return {
+            "step": f"{int(lf.get('step', 0))}/{max_steps}",
+            "reward": f("reward/mean"),
+            "loss": f("loss/total", "{:.4f}"),
+            "KL": f("policy/kl", "{:.4f}"),
+            "staleness": f("buffer/staleness_mean", "{:.2f}"),
+            "tokens/s": f"{tok_s:,.0f}",
+            "buffer": f("buffer/depth", "{:.0f}"),
+            "DLQ": str(self.dlq),
+        }
+
+
+async def watch_metrics(nc, layout: Layout, figures: LiveFigures) -> Any:
+    """Feed ``figures`` from the run's metrics subject; returns the subscription."""
+    async def on_msg(msg):
+        try:
+            figures.add(MetricEvent.decode(msg.data))
+        except RecordError:
+            pass  # tail shows bad payloads; the run view ignores them
+
+    return await nc.subscribe(layout.metrics_all, cb=on_msg)
+
+
+class Display:
+    """A rich live table while the run goes on (plain log lines without a terminal)."""
+
+    def __init__(self, live: bool, cfg: Config, max_steps: int):
+        self.enabled = live
+        self.cfg = cfg
+        self.max_steps = max_steps
+        self._live = None
+        self._last_print = 0.0
+        self._t0 = time.monotonic()
+
+    def start(self) -> None:
+        if self.enabled:
+            from rich.live import Live
+
+            self._live = Live(refresh_per_second=2, transient=False)
+            self._live.start()
+
+    def update(self, figures: LiveFigures, alive: int, processes: int) -> None:
+        """Show ``figures`` and how many of the run's ``processes`` are ``alive``."""
+        row = figures.line(self.max_steps)
+        elapsed = time.monotonic() - self._t0
+        if self._live is not None:
+            from rich.progress_bar import ProgressBar
+            from rich.table import Table
+
+            t = Table(title=f"rlstream run {self.cfg.run} · {self.cfg.training_mode} · {elapsed:,.0f}s", expand=False)
+            for k in row:
+                t.add_column(k, justify="right")
+            t.add_column("processes", justify="right")
+            t.add_row(*row.values(), f"{alive}/{processes}")
+            grid = Table.grid()
+            grid.add_row(t)
+            grid.add_row(ProgressBar(total=max(1, self.max_steps), completed=figures.step, width=60))
+            self._live.update(grid)
+        elif time.monotonic() - self._last_print > 10:
+            self._last_print = time.monotonic()
+            print(f"[{elapsed:6.0f}s] " + "  ".join(f"{k} {v}" for k, v in row.items()) + f"  processes {alive}/{processes}", flush=True)
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()

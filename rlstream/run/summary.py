@@ -1,0 +1,154 @@
+"""What ``rlstream run`` leaves behind at the end: ``summary.json`` (steps, rewards, the
+broker's accounting of every record, restarts), the reward curve and ``checkpoints/latest``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rlstream.broker import Layout, RunState, connect
+from rlstream.config import Config
+from rlstream.rundir import LATEST_LINK, RunDir
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = RunDir(run_dir).metrics
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+    # a resumed learner re-logs the steps after its checkpoint: keep the last of each step
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step[int(r.get("step", len(by_step)))] = r
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def reward_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "reward/mean" if any("reward/mean" in r for r in rows) else "loss/total"
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    if not pts:
+        return None
+    steps, values = zip(*pts)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, values, color="#9bb7d4", lw=1, label=key)
+    k = max(1, len(values) // 10)
+    if len(values) >= 3:
+        smooth = [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+        ax.plot(steps, smooth, color="#1f4e79", lw=2, label=f"{key} (moving mean of {k})")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel(key)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any]:
+    """Where every record is, from the broker's own counts.
+
+    Producers ack a prompt only after its rollout group is stored, and group ids are
+    prompt ids de-duplicated by JetStream, so ``prompts_fed = prompts_pending +
+    rollouts_published + dead-lettered prompts`` exactly, and the same one hop later for
+    scorers. ``lost_*`` is what would break those equalities: 0 when nothing is lost.
+    """
+    nc = await connect(nats_cfg, url, name="run-summary")
+    js = nc.jetstream()
+    out: dict[str, Any] = {}
+    try:
+        prompts = await js.stream_info(layout.prompts_stream)
+        out["prompts_fed"] = prompts.state.last_seq
+        out["prompts_pending"] = prompts.state.messages
+        out["rollouts_published"] = (await js.stream_info(layout.rollouts_stream)).state.messages
+        out["scored_published"] = (await js.stream_info(layout.scored_stream)).state.messages
+        out["dlq"] = (await js.stream_info(layout.dlq_stream)).state.messages
+        dlq_by_stage = {}
+        for stage in ("producer", "scorer", "learner"):
+            try:
+                info = await js.stream_info(layout.dlq_stream, subjects_filter=layout.dlq(stage))
+                dlq_by_stage[stage] = sum((info.state.subjects or {}).values())
+            except Exception:  # older servers without subject details: count all in "dlq"
+                dlq_by_stage[stage] = 0
+        out["dlq_by_stage"] = dlq_by_stage
+        redelivered = 0
+        for durable, (stream, _) in layout.consumers().items():
+            ci = await js.consumer_info(stream, durable)
+            redelivered += ci.num_redelivered or 0
+            out[f"{durable}_pending"] = ci.num_pending
+            out[f"{durable}_ack_pending"] = ci.num_ack_pending
+        out["redelivered"] = redelivered
+        out["lost_prompts"] = out["prompts_fed"] - out["prompts_pending"] - out["rollouts_published"] - dlq_by_stage["producer"]
+        out["lost_rollouts"] = (out["rollouts_published"] - out["scored_published"] - out["scorers_pending"]
+                                - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
+        out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
+    finally:
+        await nc.close()
+    return out
+
+
+def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, Any], restarts: dict[str, int],
+              ok: bool, streaming: bool) -> dict[str, Any]:
+    """Write ``summary.json`` (``restarts``: process name -> restarts; ``streaming``: the data
+    came through the broker, so no group should be trained twice) and link ``checkpoints/latest``."""
+    rd = RunDir(run_dir)
+    rows = read_metrics(run_dir)
+    learner_summary = {}
+    if rd.learner_summary.exists():
+        learner_summary = json.loads(rd.learner_summary.read_text())
+    rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+    k = max(1, math.ceil(len(rewards) * 0.1))
+    trained_ids: list[str] = [g for r in rows for g in r.get("group_ids", [])]
+    summary = {
+        "run": cfg.run,
+        "training_mode": cfg.training_mode,
+        "steps": len(rows),
+        "samples_trained": int(sum(r.get("samples", 0) for r in rows)),
+        "wall_s": round(wall_s, 2),
+        "reward_first": (sum(rewards[:k]) / k) if rewards else None,
+        "reward_last": (sum(rewards[-k:]) / k) if rewards else None,
+        "loss_first": rows[0].get("loss/total") if rows else None,
+        "loss_last": rows[-1].get("loss/total") if rows else None,
+        "dropped_stale": int(max((r.get("buffer/dropped_stale", 0) for r in rows), default=0)),
+        "dlq": accounting.get("dlq", 0),
+        "redelivered": accounting.get("redelivered", 0),
+        "policy_version": accounting.get("policy_version", learner_summary.get("policy_version", 0)),
+        "groups_trained": len(trained_ids),
+        # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
+        "groups_trained_twice": (len(trained_ids) - len(set(trained_ids))) if streaming else None,
+        "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
+        "restarts": {name: n for name, n in restarts.items() if n},
+        "learner": learner_summary,
+        "ok": ok,
+    }
+    rd.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    link_latest(rd.checkpoints)
+    return summary
+
+
+def link_latest(ckpt_dir: Path) -> None:
+    """``checkpoints/latest`` -> the newest ``step_N`` (what configs of a next stage point at)."""
+    steps = sorted((p for p in ckpt_dir.glob("step_*") if p.name.split("_")[1].isdigit()), key=lambda p: int(p.name.split("_")[1]))
+    if not steps:
+        return
+    link = ckpt_dir / LATEST_LINK
+    tmp = ckpt_dir / f".{LATEST_LINK}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(steps[-1].name)
+    os.replace(tmp, link)
