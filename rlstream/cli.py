@@ -21,29 +21,22 @@ if TYPE_CHECKING:
     from rlstream.broker.component import ComponentMain
 
 
-class _MaskingFormatter(logging.Formatter):
-    """Every log line, whoever wrote it (nats-py, aiohttp, ours), with URL userinfo masked."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        from rlstream.config import mask_secrets
-
-        return mask_secrets(super().format(record))
-
-
 def _setup_logging(verbose: bool = False) -> None:
+    from rlstream.config import SecretMaskingFormatter
+
     level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLSTREAM_LOG", "INFO").upper(), logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(SecretMaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("nats", "asyncio", "httpx", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
 def _load(args: argparse.Namespace):
-    from rlstream.config import ConfigError, load_config
+    from rlstream.config import ConfigError, env_overrides, load_config
 
-    try:
-        return load_config(args.config, getattr(args, "set", None) or [])
+    try:  # overrides from `rlstream run` (in the environment) first, then this command's own --set
+        return load_config(args.config, env_overrides() + (getattr(args, "set", None) or []))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

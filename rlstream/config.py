@@ -10,6 +10,7 @@ the value and what is allowed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import reprlib
@@ -39,6 +40,18 @@ def mask_secrets(text: str) -> str:
 
 
 mask_url = mask_secrets
+
+
+OVERRIDES_ENV = "RLSTREAM_RUN_OVERRIDES"
+"""``rlstream run`` hands its ``--set`` overrides to its components in this variable (a JSON
+list), so a secret given with ``--set`` never reaches a command line."""
+
+
+class SecretMaskingFormatter(logging.Formatter):
+    """A log format that masks URL userinfo in every line, whoever logged it (nats-py included)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_secrets(super().format(record))
 
 
 def secret_from_env(var: str, field: str) -> str:
@@ -795,6 +808,20 @@ def parse_config(data: dict[str, Any]) -> Config:
     except ValidationError as exc:
         lines = list(dict.fromkeys(_describe(e) for e in exc.errors(include_url=False)))
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def env_overrides() -> list[str]:
+    """The overrides ``rlstream run`` passed to this component (see :data:`OVERRIDES_ENV`)."""
+    raw = os.environ.get(OVERRIDES_ENV)
+    if not raw:
+        return []
+    try:
+        items = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ConfigError(f"${OVERRIDES_ENV} is not a JSON list of key.path=value strings") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"${OVERRIDES_ENV} is not a JSON list of key.path=value strings")
+    return items
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -22,7 +22,7 @@ from pathlib import Path
 from rlstream.broker import Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import die_with_parent
-from rlstream.config import Config
+from rlstream.config import OVERRIDES_ENV, Config
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.rundir import RunDir
 
@@ -49,8 +49,12 @@ class Child:
     started_at: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False
+    private_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """What the process needs that may hold secrets (the ``--set`` overrides, the broker URL):
+    passed in its environment, never on its command line (which ``ps`` and the log show)."""
 
     def start(self, env: dict[str, str], resume: bool = False) -> None:
+        env = {**env, **self.private_env}
         argv = list(self.argv)
         if resume and "--resume" not in argv:
             argv.append("--resume")
@@ -92,24 +96,27 @@ def child_env(cfg: Config) -> dict[str, str]:
 
 
 def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url: str, run_dir: Path, max_steps: int | None) -> list[Child]:
+    """The component processes. The ``--set`` overrides and the broker URL may hold secrets
+    (a password, a token, a URL with userinfo), so they reach each child through its
+    environment (``RLSTREAM_RUN_OVERRIDES``, ``RLSTREAM_NATS_URL``), not its command line."""
     base = [sys.executable, "-m", "rlstream.cli"]
-    sets: list[str] = []
-    for o in overrides:
-        sets += ["--set", o]
+    private = {OVERRIDES_ENV: json.dumps(list(overrides)), "RLSTREAM_NATS_URL": nats_url}
     rd = RunDir(run_dir)
     children: list[Child] = []
+
+    def add(name: str, kind: str, argv: list[str], once: bool = False) -> None:
+        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private))
+
     if streaming(cfg):
-        children.append(Child("feeder", "feeder", base + ["feed", config_path, "--nats", nats_url, "--id", "feeder"] + sets, rd.log("feeder"), once=True))
+        add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
         for i in range(cfg.scorer.count):
-            cid = f"scorer-{i}"
-            children.append(Child(cid, "scorer", base + ["scorer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
+            add(f"scorer-{i}", "scorer", base + ["scorer", config_path, "--id", f"scorer-{i}"])
         for i in range(cfg.producer.count):
-            cid = f"producer-{i}"
-            children.append(Child(cid, "producer", base + ["producer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
-    learner = base + ["learner", config_path, "--nats", nats_url, "--id", "learner", "--run-dir", str(run_dir)] + sets
+            add(f"producer-{i}", "producer", base + ["producer", config_path, "--id", f"producer-{i}"])
+    learner = base + ["learner", config_path, "--id", "learner", "--run-dir", str(run_dir)]
     if max_steps:
         learner += ["--max-steps", str(max_steps)]
-    children.append(Child("learner", "learner", learner, rd.log("learner")))
+    add("learner", "learner", learner)
     return children
 
 

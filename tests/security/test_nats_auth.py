@@ -94,7 +94,7 @@ async def test_passwords_in_urls_are_masked_in_errors_and_logs(tmp_path, caplog)
     import logging
 
     from rlstream.broker import free_port
-    from rlstream.cli import _MaskingFormatter
+    from rlstream.config import SecretMaskingFormatter
 
     port = free_port()
     with pytest.raises(BrokerError) as info:
@@ -117,4 +117,4 @@ async def test_passwords_in_urls_are_masked_in_errors_and_logs(tmp_path, caplog)
         server.stop()
     # and the CLI's log format masks any URL whatever logged it (nats-py's own messages included)
     record = logging.LogRecord("nats.aio.client", logging.ERROR, __file__, 1, "failed %s", ("nats://u:p-9876@h:1",), None)
-    assert "p-9876" not in _MaskingFormatter("%(name)s: %(message)s").format(record)
+    assert "p-9876" not in SecretMaskingFormatter("%(name)s: %(message)s").format(record)
