@@ -50,7 +50,7 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
 from rlstream.broker.component import kept_in_progress, lanes
-from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -295,7 +295,8 @@ async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries)
     """Publish the groups, wait for JetStream's acks, then ack the prompts. The prompts stay
     in progress until then; a failure (after the publisher's retries) leaves them unacked,
     so they come back to some producer."""
-    out = [Outgoing(comp.layout.rollouts, g.encode(), g.id) for g in groups]
+    origin = {ORIGIN_HEADER: f"producer/{comp.component_id}"}
+    out = [Outgoing(comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
     await comp.publisher.publish_many(out)
     for d in deliveries:
         await d.ack()

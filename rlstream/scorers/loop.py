@@ -32,6 +32,7 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
 from rlstream.broker.component import kept_in_progress, lanes
+from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers.functions import RewardError
@@ -198,7 +199,8 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) 
             done.append((d, r))
         else:
             failed.append((d, r))
-    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id) for _, s in done])
+    origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
+    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id, origin) for _, s in done])
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
