@@ -214,3 +214,29 @@ async def test_a_bad_record_near_the_size_limit_is_dead_lettered_and_the_consume
     assert second.size == len(second.data) and len(second.reason) < limit // 8 and second.reason.startswith("failed 1 times: boom")
     await asyncio.sleep(0.2)
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # nothing left to crash on again
+
+
+async def test_run_state_rides_out_a_broker_restart(nats_factory, run_id):
+    """KV calls made while the broker is away (a node lost, a restart) wait for it with backoff
+    and are counted, instead of raising into the long-lived loop that made them."""
+    server = nats_factory()
+    nc = await connect(url=server.url, name="state-restart")
+    js = nc.jetstream(timeout=2.0)
+    lay = await ensure_layout(js, run_id)
+    state = await RunState.open(js, lay)
+    await state.heartbeat("producer", "p0")
+    await state.set_policy_version(3)
+    server.stop()
+    calls = [asyncio.ensure_future(state.heartbeats()), asyncio.ensure_future(state.policy_version()),
+             asyncio.ensure_future(state.set_admit(7))]
+    deadline = asyncio.get_running_loop().time() + 30
+    while getattr(state, "broker_retries", 0) == 0 and not all(c.done() for c in calls):
+        assert asyncio.get_running_loop().time() < deadline, "no call noticed the broker was away"
+        await asyncio.sleep(0.05)
+    server.start()  # same port, same store
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 90)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    beats, version, _ = results
+    assert "producer.p0" in beats and version == 3 and await state.admit(0) == 7
+    assert state.broker_retries > 0
+    await nc.close()

@@ -183,6 +183,8 @@ class Consumer(Generic[R]):
         self.sub = None
         self.dead_lettered = 0
         self.redelivered = 0
+        self.broker_waits = 0
+        """Fetches that found the broker away (and returned nothing after a pause)."""
         self.dead_seqs: list[int] = []
         """Stream sequences dead-lettered here; an in-order reader (the learner) skips them."""
 
@@ -201,7 +203,9 @@ class Consumer(Generic[R]):
             msgs = await self.sub.fetch(batch, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.js.errors.ServiceUnavailableError):
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError):
+            self.broker_waits += 1  # the broker away for a moment (a node lost, a leader election): try again
             await asyncio.sleep(min(timeout, 1.0))
             return []
         out: list[Delivery[R]] = []

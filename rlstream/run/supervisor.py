@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlstream.broker import Layout, RunState, connect, ensure_layout
+from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import die_with_parent
 from rlstream.config import OVERRIDES_ENV, Config
@@ -127,7 +127,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
     layout = await ensure_layout(js, cfg.run, cfg.nats)
-    state = await RunState.open(js, layout)
+    # a short retry window: the supervisor must keep watching processes while the broker is away
+    state = await RunState.open(js, layout, retry_for_s=5.0)
     figures = LiveFigures()
     sub = await watch_metrics(nc, layout, figures)
     stop = asyncio.Event()
@@ -142,6 +143,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     last_health = time.monotonic()
     idle_since: float | None = None
     exhausted = False
+    broker_misses = 0
     try:
         with signals_to(stop):
             while not stop.is_set():
@@ -176,7 +178,12 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                 # hung components: a heartbeat that stopped while the process lives
                 if time.monotonic() - last_health > 10:
                     last_health = time.monotonic()
-                    beats = await state.heartbeats()
+                    try:
+                        beats = await state.heartbeats()
+                    except BrokerError as exc:  # the broker away (a node lost): processes are still watched
+                        broker_misses += 1
+                        log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
+                        continue
                     for c in children:
                         beat = beats.get(f"{c.kind}.{c.name}")
                         if c.alive() and beat and time.monotonic() - c.started_at > HEARTBEAT_STALE_S and beat["age_s"] > HEARTBEAT_STALE_S:
@@ -196,7 +203,13 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                         idle_since = None
     finally:
         display.stop()
-        await sub.unsubscribe()
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # the connection may be down or closing; nothing left to stop
+            log.debug("metrics watch unsubscribe: %s", exc)
+        if state.broker_retries or broker_misses:
+            log.info("broker unavailable during the run: %d state calls retried, %d health checks skipped",
+                     state.broker_retries, broker_misses)
         with open(RunDir(run_dir).timeline, "a") as f:
             for point in figures.timeline:
                 f.write(json.dumps(point) + "\n")
