@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO"]
-RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO")
+TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL"]
+RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL")
+"""Modes that train on the streamed, scored groups (DISTILL: on-policy distillation)."""
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -340,8 +341,25 @@ class GSPOParams(RLParams):
         return self
 
 
+class DistillParams(RLParams):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
+    samples, the ``teacher`` stage scores every sampled token, and each token's advantage is
+    the negative reverse-KL estimate ``-(log pi_student - log pi_teacher)``, trained with the
+    clipped surrogate; see ``advantages.distill_advantages``."""
+
+    type: Literal["DISTILL"] = "DISTILL"
+    group_size: int = Field(4, ge=1, le=1024)
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    distill_coefficient: float = Field(1.0, gt=0, le=100)
+    """Scale of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(0.0, ge=0, le=100)
+    """Adds this times the group-relative reward advantage (0: pure distillation; the rewards
+    are still scored and reported)."""
+
+
 AlgorithmParams = Annotated[
-    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams],
+    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams, DistillParams],
     Field(discriminator="type"),
 ]
 
@@ -350,13 +368,22 @@ AlgorithmParams = Annotated[
 
 
 class DataSource(Strict):
-    type: Literal["on_policy", "off_policy"] = "on_policy"
-    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
+    type: Literal["on_policy", "off_policy", "webdataset"] = "on_policy"
+    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset;
+    webdataset: tar shards at ``urls`` (SFT/DPO: the learner reads them; RL: the feeder does)."""
     path: str | None = None
-    """jsonl, parquet, or a Hugging Face ``datasets`` directory saved with save_to_disk."""
+    """A jsonl, json or parquet file, a Hugging Face ``datasets`` directory saved with
+    ``save_to_disk``, or a Hub dataset id (``org/name``), loaded with ``datasets.load_dataset``
+    (from the local Hub cache when ``HF_HUB_OFFLINE=1``). A relative file path is relative to
+    the config file's folder."""
+    name: str | None = None
+    """Hub datasets: the configuration (subset) name, as ``load_dataset(path, name)``."""
     split: str = "train"
     prompt_column: str = "prompt"
+    """Plain-text prompts (on_policy), or the prompt of an SFT/DPO example."""
     messages_column: str = "messages"
+    """Chat turns ``[{role, content}, ...]``, used when a row has no ``prompt_column``: on_policy
+    prompts are rendered with the model's chat template; SFT trains on the assistant turns."""
     completion_column: str = "completion"
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
@@ -366,6 +393,27 @@ class DataSource(Strict):
     shuffle_seed: int | None = Field(0, ge=0, le=2**63 - 1)
     limit: int | None = Field(None, ge=1, le=1 << 40)
     """Use at most this many rows."""
+    urls: str | list[str] | None = None
+    """webdataset: shard URLs, brace patterns allowed (``shards/train-{000000..000099}.tar``);
+    local paths, ``pipe:COMMAND`` or http(s) URLs. Each sample holds one row as ``.json``
+    (``rlstream shards`` writes them from jsonl or parquet)."""
+    shuffle_buffer: int = Field(1000, ge=0)
+    """webdataset: samples held in the shuffle buffer (0: shard order). Shards are also
+    shuffled per epoch with ``shuffle_seed`` (none of it when the seed is null)."""
+    part_index: int = Field(0, ge=0)
+    part_count: int = Field(1, ge=1)
+    """webdataset: this reader takes shards ``part_index::part_count`` (one part per feeder,
+    e.g. ``--set data_source.part_index=$(JOB_COMPLETION_INDEX)`` in an indexed Job)."""
+
+    @model_validator(mode="after")
+    def _webdataset(self):
+        if self.type == "webdataset" and not self.urls:
+            raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")
+        if self.type != "webdataset" and self.urls:
+            raise ValueError(f"data_source.urls is for type 'webdataset' (type is {self.type!r}; a file dataset goes in data_source.path)")
+        if self.part_index >= self.part_count:
+            raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
+        return self
 
 
 class RewardTerm(Strict):
@@ -496,6 +544,11 @@ class ProducerConfig(Strict):
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
     producer exits with code 75 for its supervisor to restart it (a thread stuck in a
     backend cannot be stopped from Python)."""
+    drain_timeout_s: float = Field(20.0, gt=0, le=DAY_S)
+    """After SIGTERM (a spot/preemptible node's notice, a scale-down), batches in hand may
+    finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
+    producer takes them at once, and the producer exits. Keep it below the pod's
+    ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
     fake_latency_s: float = Field(0.0, ge=0, le=DAY_S)
     """fake backend: seconds each batch takes."""
     fake_vocab_size: int = Field(512, ge=2, le=1 << 24)
@@ -517,6 +570,46 @@ class ScorerConfig(Strict):
     threads at once: set 1 if yours is not thread-safe."""
 
 
+class ReferenceStageConfig(Strict):
+    """The ``reference`` stage: the frozen reference model's log-prob of every sampled token,
+    computed once between the scorers and the learner, which then holds no reference model.
+    Present (even empty, ``reference: {}``) = on."""
+
+    replicas: int = Field(1, ge=1, le=256)
+    """Processes ``rlstream run`` starts; each shares the stage's durable consumer."""
+    model_path: str | None = None
+    """Default: ``learner.reference_model_path``, else ``model_checkpoint_path``."""
+    batch_groups: int = Field(8, ge=1)
+    """Groups pulled and annotated together."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    pipeline_batches: int = Field(2, ge=1, le=8)
+    """Batches in flight at once (the next is fetched while the last one is published)."""
+
+
+class TeacherStageConfig(ReferenceStageConfig):
+    """The ``teacher`` stage of on-policy distillation (``training_mode: DISTILL``): the
+    teacher's log-prob of every sampled token, from a local model (``model_path``) or an
+    OpenAI-compatible server that returns prompt log-probs (``endpoint``, e.g. ``vllm serve``)."""
+
+    endpoint: str | None = None
+    """``http://host:8000`` (or ``.../v1/completions``): prompt + completion are sent as the prompt
+    with ``prompt_logprobs: 0`` and ``max_tokens: 1``."""
+    model_name: str | None = None
+    """Model to request from the server (default: the first of ``/v1/models``)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    request_retries: int = Field(3, ge=0)
+    max_connections: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.model_path is None) == (self.endpoint is None):
+            raise ValueError("teacher needs exactly one of model_path (a local model) or endpoint (an OpenAI-compatible server)")
+        return self
+
+
 class BufferConfig(Strict):
     max_groups: int = Field(64, ge=1, le=1_000_000)
     """Scored groups that may wait for the learner; producers pause beyond it."""
@@ -536,9 +629,12 @@ class LearnerConfig(Strict):
     deepspeed: dict[str, Any] | str | None = None
     """A DeepSpeed JSON, inline or as a path; batch, accumulation, clipping and precision must agree."""
     lr: float = Field(1e-5, gt=0, le=10)
+    """Peak learning rate (TRL: ``learning_rate``)."""
     weight_decay: float = Field(0.0, ge=0, le=10)
     warmup_steps: int = Field(0, ge=0, le=1_000_000_000)
+    """Steps of linear warm-up from 0 to ``lr`` before the schedule starts."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: constant ``lr``, or cosine / linear decay to 0 at ``max_steps``."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     batch_groups: int = Field(8, ge=1, le=1_000_000)
     """Groups per optimizer step (RL) / examples per step (SFT, DPO)."""
@@ -546,6 +642,8 @@ class LearnerConfig(Strict):
     """Sequences per forward pass."""
     max_grad_norm: float | None = Field(1.0, gt=0, le=1e6)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """bfloat16: mixed precision (float32 master weights and optimizer state, bfloat16 compute:
+    the torch engine autocasts the forward, DeepSpeed's bf16 keeps float32 masters)."""
     device: str = "cpu"
     max_steps: int = Field(100, ge=1, le=1_000_000_000)
     publish_every: int = Field(1, ge=1, le=1_000_000_000)
@@ -557,6 +655,17 @@ class LearnerConfig(Strict):
     max_seq_len: int = Field(1024, ge=8, le=1 << 24)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """Run the policy's forward and backward through ``torch.compile`` (``nn.Module.compile``:
+    parameter names, checkpoints and published weights are unchanged). Sequence lengths vary
+    from batch to batch: shapes are compiled as dynamic, and ``pad_to_multiple`` buckets them.
+    The first steps compile (slow); then 1.4-1.5x the eager step on this project's CPU
+    machine with the tiny model (docs/deploy.md, ``bench/learner.py --compile``)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    pad_to_multiple: int = Field(1, ge=1, le=4096)
+    """Right-pad each micro-batch's sequence length up to a multiple of this (length
+    bucketing): fewer distinct shapes for a compiled model, a little more padding."""
 
     @model_validator(mode="after")
     def _shared(self):
@@ -598,8 +707,24 @@ class LearnerConfig(Strict):
 
 class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
+    """Base port for /metrics. Each component serves on a stable port derived from it: learner
+    +0, feeder +1, scorer-N +10+N, producer-N +100+N (the next free one if taken). None: off
+    (the default). 0: any free port."""
     interval_s: float = Field(2.0, gt=0, le=3600)
+
+
+class ProgressConfig(Strict):
+    """When ``rlstream run`` decides that a run cannot progress, says why and stops (exit 3)."""
+
+    window_groups: int = Field(32, ge=1)
+    """Groups per window: every time this many groups have reached a verdict (scored or
+    dead-lettered), the share dead-lettered in that window is checked."""
+    max_dlq_fraction: float = Field(0.8, gt=0, le=1)
+    """Stop when at least this share of a window's groups went to the dead-letter stream
+    (e.g. a reward function that raises on every group)."""
+    max_step_gap_s: float | None = Field(1800.0, gt=0)
+    """Stop when no learner step happened for this many seconds (from the start, or the last
+    step). None: never."""
 
 
 # ---- the whole config --------------------------------------------------------------------
@@ -623,6 +748,11 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    reference: ReferenceStageConfig | None = None
+    """The reference stage (frozen reference log-probs computed once, outside the learner); None = off."""
+    teacher: TeacherStageConfig | None = None
+    """The teacher stage of ``training_mode: DISTILL``."""
+    progress: ProgressConfig = Field(default_factory=ProgressConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -636,8 +766,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         mode = self.training_mode
-        if mode in RL_MODES and self.data_source.type != "on_policy":
-            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy', got {self.data_source.type!r}")
+        if mode in RL_MODES and self.data_source.type == "off_policy":
+            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy' (or 'webdataset' prompts), got {self.data_source.type!r}")
         if mode == "SFT" and self.data_source.type == "on_policy":
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
@@ -646,6 +776,12 @@ class Config(Strict):
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
+        if mode == "DISTILL" and self.teacher is None:
+            raise ValueError("training_mode DISTILL needs a teacher section (teacher.model_path or teacher.endpoint)")
+        if self.teacher is not None and mode != "DISTILL":
+            raise ValueError(f"the teacher stage is for training_mode DISTILL, not {mode}; remove the teacher section")
+        if self.reference is not None and mode not in RL_MODES:
+            raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config()
@@ -658,8 +794,18 @@ class Config(Strict):
         return self.training_mode in RL_MODES
 
     @property
+    def learner_reads_dataset(self) -> bool:
+        """SFT/DPO from a dataset on disk or WebDataset shards: the learner reads it, no broker needed."""
+        return self.data_source.type == "off_policy" or (self.data_source.type == "webdataset" and not self.is_rl)
+
+    @property
     def group_size(self) -> int:
         return getattr(self.algorithm_params, "group_size", 1)
+
+    @property
+    def annotators(self) -> tuple[str, ...]:
+        """The annotating stages between the scorers and the learner, in chain order."""
+        return tuple(name for name in ("reference", "teacher") if getattr(self, name) is not None)
 
     @property
     def max_staleness(self) -> int:
@@ -769,6 +915,65 @@ def _short(value: Any, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+TRL_NAMES: dict[str, str] = {
+    "num_generations": "algorithm_params.group_size",
+    "learning_rate": "learner.lr",
+    "beta": "algorithm_params.kl_coefficient",
+    "max_completion_length": "producer.max_new_tokens",
+    "max_prompt_length": "learner.max_seq_len",
+    "max_length": "learner.max_seq_len",
+    "per_device_train_batch_size": "learner.micro_batch_size",
+    "num_train_epochs": "data_source.epochs",
+    "num_iterations": "algorithm_params.epochs_per_batch",
+    "epsilon": "algorithm_params.clip_range (GRPO) or clip_low (DAPO/GSPO)",
+    "epsilon_high": "algorithm_params.clip_high",
+    "lr_scheduler_type": "learner.lr_schedule",
+    "model_name_or_path": "model_checkpoint_path",
+    "dataset_name": "data_source.path",
+    "dataset_config": "data_source.name",
+    "dataset_train_split": "data_source.split",
+    "save_steps": "checkpoint.interval",
+    "save_total_limit": "checkpoint.keep_last",
+    "output_dir": "the --run-dir option of rlstream run",
+    "use_vllm": "producer.backend: vllm",
+    "bf16": "learner.dtype: bfloat16",
+    "reward_funcs": "reward_function.terms (function: module:name)",
+    "reward_weights": "reward_function.terms[].weight",
+    "vllm_gpu_memory_utilization": "producer.vllm.gpu_memory_utilization",
+}
+"""Names TRL users type, and where the same knob lives here (for "did you mean")."""
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        out.append(prefix + name)
+        for sub in (info.annotation, *getattr(info.annotation, "__args__", ())):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += _field_paths(sub, prefix + name + ".")
+    return out
+
+
+def did_you_mean(loc: list[str]) -> str | None:
+    """A hint for an unknown key: TRL's name for one of ours, or a close spelling."""
+    import difflib
+
+    key = loc[-1] if loc else ""
+    if key in TRL_NAMES:
+        return f"did you mean {TRL_NAMES[key]}? ({key} is TRL's name)"
+    section = ".".join(loc[:-1])
+    known = [p for p in _field_paths(Config) if p.rsplit(".", 1)[0] == section or (not section and "." not in p)]
+    if loc[:1] == ["algorithm_params"]:
+        known = [f"algorithm_params.{n}" for m in (SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams)
+                 for n in m.model_fields if n != "type"]
+    full = ".".join(loc)
+    close = difflib.get_close_matches(full, list(dict.fromkeys(known)), n=1, cutoff=0.75)
+    if not close:
+        close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in _field_paths(Config)], n=1, cutoff=0.8)
+        close = [p for p in _field_paths(Config) if p.endswith("." + close[0]) or p == close[0]][:1] if close else []
+    return f"did you mean {close[0]}?" if close else None
+
+
 def _describe(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
@@ -782,7 +987,8 @@ def _describe(err: dict[str, Any]) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
-        return f"{field}: unknown key (value {_short(value)}); check the spelling or remove it"
+        hint = did_you_mean(loc)
+        return f"{field}: unknown key (value {_short(value)}); " + (hint or "check the spelling or remove it")
     if kind == "missing":
         return f"{field}: required, missing"
     if kind == "literal_error":
@@ -838,37 +1044,68 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     check_expansion(data, str(path))
-    data = apply_overrides(data, overrides or [])
-    learner = data.get("learner") if isinstance(data, dict) else None
-    if isinstance(learner, dict) and isinstance(learner.get("deepspeed"), str):
-        # before validation, which reads the file: relative to the config's folder, not the working directory
-        learner["deepspeed"] = _relative_to(path.parent, learner["deepspeed"])
-    cfg = parse_config(data)
-    return _resolve_relative_paths(cfg, path.parent)
+    data = apply_overrides(data, overrides or []) if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        data = resolve_relative_paths(data, path.parent)
+    return parse_config(data)
 
 
-def _relative_to(base: Path, p: str | None) -> str | None:
-    """A relative path in a config file is relative to that file (or, when only the working
-    directory has it, e.g. a ``--set`` value, to the working directory)."""
-    if p is None or "://" in p or Path(p).is_absolute():
-        return p
-    candidate = (base / p).resolve()
-    return str(candidate) if candidate.exists() or not Path(p).exists() else str(Path(p).resolve())
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[\w-]$")
+_DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow", ".txt")
+PATH_KEYS = (
+    ("model_checkpoint_path",),
+    ("tokenizer_path",),
+    ("data_source", "path"),
+    ("learner", "reference_model_path"),
+    ("learner", "deepspeed"),
+    ("reference", "model_path"),
+    ("teacher", "model_path"),
+)
+"""Config values that name a file or directory (or, for models and datasets, a Hub id)."""
 
 
-def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
-    """Relative model/data paths in a config file are relative to that file."""
+def is_hub_id(value: str) -> bool:
+    """``org/name`` as the Hub spells a repository: two parts, no ``.``/``..`` segment, no
+    file suffix. Only consulted for a value that is no existing local path."""
+    return bool(_HUB_ID.match(value)) and ".." not in value and not value.lower().endswith(_DATA_SUFFIXES)
 
-    def fix(p: str | None) -> str | None:
-        return _relative_to(base, p)
 
-    cfg.model_checkpoint_path = fix(cfg.model_checkpoint_path)
-    cfg.tokenizer_path = fix(cfg.tokenizer_path)
-    cfg.data_source.path = fix(cfg.data_source.path)
-    cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
-    if isinstance(cfg.learner.deepspeed, str):
-        cfg.learner.deepspeed = fix(cfg.learner.deepspeed)
-    return cfg
+def resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths in a config file are relative to that file's folder.
+
+    A value that exists relative to the config's folder becomes that absolute path; else one
+    that exists relative to the working directory becomes that; else a Hub id (``org/name``)
+    stays as written (``from_pretrained`` / ``load_dataset`` resolve it, from the local Hub
+    cache when offline); else it becomes the path relative to the config's folder, which the
+    preflight check reports as missing.
+    """
+    data = json.loads(json.dumps(data))
+
+    def fix(p: Any) -> Any:
+        if not isinstance(p, str) or not p or "://" in p or Path(p).is_absolute():
+            return p
+        candidate = (base / p).resolve()
+        if candidate.exists():
+            return str(candidate)
+        if Path(p).exists():
+            return str(Path(p).resolve())
+        if is_hub_id(p):
+            return p
+        return str(candidate)
+
+    for keys in PATH_KEYS:
+        node = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = fix(node[keys[-1]])
+    # WebDataset shard URLs: a path or brace pattern each, or a list; pipe: commands stay as written
+    ds = data.get("data_source")
+    if isinstance(ds, dict) and ds.get("urls"):
+        urls = ds["urls"]
+        fixed = [u if not isinstance(u, str) or u.startswith("pipe:") else fix(u) for u in ([urls] if isinstance(urls, str) else urls)]
+        ds["urls"] = fixed[0] if isinstance(urls, str) else fixed
+    return data
 
 
 def dump_resolved(cfg: Config, path: str | Path) -> None:
