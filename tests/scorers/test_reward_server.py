@@ -191,7 +191,8 @@ async def test_sigterm_stops_the_server_promptly_with_work_queued(tiny_reward_mo
             rc = await asyncio.to_thread(proc.wait, 30)
             took = time.monotonic() - t0
         assert rc == 0, proc.stderr.read().decode()[-2000:]
-        assert took < 10, f"SIGTERM took {took:.1f} s"
+        # the queued work is ~80 s of forward passes; one pass and the shutdown fit well within 30 s, even on a busy machine
+        assert took < 30, f"SIGTERM took {took:.1f} s"
         assert all(s in (503, "ServerDisconnectedError", "ClientOSError") for s in statuses), statuses
     finally:
         _stop(proc)
