@@ -253,6 +253,8 @@ class Reporter:
         lag = 0.0
         while not stop.is_set():
             self.update(self._system(lag))
+            if self.state is not None:  # calls that waited for the broker (a node lost), and those given up
+                self.update({"broker/retries": self.state.broker_retries, "broker/failures": self.state.broker_failures})
             if self.nc.is_connected:
                 await self._dlq_count()
             try:

@@ -220,7 +220,7 @@ def render(status: dict[str, Any], console: Console) -> None:
 
 
 async def run_status(args) -> int:
-    nc = await open_connection(nats_url(args), "rlstream-status")
+    nc = await open_connection(nats_url(args), "rlstream-status", args)
     try:
         status = await gather(nc.jetstream(timeout=10.0), args.run)
     finally:

@@ -31,6 +31,7 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
 from rlstream.broker.component import RecentIds, kept_in_progress, lanes
+from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
@@ -180,7 +181,8 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
             done.append((d, r))
         else:
             failed.append((d, r))
-    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id) for _, s in done])
+    origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
+    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id, origin) for _, s in done])
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
