@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from observe_helpers import start_cli, wait_stderr_line
 from rlstream.broker import Reporter, connect, ensure_layout
-from rlstream.observe.dashboard import make_app, select_samples
+from rlstream.broker.layout import Layout
+from rlstream.observe.dashboard import Hub, make_app, select_samples
 
 CHAT = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2 + 2?"}]
 ROWS = [
@@ -40,13 +41,13 @@ def test_select_samples_filters_and_ranks():
 
 async def test_api_samples_reads_the_run_directory(tmp_path):
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    async with TestClient(TestServer(make_app(None, "r", run_dir=tmp_path))) as client:
+    async with TestClient(TestServer(make_app(Hub(None, Layout("r")), run_dir=tmp_path))) as client:
         info = await (await client.get("/api/info")).json()
         assert info["samples"] is True
         out = await (await client.get("/api/samples", params={"order": "worst", "q": "what", "limit": "1"})).json()
         assert [r["completion"] for r in out["rows"]] == ["banana"] and out["matched"] == 2
         assert (await client.get("/api/samples", params={"order": "random"})).status == 400
-    async with TestClient(TestServer(make_app(None, "r"))) as client:
+    async with TestClient(TestServer(make_app(Hub(None, Layout("r"))))) as client:
         assert (await (await client.get("/api/info")).json())["samples"] is False
         assert (await client.get("/api/samples")).status == 404
 
