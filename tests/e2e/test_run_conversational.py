@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_helpers import finished_summary, read_jsonl
+from helpers.runs import finished_summary, read_jsonl
 
 SCORERS = Path(__file__).resolve().parents[1] / "scorers"
 

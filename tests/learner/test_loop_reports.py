@@ -11,7 +11,7 @@ import pytest
 from msgspec.structs import replace
 
 from rlstream.learner.loop import main
-from test_loop_groups import make_cfg, publish_groups, sample_groups
+from helpers.groups import make_cfg, publish_groups, sample_groups
 
 
 def _rows(path):
