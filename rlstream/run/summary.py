@@ -66,7 +66,11 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
     Producers ack a prompt only after its rollout group is stored, and group ids are
     prompt ids de-duplicated by JetStream, so ``prompts_fed = prompts_pending +
     rollouts_published + dead-lettered prompts`` exactly, and the same one hop later for
-    scorers. ``lost_*`` is what would break those equalities: 0 when nothing is lost.
+    scorers. Each annotating stage (``reference``, ``teacher``) is one more hop of the same
+    kind: ``lost_scored`` is what left ``rl.<run>.scored`` and reached neither the reference
+    stage's output, its consumer, nor its dead letters, and ``lost_<stage>`` the same for the
+    next link. ``lost_*`` is what would break those equalities, ``lost`` their sum: 0 when
+    nothing is lost.
     """
     nc = await connect(nats_cfg, url, name="run-summary")
     js = nc.jetstream()
@@ -79,7 +83,7 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
         out["scored_published"] = (await js.stream_info(layout.scored_stream)).state.messages
         out["dlq"] = (await js.stream_info(layout.dlq_stream)).state.messages
         dlq_by_stage = {}
-        for stage in ("producer", "scorer", "learner"):
+        for stage in ("producer", "scorer", *layout.stages, "learner"):
             try:
                 info = await js.stream_info(layout.dlq_stream, subjects_filter=layout.dlq(stage))
                 dlq_by_stage[stage] = sum((info.state.subjects or {}).values())
@@ -96,6 +100,13 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
         out["lost_prompts"] = out["prompts_fed"] - out["prompts_pending"] - out["rollouts_published"] - dlq_by_stage["producer"]
         out["lost_rollouts"] = (out["rollouts_published"] - out["scored_published"] - out["scorers_pending"]
                                 - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
+        upstream = "scored"
+        for stage in layout.stages:
+            out[f"{stage}_published"] = (await js.stream_info(layout.annotated_stream(stage))).state.messages
+            out[f"lost_{upstream}"] = (out[f"{upstream}_published"] - out[f"{stage}_published"] - out[f"{stage}_pending"]
+                                       - out[f"{stage}_ack_pending"] - dlq_by_stage[stage])
+            upstream = stage
+        out["lost"] = sum(v for k, v in out.items() if k.startswith("lost_"))
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
     finally:
         await nc.close()
