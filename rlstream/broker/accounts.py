@@ -42,7 +42,6 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass
-
 from itertools import combinations
 
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
