@@ -86,7 +86,7 @@ def _component(module: str, default_id: str, **fixed):
     def run(args) -> int:
         cfg = _load(args)
         # an offline SFT/DPO learner needs no broker (nothing to publish to)
-        offline = module == "rlstream.learner.loop" and cfg.data_source.type == "off_policy"
+        offline = module == "rlstream.learner.loop" and cfg.learner_reads_dataset
         url = _nats_url(args, cfg, optional=offline)
         main: ComponentMain = _call(module)
         extra = dict(fixed)
@@ -288,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
     sp.set_defaults(fn=cmd_observe("dashboard"))
+
+    from rlstream.backup import add_parsers as add_backup_parsers
+
+    add_backup_parsers(sub)  # backup, restore
+    from rlstream.webdata import add_parsers as add_shards_parser
+
+    add_shards_parser(sub)  # shards
     return p
 
 

@@ -324,8 +324,9 @@ AlgorithmParams = Annotated[
 
 
 class DataSource(Strict):
-    type: Literal["on_policy", "off_policy"] = "on_policy"
-    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
+    type: Literal["on_policy", "off_policy", "webdataset"] = "on_policy"
+    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset;
+    webdataset: tar shards at ``urls`` (SFT/DPO: the learner reads them; RL: the feeder does)."""
     path: str | None = None
     """A jsonl, json or parquet file, a Hugging Face ``datasets`` directory saved with
     ``save_to_disk``, or a Hub dataset id (``org/name``), loaded with ``datasets.load_dataset``
@@ -348,6 +349,27 @@ class DataSource(Strict):
     shuffle_seed: int | None = 0
     limit: int | None = Field(None, ge=1)
     """Use at most this many rows."""
+    urls: str | list[str] | None = None
+    """webdataset: shard URLs, brace patterns allowed (``shards/train-{000000..000099}.tar``);
+    local paths, ``pipe:COMMAND`` or http(s) URLs. Each sample holds one row as ``.json``
+    (``rlstream shards`` writes them from jsonl or parquet)."""
+    shuffle_buffer: int = Field(1000, ge=0)
+    """webdataset: samples held in the shuffle buffer (0: shard order). Shards are also
+    shuffled per epoch with ``shuffle_seed`` (none of it when the seed is null)."""
+    part_index: int = Field(0, ge=0)
+    part_count: int = Field(1, ge=1)
+    """webdataset: this reader takes shards ``part_index::part_count`` (one part per feeder,
+    e.g. ``--set data_source.part_index=$(JOB_COMPLETION_INDEX)`` in an indexed Job)."""
+
+    @model_validator(mode="after")
+    def _webdataset(self):
+        if self.type == "webdataset" and not self.urls:
+            raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")
+        if self.type != "webdataset" and self.urls:
+            raise ValueError(f"data_source.urls is for type 'webdataset' (type is {self.type!r}; a file dataset goes in data_source.path)")
+        if self.part_index >= self.part_count:
+            raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
+        return self
 
 
 class RewardTerm(Strict):
@@ -467,6 +489,11 @@ class ProducerConfig(Strict):
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
     producer exits with code 75 for its supervisor to restart it (a thread stuck in a
     backend cannot be stopped from Python)."""
+    drain_timeout_s: float = Field(20.0, gt=0)
+    """After SIGTERM (a spot/preemptible node's notice, a scale-down), batches in hand may
+    finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
+    producer takes them at once, and the producer exits. Keep it below the pod's
+    ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
     fake_latency_s: float = Field(0.0, ge=0)
     """fake backend: seconds each batch takes."""
     fake_vocab_size: int = Field(512, ge=2)
@@ -574,6 +601,16 @@ class LearnerConfig(Strict):
     seed: int = 0
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """Run the policy's forward and backward through ``torch.compile`` (``nn.Module.compile``:
+    parameter names, checkpoints and published weights are unchanged). Sequence lengths vary
+    from batch to batch: shapes are compiled as dynamic, and ``pad_to_multiple`` buckets them.
+    The first steps compile (slow); then 1.4-1.5x the eager step on this project's CPU
+    machine with the tiny model (docs/deploy.md, ``bench/learner.py --compile``)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    pad_to_multiple: int = Field(1, ge=1, le=4096)
+    """Right-pad each micro-batch's sequence length up to a multiple of this (length
+    bucketing): fewer distinct shapes for a compiled model, a little more padding."""
 
     @model_validator(mode="after")
     def _shared(self):
@@ -674,8 +711,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         mode = self.training_mode
-        if mode in RL_MODES and self.data_source.type != "on_policy":
-            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy', got {self.data_source.type!r}")
+        if mode in RL_MODES and self.data_source.type == "off_policy":
+            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy' (or 'webdataset' prompts), got {self.data_source.type!r}")
         if mode == "SFT" and self.data_source.type == "on_policy":
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
@@ -700,6 +737,11 @@ class Config(Strict):
     @property
     def is_rl(self) -> bool:
         return self.training_mode in RL_MODES
+
+    @property
+    def learner_reads_dataset(self) -> bool:
+        """SFT/DPO from a dataset on disk or WebDataset shards: the learner reads it, no broker needed."""
+        return self.data_source.type == "off_policy" or (self.data_source.type == "webdataset" and not self.is_rl)
 
     @property
     def group_size(self) -> int:
@@ -913,6 +955,12 @@ def resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(node, dict) and keys[-1] in node:
             node[keys[-1]] = fix(node[keys[-1]])
+    # WebDataset shard URLs: a path or brace pattern each, or a list; pipe: commands stay as written
+    ds = data.get("data_source")
+    if isinstance(ds, dict) and ds.get("urls"):
+        urls = ds["urls"]
+        fixed = [u if not isinstance(u, str) or u.startswith("pipe:") else fix(u) for u in ([urls] if isinstance(urls, str) else urls)]
+        ds["urls"] = fixed[0] if isinstance(urls, str) else fixed
     return data
 
 

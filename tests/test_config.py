@@ -140,3 +140,20 @@ def test_unknown_keys_suggest_ours(section, key, ours):
 def test_help_shows_defaults():
     out = subprocess.run([sys.executable, "-m", "rlstream.cli", "broker", "--help"], capture_output=True, text=True, check=True).stdout
     assert "(default: 4222)" in out
+
+
+def test_webdataset_source_needs_urls_resolves_them_and_serves_every_mode(tmp_path):
+    base = {"model_checkpoint_path": "m"}
+    for mode in ("SFT", "DPO", "RL_GRPO"):
+        cfg = parse_config({**base, "training_mode": mode, "data_source": {"type": "webdataset", "urls": "s/t-{0..3}.tar"}})
+        assert cfg.learner_reads_dataset == (mode != "RL_GRPO")  # RL: the feeder reads the shards
+    with pytest.raises(ConfigError, match=r"needs data_source\.urls"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "webdataset"}})
+    with pytest.raises(ConfigError, match=r"data_source\.urls is for type 'webdataset'"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "off_policy", "urls": "s/t.tar"}})
+    with pytest.raises(ConfigError, match=r"part_index 2 must be below part_count 2"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "webdataset", "urls": "a.tar", "part_index": 2, "part_count": 2}})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({**base, "training_mode": "SFT",
+                                    "data_source": {"type": "webdataset", "urls": ["shards/t-{000..009}.tar", "pipe:cat x.tar"]}}))
+    assert load_config(path).data_source.urls == [str(tmp_path / "shards/t-{000..009}.tar"), "pipe:cat x.tar"]

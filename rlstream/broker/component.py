@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -80,22 +81,48 @@ def signals_to(stop: asyncio.Event, enabled: bool = True, *, who: str | None = N
                 loop.remove_signal_handler(sig)
 
 
-async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str) -> None:
+async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str, stop: asyncio.Event | None = None,
+                drain_s: float | None = None, give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
     """Run ``n`` copies of ``lane`` at once, as tasks named ``<name>-lane-<i>``, until all return.
 
     The lanes share one lock, handed to each: hold it around a pull on the shared
     subscription (one pull request at a time) and whatever must be decided with it. When
     one lane raises, the others are cancelled (what they hold comes back unacked) and the
     error propagates.
+
+    The drain (``stop`` and ``drain_s`` given): once ``stop`` is set, the lanes have
+    ``drain_s`` seconds to finish what they hold; lanes still running then are cancelled and
+    ``give_back(seconds since stop)`` runs (nak what they held), and this returns.
     """
     fetching = asyncio.Lock()
     tasks = [asyncio.create_task(lane(fetching), name=f"{name}-lane-{i}") for i in range(n)]
+
+    async def drain() -> None:
+        await stop.wait()
+        t0 = time.monotonic()
+        _, late = await asyncio.wait(tasks, timeout=drain_s)
+        if late:
+            for t in late:
+                t.cancel()
+            if give_back is not None:
+                await give_back(time.monotonic() - t0)
+
+    drainer = asyncio.create_task(drain(), name=f"{name}-drain") if stop is not None and drain_s is not None else None
     try:
-        await asyncio.gather(*tasks)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if drainer is not None:
+            if stop.is_set():
+                await drainer  # it may be giving back what the lanes held
+            else:
+                drainer.cancel()
+                await asyncio.gather(drainer, return_exceptions=True)
 
 
 RECENT_IDS = 65536

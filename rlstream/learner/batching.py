@@ -100,11 +100,12 @@ def truncate(prompt: np.ndarray, completion: np.ndarray, max_len: int) -> tuple[
     return prompt, max(0, min(c, max_len - len(prompt)))
 
 
-def collate(rows: list[Row], pad_id: int, max_len: int) -> TokenBatch:
-    """Right-pad ``rows`` into a :class:`TokenBatch`."""
+def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> TokenBatch:
+    """Right-pad ``rows`` into a :class:`TokenBatch`; the length L is rounded up to a multiple
+    of ``pad_to`` (length bucketing for compiled models)."""
     fitted = [truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len) for r in rows]
     lengths = [len(p) + c for p, c in fitted]
-    B, L = len(rows), max(lengths)
+    B, L = len(rows), -(-max(lengths) // pad_to) * pad_to
     T = max(1, max(c for _, c in fitted))
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)

@@ -11,7 +11,10 @@ An aiohttp server with three routes:
   MetricEvent as JSON ``{seq, t (broker time, epoch s), ts, component, id, step, values}``
   with ``id: <stream seq>``, so a browser that reconnects resumes after the last one it saw
   (``Last-Event-ID``) instead of loading the history again;
-- ``/api/info``: ``{run, metrics_stream}``.
+- ``/api/info``: ``{run, metrics_stream}``;
+- ``/api/stages``: where the time goes now, from the live components' heartbeats:
+  ``{bottleneck, stages: {stage: {instances, busy, phases}}}`` (the same figures as
+  ``rlstream status``, see :mod:`rlstream.observe.stages`); the page polls it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from nats.js.errors import NotFoundError
 
 from rlstream.broker.component import signals_to
 from rlstream.broker.layout import Layout
+from rlstream.broker.state import RunState
 from rlstream.observe import ObserveError, command, nats_url, open_connection
+from rlstream.observe.stages import summary as stage_summary
+from rlstream.observe.status import live_phases
 from rlstream.schemas import MetricEvent, RecordError
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,14 @@ async def info(request: web.Request) -> web.Response:
     return web.json_response({"run": layout.run, "metrics_stream": layout.metrics_stream})
 
 
+async def stages(request: web.Request) -> web.Response:
+    try:
+        state = await RunState.open(request.app["js"], request.app["layout"])
+    except NotFoundError:
+        return web.json_response(stage_summary({}))
+    return web.json_response(stage_summary(live_phases(await state.heartbeats())))
+
+
 def make_app(js, run: str, backfill: int = DEFAULT_BACKFILL) -> web.Application:
     app = web.Application()
     app["js"] = js
@@ -114,6 +128,7 @@ def make_app(js, run: str, backfill: int = DEFAULT_BACKFILL) -> web.Application:
     app.router.add_get("/", index)
     app.router.add_get("/events", events)
     app.router.add_get("/api/info", info)
+    app.router.add_get("/api/stages", stages)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
     return app
 

@@ -22,7 +22,7 @@ from rlstream.config import dump_resolved, parse_config
 from rlstream.learner.loop import main as learner_main
 from rlstream.observe.replay import replay
 from rlstream.schemas import ScoredGroup
-from test_loop_groups import make_cfg, publish_groups, sample_groups
+from helpers.groups import make_cfg, publish_groups, sample_groups
 
 
 def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 from rlstream.annotators.logprobs import LocalLogprobs
 from rlstream.config import parse_config
 from rlstream.learner.loop import LearnerError, build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
+from helpers.groups import make_cfg, sample_groups
 
 
 @pytest.fixture(scope="module")
