@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("export", help="write a range of a stream to a file")
     sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
     sp.add_argument("--run", help="run id (default: the run of --run-dir)")
-    sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
+    sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "reference", "teacher", "metrics", "dlq"],
+                    help="reference, teacher: the links the annotating stages publish")
     with_nats(sp)
     with_nats_credentials(sp)
     sp.add_argument("--out", required=True)

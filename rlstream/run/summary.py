@@ -95,6 +95,10 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
     ``*_foreign`` the rest: records someone else put on the run's subjects. ``lost_*`` is
     what would break those equalities: 0 when nothing is lost, and never negative; a count
     that comes out above its source is reported as ``accounting_excess`` instead.
+    Each annotating stage (``reference``, ``teacher``) is one more hop of the same kind:
+    ``lost_scored`` is what left ``rl.<run>.scored`` and reached neither the reference stage's
+    output, its consumer, nor its dead letters, and ``lost_<stage>`` the same for the next
+    link; ``lost`` is the sum of the ``lost_*`` counts.
     """
     nc = await connect(nats_cfg, url, name="run-summary")
     js = nc.jetstream()
@@ -113,7 +117,7 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
         out["scored_foreign"] = out["scored_published"] - out["scored_own"]
         out["dlq"] = (await js.stream_info(layout.dlq_stream)).state.messages
         dlq_by_stage = {}
-        for stage in ("producer", "scorer", "learner"):
+        for stage in ("producer", "scorer", *layout.stages, "learner"):
             try:
                 info = await js.stream_info(layout.dlq_stream, subjects_filter=layout.dlq(stage))
                 dlq_by_stage[stage] = sum((info.state.subjects or {}).values())
@@ -132,6 +136,15 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
                          - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
         out["lost_prompts"], out["lost_rollouts"] = max(0, lost_prompts), max(0, lost_rollouts)
         out["accounting_excess"] = {"prompts": max(0, -lost_prompts), "rollouts": max(0, -lost_rollouts)}
+        upstream = "scored"
+        for stage in layout.stages:
+            out[f"{stage}_published"] = (await js.stream_info(layout.annotated_stream(stage))).state.messages
+            lost = (out[f"{upstream}_published"] - out[f"{stage}_published"] - out[f"{stage}_pending"]
+                    - out[f"{stage}_ack_pending"] - dlq_by_stage[stage])
+            out[f"lost_{upstream}"] = max(0, lost)
+            out["accounting_excess"][upstream] = max(0, -lost)
+            upstream = stage
+        out["lost"] = sum(v for k, v in out.items() if k.startswith("lost_"))
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
     finally:
         await nc.close()
