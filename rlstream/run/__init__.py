@@ -32,7 +32,7 @@ from typing import Any
 
 from rlstream.broker import EmbeddedServer, Layout
 from rlstream.config import ConfigError, SecretMaskingFormatter, dump_resolved, load_config, mask_secrets
-from rlstream.run.summary import broker_accounting, read_metrics, reward_curve, summarize
+from rlstream.run.summary import read_metrics, settled_accounting, reward_curve, summarize
 from rlstream.observe.rundir import write_broker_record
 from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
 from rlstream.rundir import RunDir, default_run_dir
@@ -78,7 +78,7 @@ def main(args) -> int:
     accounting: dict[str, Any] = {}
     try:
         outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
-        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
+        accounting = asyncio.run(settled_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
     finally:
         if server is not None:
             server.stop()

@@ -3,9 +3,12 @@ broker's accounting of every record, restarts), the reward curve and ``checkpoin
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rlstream.broker import Layout, RunState, connect
 from rlstream.broker.layout import ORIGIN_HEADER
+from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
 from rlstream.rundir import LATEST_LINK, RunDir
 
@@ -82,6 +86,30 @@ async def count_own(js, stream: str, subject: str, kind: str, last_seq: int) -> 
     finally:
         await sub.unsubscribe()
     return own
+
+
+log = logging.getLogger(__name__)
+
+
+async def settled_accounting(nats_cfg, url: str, layout: Layout, *, retry_for_s: float = 120.0,
+                             sleep=asyncio.sleep, clock=time.monotonic) -> dict[str, Any]:
+    """:func:`broker_accounting`, asked again with backoff while the broker is away for a moment
+    (a cluster node still rejoining at the end of a run answers "service unavailable"); after
+    ``retry_for_s`` the last error is raised. ``accounting_retries`` says how many tries failed."""
+    deadline = clock() + retry_for_s
+    delay, failed = 0.5, 0
+    while True:
+        try:
+            out = await broker_accounting(nats_cfg, url, layout)
+            out["accounting_retries"] = failed
+            return out
+        except TRANSIENT as exc:
+            if clock() + delay > deadline:
+                raise
+            failed += 1
+            log.info("run accounting: broker away (%s); asking again in %.1fs", type(exc).__name__, delay)
+            await sleep(delay)
+            delay = min(delay * 2, 8.0)
 
 
 async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any]:
