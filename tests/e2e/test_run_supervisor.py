@@ -124,6 +124,12 @@ def test_a_component_whose_heartbeat_went_silent_is_killed_and_restarted(tiny_mo
         assert len(scorers) == 1, [_cmdline(p)[:120] for p in scorers]
         frozen = scorers[0]
         frozen.send_signal(signal.SIGSTOP)
+        # killed once its heartbeat is 15 s old (checked every 10 s): well inside 60 s, and
+        # before the 120 s default would have done it
+        try:
+            frozen.wait(timeout=60)
+        except psutil.TimeoutExpired:
+            pytest.fail("the frozen scorer was not killed within 60 s of supervisor.heartbeat_timeout_s=15")
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
