@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=80)
     p.add_argument("--grpo-steps", type=int, default=300)
     p.add_argument("--steps", type=int, default=300, help="distillation steps")
+    p.add_argument("--lr", type=float, default=None, help="the student's learning rate (default: distill.yaml's)")
     args = p.parse_args()
     sft_steps, grpo_steps, steps = (10, 4, 6) if args.quick else (args.sft_steps, args.grpo_steps, args.steps)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -75,10 +76,11 @@ def main() -> None:
     teacher = json.loads((grpo_dir / "summary.json").read_text())
     teacher_dir = (grpo_dir / "checkpoints" / "latest").resolve()
 
-    student_dir = WORK / f"distill_{steps}"
+    student_dir = WORK / (f"distill_{steps}" + (f"_lr{args.lr:g}" if args.lr else ""))
     shutil.rmtree(student_dir, ignore_errors=True)
     student = run(EXAMPLES / "distill.yaml", student_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['rl']}",
-                                                         f"teacher.model_path={teacher_dir}"], steps, WORK / "distill.log")
+                                                         f"teacher.model_path={teacher_dir}",
+                                                         *([f"learner.lr={args.lr}"] if args.lr else [])], steps, WORK / "distill.log")
     metrics = [json.loads(line) for line in (student_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     kl = [m["distill/reverse_kl"] for m in metrics if isinstance(m.get("distill/reverse_kl"), (int, float))]
     k = max(1, len(kl) // 10)
@@ -95,7 +97,7 @@ def main() -> None:
             shutil.copy(curve, RESULTS / "distill.png")
         lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
         lines += ["| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) + " |" for row in rows]
-        cmd = f"python bench/distill.py --sft-steps {sft_steps} --grpo-steps {grpo_steps} --steps {steps}"
+        cmd = f"python bench/distill.py --sft-steps {sft_steps} --grpo-steps {grpo_steps} --steps {steps}" + (f" --lr {args.lr:g}" if args.lr else "")
         (RESULTS / "distill.md").write_text(f"# On-policy distillation\n\n`{cmd}`\n\n" + "\n".join(lines) + "\n\n![student reward](distill.png)\n")
     verdict("distill", teacher_reward=teacher["reward_last"], student_reward_first=student["reward_first"],
             student_reward_last=student["reward_last"], wall_s=time.perf_counter() - t0, ratio=rise, goal=0.2)

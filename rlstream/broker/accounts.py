@@ -6,13 +6,21 @@ One account holds one run, with JetStream limits (memory, storage, streams, cons
 one user per role. Every permission names the run: its subjects, its streams, its KV keys,
 its object store, and for each role its own durable consumer. Anything not listed is denied.
 
-| role     | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
-|----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
-| feeder   | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
-| producer | rollouts          | -                                                                     | producers on RL_<run>_PROMPTS     | heartbeat.producer.* |
-| scorer   | scored            | -                                                                     | scorers on RL_<run>_ROLLOUTS      | heartbeat.scorer.* |
-| learner  | weights (objects) | the run's streams, KV bucket, object store and three durable consumers | learner on RL_<run>_SCORED        | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
-| operator | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
+| role      | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
+|-----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
+| feeder    | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
+| producer  | rollouts          | -                                                                     | producers on RL_<run>_PROMPTS     | heartbeat.producer.* |
+| scorer    | scored            | -                                                                     | scorers on RL_<run>_ROLLOUTS      | heartbeat.scorer.* |
+| reference | reference         | -                                                                     | reference on RL_<run>_SCORED      | heartbeat.reference.* |
+| teacher   | teacher           | -                                                                     | teacher on RL_<run>_SCORED or RL_<run>_REFERENCE | heartbeat.teacher.* |
+| learner   | weights (objects) | the run's streams, KV bucket, object store and durable consumers      | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| operator  | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
+
+The annotating stages (``reference``, ``teacher``) are optional links between the scorers and
+the learner (:mod:`rlstream.broker.layout`). One file serves every chain a run may configure:
+each stage's durable consumer and the learner's are allowed on every stream that can precede
+them, and the learner may lay out the annotated streams. A permission for a consumer the
+learner did not lay out grants nothing: only the learner creates consumers.
 
 Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
 letters (``rl.<run>.dlq.<role>``), reads the run's stream infos, KV keys and weights, and
@@ -34,12 +42,13 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass
+from itertools import combinations
 
-from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
+from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
 
-ROLES = ("feeder", "producer", "scorer", "learner")
-RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
-DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+ROLES = ("feeder", "producer", "scorer", *ANNOTATORS, "learner")
+RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored", **{stage: stage for stage in ANNOTATORS}}
+DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, **{stage: stage for stage in ANNOTATORS}, "learner": Layout.LEARNER}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -50,9 +59,11 @@ class AccountLimits:
     max_mem: str = "1G"
     max_file: str = "200G"
     max_streams: int = 16
-    """The run has 7 (5 record streams, the KV bucket, the object store)."""
+    """The run has 7 (5 record streams, the KV bucket, the object store), 9 with both
+    annotating stages."""
     max_consumers: int = 256
-    """3 durables, plus what operators' tools open (tail, dashboard, status)."""
+    """3 durables (5 with both annotating stages), plus what operators' tools open (tail,
+    dashboard, status)."""
 
 
 def streams(lay: Layout) -> list[str]:
@@ -60,9 +71,24 @@ def streams(lay: Layout) -> list[str]:
     return [*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"]
 
 
+def chains(run: str) -> list[Layout]:
+    """The run's layout under every chain of annotating stages it may configure."""
+    return [Layout(run, stages) for n in range(len(ANNOTATORS) + 1) for stages in combinations(ANNOTATORS, n)]
+
+
+def durable_streams(run: str) -> dict[str, list[str]]:
+    """durable consumer -> the streams it may be laid out on, over every chain (in order)."""
+    out: dict[str, list[str]] = {}
+    for lay in chains(run):
+        for durable, (stream, _subject) in lay.consumers().items():
+            if stream not in out.setdefault(durable, []):
+                out[durable].append(stream)
+    return out
+
+
 def permissions(role: str, run: str) -> list[str]:
     """The subjects ``role`` may publish to in ``run``."""
-    lay = Layout(run)
+    lay = Layout(run, ANNOTATORS)  # every stream a run may have
     kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
     allow = [f"rl.{run}.{RECORDS[role]}"] if role in RECORDS else []
     allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
@@ -71,15 +97,17 @@ def permissions(role: str, run: str) -> list[str]:
         allow += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
     durable = DURABLES.get(role)
     if durable is not None:
-        stream, _subject = lay.consumers()[durable]
-        allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
+        for stream in durable_streams(run)[durable]:
+            allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+                      f"$JS.ACK.{stream}.{durable}.>"]
     if role == "learner":
         allow += [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
         allow += [f"$O.{lay.weights_bucket}.>", f"$JS.API.STREAM.PURGE.{obj}"]
         allow += [f"$JS.API.STREAM.{verb}.{s}" for s in streams(lay) for verb in ("CREATE", "UPDATE")]
-        for name, (stream, _subject) in lay.consumers().items():
-            allow += [f"$JS.API.CONSUMER.CREATE.{stream}.{name}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
-                      f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"]
+        for name, on in durable_streams(run).items():
+            for stream in on:
+                allow += [f"$JS.API.CONSUMER.CREATE.{stream}.{name}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
+                          f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"]
     return allow
 
 

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import msgpack
 from nats.js.errors import NotFoundError
 
-from rlstream.broker.layout import Layout
+from rlstream.broker.layout import ANNOTATORS, Layout
 from rlstream.observe import ObserveError, command, nats_url, open_connection, parse_time
 
 FORMAT = "rlstream-export"
@@ -44,6 +44,7 @@ def stream_of(layout: Layout, kind: str) -> tuple[str, str]:
     """(stream name, subject filter) of a stream kind."""
     names = {
         "prompts": layout.prompts_stream, "rollouts": layout.rollouts_stream, "scored": layout.scored_stream,
+        **{stage: layout.annotated_stream(stage) for stage in layout.stages},
         "metrics": layout.metrics_stream, "dlq": layout.dlq_stream,
     }
     if kind not in names:
@@ -146,7 +147,7 @@ async def seq_at_time(js, stream: str, subject: str, first: int, last: int, sinc
 async def export_range(js, run: str, kind: str, out: str | Path, *, from_seq: int | None = None, to_seq: int | None = None,
                        since: float | None = None, until: float | None = None) -> int:
     """Write the range to ``out``; returns the number of messages written."""
-    layout = Layout(run)
+    layout = Layout(run, ANNOTATORS)  # any link; a run without it has no such stream (said below)
     stream, subject = stream_of(layout, kind)
     try:
         info = await js.stream_info(stream)
@@ -183,7 +184,7 @@ async def export_range(js, run: str, kind: str, out: str | Path, *, from_seq: in
 async def run_export(args) -> int:
     since = parse_time(args.since).timestamp() if args.since else None
     until = parse_time(args.until).timestamp() if args.until else None
-    nc = await open_connection(nats_url(args), "rlstream-export")
+    nc = await open_connection(nats_url(args), "rlstream-export", args)
     try:
         n = await export_range(nc.jetstream(timeout=10.0), args.run, args.stream, args.out, from_seq=args.from_seq,
                                to_seq=args.to_seq, since=since, until=until)

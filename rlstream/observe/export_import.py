@@ -21,7 +21,7 @@ from pathlib import Path
 from nats.js.errors import KeyNotFoundError
 
 from rlstream.broker.io import MSG_ID, Outgoing, Publisher
-from rlstream.broker.layout import ensure_layout
+from rlstream.broker.layout import ANNOTATORS, Layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.observe.export import check_export, iter_export
@@ -58,7 +58,12 @@ async def import_file(js, path: str | Path, run: str, *, force: bool = False) ->
     path = Path(path)
     header, count = await asyncio.to_thread(check_export, path)
     digest = await asyncio.to_thread(_digest, path)
-    layout = await ensure_layout(js, run)
+    if header["stream"] in ANNOTATORS:
+        # that link's stream, without choosing where the learner reads: the run that trains
+        # lays out its own chain
+        layout = await ensure_layout(js, run, stages=(header["stream"],), durables=(Layout.PRODUCERS, Layout.SCORERS))
+    else:
+        layout = await ensure_layout(js, run)
     state = await RunState.open(js, layout)
     marker = f"import.{digest}"
     try:
@@ -94,7 +99,7 @@ async def import_file(js, path: str | Path, run: str, *, force: bool = False) ->
 
 
 async def run_import(args) -> int:
-    nc = await open_connection(nats_url(args), "rlstream-import")
+    nc = await open_connection(nats_url(args), "rlstream-import", args)
     try:
         result = await import_file(nc.jetstream(timeout=10.0), args.file, args.run, force=args.force)
     finally:

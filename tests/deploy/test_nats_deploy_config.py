@@ -22,7 +22,7 @@ from rlstream.broker.cluster import LocalCluster
 from rlstream.config import NatsConfig, NatsTLS
 
 NATS = Path(__file__).resolve().parents[2] / "deploy" / "nats"
-ROLES = ("feeder", "producer", "scorer", "learner", "operator", "sys")
+ROLES = ("feeder", "producer", "scorer", "reference", "teacher", "learner", "operator", "sys")
 
 
 def _openssl(*args: str, cwd: Path) -> None:

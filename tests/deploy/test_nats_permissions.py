@@ -24,15 +24,26 @@ from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.cluster import LocalCluster
-from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
+from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
 from rlstream.config import NatsConfig
 
 ACCOUNTS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.conf"
-ROLES = ("feeder", "producer", "scorer", "learner", "operator", "sys")
-COMPONENTS = ("feeder", "producer", "scorer", "learner")
+ROLES = ("feeder", "producer", "scorer", "reference", "teacher", "learner", "operator", "sys")
+COMPONENTS = ("feeder", "producer", "scorer", "reference", "teacher", "learner")
 OTHER_RUN = "other-run"
-OWN_DURABLE = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
-OWN_RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
+OWN_DURABLE = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "reference": "reference", "teacher": "teacher",
+               "learner": Layout.LEARNER}
+OWN_RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored", "reference": "reference", "teacher": "teacher"}
+
+
+def chain(run: str) -> Layout:
+    """The run with both annotating stages: scored -> reference -> teacher -> learner."""
+    return Layout(run, ANNOTATORS)
+
+
+def records(lay: Layout) -> dict[str, str]:
+    """record kind -> its subject, every link of the chain."""
+    return {"prompts": lay.prompts, "rollouts": lay.rollouts, "scored": lay.scored, **{st: lay.annotated(st) for st in lay.stages}}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -118,8 +129,10 @@ async def prepared(server, passwords, run: str) -> tuple:
     cfg = NatsConfig(ack_wait_s=600)
     replies: dict[tuple[str, str], str] = {}
     for r in (run, OTHER_RUN):
-        lay = await ensure_layout(ojs, r, cfg)
-        for subject in (lay.prompts, lay.rollouts, lay.scored):
+        # the run with both annotating stages (9 streams) and another without (7): the
+        # account's 16 streams
+        lay = await ensure_layout(ojs, r, cfg, stages=ANNOTATORS if r == run else ())
+        for subject in records(lay).values():
             for i in range(3):
                 await ojs.publish(subject, b"x", headers={"Nats-Msg-Id": f"{subject}-{i}"})
         state = await RunState.open(ojs, lay)
@@ -136,16 +149,16 @@ async def prepared(server, passwords, run: str) -> tuple:
 def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]:
     """(subject, payload, what) for everything ``role`` must not do."""
     out: list[tuple[str, bytes, str]] = []
-    lay, other = Layout(run), Layout(OTHER_RUN)
+    lay, other = chain(run), Layout(OTHER_RUN)
 
     def add(subject: str, payload: bytes, what: str) -> None:
         out.append((subject, payload, what))
 
     # other roles' records, and even its own kind in another run
-    for kind in ("prompts", "rollouts", "scored"):
+    for kind, subject in records(lay).items():
         if OWN_RECORDS.get(role) != kind:
-            add(getattr(lay, kind), b"forged", f"publish {kind}")
-        add(getattr(other, kind), b"forged", f"publish {kind} of another run")
+            add(subject, b"forged", f"publish {kind}")
+        add(records(chain(OTHER_RUN))[kind], b"forged", f"publish {kind} of another run")
     for comp in (*COMPONENTS, "operator"):
         if comp != role:
             add(lay.metrics(comp, "x"), b"forged", f"metrics as {comp}")
@@ -168,7 +181,7 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
     add("$JS.API.STREAM.CREATE.EVIL", json.dumps(evil).encode(), "create a republishing stream")
     add("$JS.API.STREAM.CREATE.KV_evil", json.dumps({"name": "KV_evil", "subjects": ["$KV.evil.>"]}).encode(), "create a KV bucket")
     add("$JS.API.STREAM.CREATE.OBJ_evil", json.dumps({"name": "OBJ_evil", "subjects": ["$O.evil.>"]}).encode(), "create an object store")
-    for name, subject in other.streams().items():
+    for name, subject in chain(OTHER_RUN).streams().items():
         add(f"$JS.API.STREAM.CREATE.{name}", json.dumps({"name": name, "subjects": [subject]}).encode(), "create another run's stream")
     for name in (*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
         if role != "learner":
@@ -198,7 +211,8 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
                 add(replies[(r, durable)], verb, f"{verb.decode()} a delivery of {durable}")
         # a new consumer on a stream that is not its own (reading other stages' data)
         if role != "operator":
-            add(f"$JS.API.CONSUMER.CREATE.{layout.scored_stream}", b'{"config": {"ack_policy": "none"}}', "an ephemeral consumer")
+            for stream in (layout.scored_stream, *(layout.annotated_stream(st) for st in layout.stages)):
+                add(f"$JS.API.CONSUMER.CREATE.{stream}", b'{"config": {"ack_policy": "none"}}', "an ephemeral consumer")
     return out
 
 
@@ -269,8 +283,9 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
 
 
 async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured):
-    """The learner lays out the run (streams, KV, object store, the durable consumers); every
-    other component waits for that layout and binds to it, creating nothing."""
+    """The learner lays out the run (streams, KV, object store, the durable consumers, here
+    with both annotating stages); every other component waits for that layout and binds to
+    it, creating nothing; a record travels the whole chain, each step by its own role."""
     from rlstream.broker.layout import bind_layout
 
     server, passwords = secured
@@ -280,6 +295,8 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
     learner, ljs, _ = await _client(server, passwords, "learner")
     scorer, sjs, _ = await _client(server, passwords, "scorer")
     feeder, fjs, _ = await _client(server, passwords, "feeder")
+    reference, rjs, _ = await _client(server, passwords, "reference")
+    teacher, tjs, _ = await _client(server, passwords, "teacher")
     op, ojs, _ = await _client(server, passwords, "operator")
     try:
         # a producer alone cannot lay out the run: it waits, then says what is missing
@@ -287,9 +304,11 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
             await bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=1.0)
         assert not await ojs.streams_info()
         waiting = asyncio.create_task(bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=30))
-        lay = await ensure_layout(ljs, run, cfg)
+        lay = await ensure_layout(ljs, run, cfg, stages=ANNOTATORS)
         assert (await waiting).run == run
         await bind_layout(sjs, run, cfg, durable=Layout.SCORERS, wait_s=5)
+        await bind_layout(rjs, run, cfg, durable="reference", wait_s=5, stages=ANNOTATORS)
+        await bind_layout(tjs, run, cfg, durable="teacher", wait_s=5, stages=ANNOTATORS)
         await bind_layout(fjs, run, cfg, durable=None, wait_s=5)
         assert {ci.name for ci in await ojs.consumers_info(lay.prompts_stream)} == {Layout.PRODUCERS}
         assert (await ojs.consumer_info(lay.prompts_stream, Layout.PRODUCERS)).config.ack_wait == 30
@@ -302,7 +321,16 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
         (msg,) = await (await sjs.pull_subscribe_bind(Layout.SCORERS, lay.rollouts_stream)).fetch(1, timeout=5)
         assert (await sjs.publish(lay.scored, b"s")).seq == 1
         await msg.nak()
-        (msg,) = await (await ljs.pull_subscribe_bind(Layout.LEARNER, lay.scored_stream)).fetch(1, timeout=5)
+        (msg,) = await (await rjs.pull_subscribe_bind("reference", lay.scored_stream)).fetch(1, timeout=5)
+        assert (await rjs.publish(lay.annotated("reference"), b"s+ref")).seq == 1
+        await msg.ack_sync()
+        (msg,) = await (await tjs.pull_subscribe_bind("teacher", lay.annotated_stream("reference"))).fetch(1, timeout=5)
+        assert (await tjs.publish(lay.annotated("teacher"), b"s+ref+teacher")).seq == 1
+        await msg.in_progress()
+        await msg.ack_sync()
+        # the learner reads the last link of the chain
+        (msg,) = await (await ljs.pull_subscribe_bind(Layout.LEARNER, lay.annotated_stream("teacher"))).fetch(1, timeout=5)
+        assert msg.data == b"s+ref+teacher"
         await msg.in_progress()
         await msg.ack_sync()
         # the learner's state and weights; every role reads them and writes its heartbeat
@@ -311,7 +339,7 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
         await lstate.put_json(WEIGHTS_LATEST, {"policy_version": 1})
         await lstate.set_policy_version(1)
         await lstate.put_int(PACING_ADMIT, 16)
-        for role, js in (("producer", pjs), ("scorer", sjs), ("feeder", fjs), ("learner", ljs)):
+        for role, js in (("producer", pjs), ("scorer", sjs), ("feeder", fjs), ("reference", rjs), ("teacher", tjs), ("learner", ljs)):
             state = await RunState.open(js, lay)
             assert await state.policy_version() == 1
             await state.heartbeat(role, "x0")
@@ -319,9 +347,10 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
             await js.stream_info(lay.rollouts_stream)
         assert await get_object(pjs, lay.weights_bucket, "policy-v000001.safetensors") == b"w" * 300_000
         assert set((await RunState.open(ojs, lay)).kv and await (await ojs.key_value(lay.state_bucket)).keys()) >= {
-            "heartbeat.producer.x0", "heartbeat.scorer.x0", "heartbeat.feeder.x0", "heartbeat.learner.x0"}
+            "heartbeat.producer.x0", "heartbeat.scorer.x0", "heartbeat.feeder.x0", "heartbeat.reference.x0",
+            "heartbeat.teacher.x0", "heartbeat.learner.x0"}
     finally:
-        for c in (producer, learner, scorer, feeder, op):
+        for c in (producer, learner, scorer, feeder, reference, teacher, op):
             await c.close()
 
 
@@ -373,9 +402,10 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
     for role in COMPONENTS:
         monkeypatch.setenv(f"TEST_{role.upper()}_PW", passwords[role])
 
-    def cfg(role):
+    def cfg(role):  # both annotating stages on: scored -> reference -> teacher -> learner
         return parse_config({
-            "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
+            "run": run, "training_mode": "DISTILL", "model_checkpoint_path": "unused",
+            "reference": {}, "teacher": {"model_path": "unused"},
             "nats": {"url": server.urls, "user": role, "password_env": f"TEST_{role.upper()}_PW", "layout_wait_s": 60},
             "metrics": {"prometheus_port": None, "interval_s": 0.2}, "algorithm_params": {"group_size": 2}})
 
@@ -384,7 +414,7 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
         return await comp.__aenter__()
 
     caplog.set_level("WARNING")
-    waiting = [asyncio.create_task(component(role)) for role in ("producer", "scorer", "feeder")]
+    waiting = [asyncio.create_task(component(role)) for role in ("producer", "scorer", "feeder", "reference", "teacher")]
     await asyncio.sleep(0.5)
     assert not any(t.done() for t in waiting)  # nothing to bind to before the learner
     learner = await component("learner")
@@ -401,7 +431,8 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
         (delivery,) = got
         await delivery.in_progress()
         await delivery.ack()
-        for durable, role in ((Layout.SCORERS, "scorer"), (Layout.LEARNER, "learner")):
+        assert lay.learner_input == (lay.annotated_stream("teacher"), lay.annotated("teacher"))
+        for durable, role in ((Layout.SCORERS, "scorer"), ("reference", "reference"), ("teacher", "teacher"), (Layout.LEARNER, "learner")):
             c = await Consumer(comps[role].js, lay, durable, Prompt, stage=role).start()
             assert await c.fetch(1, timeout=0.2) == []
         kv = await ojs.key_value(lay.state_bucket)

@@ -103,6 +103,11 @@ def test_run_distill_with_reference_and_teacher_stages(data, tiny_model_dir, war
     assert rows[0]["distill/reverse_kl"] > 0.01  # a fresh student is far from the warmed-up teacher
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ok"] is True and summary["training_mode"] == "DISTILL" and summary["groups_trained_twice"] == 0
+    # every link of the chain is accounted for: scored -> reference -> teacher -> learner
+    acc = summary["accounting"]
+    assert acc["reference_published"] > 0 and acc["teacher_published"] > 0, acc
+    assert acc["lost_prompts"] == acc["lost_rollouts"] == acc["lost_scored"] == acc["lost_reference"] == 0, acc
+    assert acc["lost"] == 0, acc
 
 
 def recorded_groups(run_dir, run: str, ids: set[str]) -> list[ScoredGroup]:

@@ -6,6 +6,7 @@ import datetime as dt
 import struct
 
 import msgpack
+import numpy as np
 import pytest
 from observe_helpers import rollout, run_cli, scored
 
@@ -109,3 +110,31 @@ async def test_import_refuses_a_cut_file(js, nats_server, run_id, tmp_path):
     out.write_bytes(raw[:-5])
     rc, _, err = await run_cli("import", str(out), "--run", run_id + "d", "--nats", nats_server.url)
     assert rc == 2 and "cut short" in err
+
+
+async def test_export_and_import_an_annotated_stream(js, nats_server, run_id, tmp_path):
+    """The reference and teacher links export like the others; importing one into a fresh run
+    lays out that link's stream and leaves where the learner reads to the run that trains."""
+    lay = await ensure_layout(js, run_id, stages=("reference", "teacher"))
+    pub = Publisher(js)
+    groups = [scored(i) for i in range(2)]
+    for g in groups:
+        g.teacher_logprobs = np.full(5, -0.5, np.float32)  # 3 + 2 completion tokens
+        await pub.publish(lay.annotated("teacher"), g.encode(), g.id)
+    out = tmp_path / "teacher.rlx"
+    rc, _, err = await run_cli("export", "--run", run_id, "--stream", "teacher", "--nats", nats_server.url, "--out", str(out))
+    assert rc == 0, err
+    header, msgs = read_export(out)
+    assert header["stream"] == "teacher" and header["stream_name"] == f"RL_{run_id}_TEACHER"
+    assert [m["data"] for m in msgs] == [g.encode() for g in groups]
+
+    target = run_id + "t"
+    rc, _, err = await run_cli("import", str(out), "--run", target, "--nats", nats_server.url)
+    assert rc == 0 and "imported 2 messages" in err, err
+    msgs = await _all(js, f"RL_{target}_TEACHER")
+    assert [m.subject for m in msgs] == [f"rl.{target}.teacher"] * 2
+    assert ScoredGroup.decode(msgs[1].data).teacher_logprobs.tolist() == [-0.5] * 5
+    assert {c.name for c in await js.consumers_info(f"RL_{target}_SCORED")} == set()  # no learner bound yet
+    # a run without the stage has no such stream
+    rc, _, err = await run_cli("export", "--run", target, "--stream", "reference", "--nats", nats_server.url, "--out", str(out))
+    assert rc != 0 and f"RL_{target}_REFERENCE does not exist" in err
