@@ -735,6 +735,15 @@ class ProgressConfig(Strict):
     step). None: never."""
 
 
+class SupervisorConfig(Strict):
+    """How ``rlstream run`` watches the components it started."""
+
+    heartbeat_timeout_s: float = Field(120.0, gt=0)
+    """A component whose process lives but whose heartbeat is older than this (and that has
+    run this long) is killed with SIGKILL, and restarted like one that exited. Checked every
+    10 s."""
+
+
 # ---- the whole config --------------------------------------------------------------------
 
 
@@ -761,6 +770,7 @@ class Config(Strict):
     teacher: TeacherStageConfig | None = None
     """The teacher stage of ``training_mode: DISTILL``."""
     progress: ProgressConfig = Field(default_factory=ProgressConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     report_to: list[ReportSink] = Field(default_factory=list)
     """TRL's key: where the learner's metrics and completions tables also go (``tensorboard``,
     ``wandb``, ``trackio``, ``mlflow``); ``"all"`` = every one installed, ``"none"`` = none.

@@ -72,3 +72,34 @@ async def test_signals_to_disabled_leaves_signals_alone():
     before = signal.getsignal(signal.SIGINT)
     with signals_to(asyncio.Event(), enabled=False):
         assert signal.getsignal(signal.SIGINT) is before
+
+
+async def test_a_stopped_component_whose_broker_died_gives_up_publishing(nats_factory, tiny_model_dir, run_id):
+    """The embedded broker dies with a SIGKILLed `rlstream run`, and the components get
+    SIGTERM: a publish in flight then gives up within SHUTDOWN_RETRY_S (plus one ack wait),
+    not PUBLISH_RETRY_S (300 s), so the component exits. While no stop was requested, the
+    same publish keeps retrying (a broker restart is survived)."""
+    import time
+
+    from helpers.groups import make_cfg
+
+    from rlstream.broker import Component
+    from rlstream.broker.errors import BrokerError
+    from rlstream.broker.layout import PUBLISH_ACK_TIMEOUT_S, SHUTDOWN_RETRY_S
+
+    server = nats_factory()
+    cfg = make_cfg(tiny_model_dir, run=run_id)
+    async with Component(cfg, server.url, "producer", "p0", handle_signals=False) as comp:
+        comp.publisher.ack_timeout_s = 1.0  # one attempt's ack wait, kept short for the control below
+        server.stop()
+        # control: no stop requested, so it is still retrying well past SHUTDOWN_RETRY_S
+        first = asyncio.create_task(comp.publisher.publish(comp.layout.rollouts, b"x", "m1"))
+        done, _ = await asyncio.wait({first}, timeout=SHUTDOWN_RETRY_S + 3 * comp.publisher.ack_timeout_s)
+        assert not done, first.result() if not first.exception() else first.exception()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        comp.stop.set()  # what SIGTERM does
+        t0 = time.monotonic()
+        with pytest.raises(BrokerError, match="stopping, and the broker is away"):
+            await asyncio.wait_for(comp.publisher.publish(comp.layout.rollouts, b"y", "m2"), 60)
+        assert time.monotonic() - t0 <= SHUTDOWN_RETRY_S + PUBLISH_ACK_TIMEOUT_S + 1

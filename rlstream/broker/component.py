@@ -199,7 +199,9 @@ class Component:
         self.js = self.nc.jetstream(timeout=10.0)
         self.layout = await self._layout()
         self.state = await RunState.open(self.js, self.layout)
-        self.publisher = Publisher(self.js)
+        # told to stop with the broker gone (the embedded one died with a killed `rlstream
+        # run`): publishes give up within SHUTDOWN_RETRY_S rather than PUBLISH_RETRY_S
+        self.publisher = Publisher(self.js, stopping=self.stopping_without_broker)
         port = metrics_port(cfg.metrics.prometheus_port, self.component, self.component_id)
         self.reporter = Reporter(self.nc, self.layout, self.component, self.component_id, state=self.state,
                                  prometheus_port=port, interval_s=cfg.metrics.interval_s)
@@ -208,6 +210,10 @@ class Component:
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
         log.info("%s %s connected to %s (run %s)", self.component, self.component_id, mask_secrets(self.nats_url or ""), cfg.run)
         return self
+
+    def stopping_without_broker(self) -> bool:
+        """A stop was requested and the connection to the broker is down."""
+        return self.stop.is_set() and not (self.nc is not None and self.nc.is_connected)
 
     async def _layout(self) -> Layout:
         """Lay out the run, or bind to it.

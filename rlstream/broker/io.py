@@ -16,6 +16,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import nats.errors
@@ -25,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from rlstream.broker.errors import BrokerError
-from rlstream.broker.layout import PUBLISH_ACK_TIMEOUT_S, PUBLISH_MAX_BACKOFF_S, PUBLISH_RETRY_S, Layout
+from rlstream.broker.layout import PUBLISH_ACK_TIMEOUT_S, PUBLISH_MAX_BACKOFF_S, PUBLISH_RETRY_S, SHUTDOWN_RETRY_S, Layout
 from rlstream.schemas import DEFAULT_LIMITS, DeadLetter, Limits, Record, RecordError
 
 log = logging.getLogger(__name__)
@@ -62,20 +63,32 @@ class Publisher:
     after a backoff, until ``retry_for_s`` has passed. The streams' de-duplication window
     (``layout.DUPLICATE_WINDOW_S``) covers that whole time with the defaults, so a retry
     after a long outage is still recognised as a duplicate.
+
+    ``stopping`` (a :class:`Component` passes it) answers whether a stop was requested and
+    the broker is away. Once it says so, the retries end within ``shutdown_retry_s``: a
+    component told to stop whose broker died (the embedded one of a killed ``rlstream
+    run``) exits rather than retrying for ``retry_for_s``.
     """
 
-    def __init__(self, js: JetStreamContext, *, ack_timeout_s: float = PUBLISH_ACK_TIMEOUT_S, retry_for_s: float = PUBLISH_RETRY_S):
+    def __init__(self, js: JetStreamContext, *, ack_timeout_s: float = PUBLISH_ACK_TIMEOUT_S, retry_for_s: float = PUBLISH_RETRY_S,
+                 stopping: Callable[[], bool] | None = None, shutdown_retry_s: float = SHUTDOWN_RETRY_S):
         self.js = js
         self.ack_timeout_s = ack_timeout_s
         self.retry_for_s = retry_for_s
+        self.stopping = stopping
+        self.shutdown_retry_s = shutdown_retry_s
         self.retries = 0
 
     async def publish_many(self, items: list[Outgoing]) -> list[PubAck]:
         acks: list[PubAck | None] = [None] * len(items)
         todo = list(range(len(items)))
         deadline = time.monotonic() + self.retry_for_s
+        limit_s = self.retry_for_s
         delay = 0.1
         while todo:
+            if self.stopping is not None and limit_s > self.shutdown_retry_s and self.stopping():
+                deadline = min(deadline, time.monotonic() + self.shutdown_retry_s)
+                limit_s = self.shutdown_retry_s
             futures = {}
             failed = []
             publish = self.js.publish_async
@@ -106,9 +119,10 @@ class Publisher:
             if todo:
                 self.retries += len(todo)
                 if time.monotonic() > deadline:
-                    raise BrokerError(f"{len(todo)} publishes not acknowledged by JetStream within {self.retry_for_s:.0f}s")
+                    why = " (stopping, and the broker is away)" if limit_s < self.retry_for_s else ""
+                    raise BrokerError(f"{len(todo)} publishes not acknowledged by JetStream within {limit_s:.0f}s{why}")
                 log.warning("%d publishes not acknowledged yet; retrying in %.1fs", len(todo), delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
                 delay = min(delay * 2, PUBLISH_MAX_BACKOFF_S)
         return acks  # type: ignore[return-value]
 

@@ -57,6 +57,8 @@ PUBLISH_ACK_TIMEOUT_S = 10.0
 """How long it waits for the acks of one attempt."""
 PUBLISH_MAX_BACKOFF_S = 5.0
 """The longest pause between two attempts."""
+SHUTDOWN_RETRY_S = 5.0
+"""How long it keeps re-sending once its component was told to stop and the broker is away."""
 DUPLICATE_WINDOW_S = PUBLISH_RETRY_S + PUBLISH_MAX_BACKOFF_S + PUBLISH_ACK_TIMEOUT_S + 15.0
 """JetStream's de-duplication window of every stream. A retry goes out at most
 ``PUBLISH_RETRY_S + PUBLISH_MAX_BACKOFF_S`` after the first attempt (the deadline is checked

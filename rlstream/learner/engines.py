@@ -263,9 +263,13 @@ class DeepSpeedEngine:
 
     def step(self) -> tuple[float, bool]:
         self.engine.set_gradient_accumulation_boundary(True)
+        # ZeRO 0 (and 1 on some versions) keeps no global norm of its own: measured here,
+        # from the full gradients it holds on the parameters, before the step clears them
+        grads = [p.grad for p in self.unwrapped.parameters() if p.grad is not None] if self.stage < 2 else []
+        own = float(torch.nn.utils.get_total_norm(grads)) if grads else None
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else 0.0
+        norm = float(norm) if norm is not None else (own if own is not None else 0.0)
         return norm, True
 
     def zero_grad(self) -> None:

@@ -122,7 +122,7 @@ def iter_shard_prompts(cfg, *, run: str = ""):
                      index=index, run=run, messages=messages)
 
 
-async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
+async def feed(js, layout: Layout, cfg, *, progress: bool | None = None, publisher: Publisher | None = None) -> int:
     """Publish the configured dataset's prompts; returns how many were published (or
     were already there: duplicates within the window are acknowledged, not stored)."""
     ds = cfg.data_source
@@ -136,7 +136,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
         base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
         total, source = len(base) * ds.epochs, Path(ds.path).name
         prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
-    publisher = Publisher(js)
+    publisher = publisher or Publisher(js)
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -165,7 +165,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
 async def main(cfg, nats_url: str, component_id: str = "feeder", **_: Any) -> int:
     async with Component(cfg, nats_url, "feeder", component_id) as comp:
         try:
-            n = await feed(comp.js, comp.layout, cfg)
+            n = await feed(comp.js, comp.layout, cfg, publisher=comp.publisher)
         except DatasetError as exc:  # a bad dataset is the user's to fix: say what, exit 2
             log.error("%s", exc)
             return 2

@@ -41,7 +41,6 @@ EXIT_USAGE = 2
 EXIT_NO_PROGRESS = 3
 EXIT_INTERRUPTED = 130
 PROGRESS_EVERY_S = 2.0
-HEARTBEAT_STALE_S = 120.0
 EXHAUSTED_AFTER_S = 20.0
 MAX_RESTARTS = 5
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
@@ -263,9 +262,10 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                         broker_misses += 1
                         log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
                         continue
+                    stale_s = cfg.supervisor.heartbeat_timeout_s
                     for c in children:
                         beat = beats.get(f"{c.kind}.{c.name}")
-                        if c.alive() and beat and time.monotonic() - c.started_at > HEARTBEAT_STALE_S and beat["age_s"] > HEARTBEAT_STALE_S:
+                        if c.alive() and beat and time.monotonic() - c.started_at > stale_s and beat["age_s"] > stale_s:
                             log.warning("%s heartbeat is %.0fs old; killing it for a restart", c.name, beat["age_s"])
                             c.signal(signal.SIGKILL)
                     # the dataset is used up: fed, produced, scored and trained, and nothing moves

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -39,6 +40,11 @@ from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers import rewards
 from rlstream.scorers.functions import RewardError, ScorerState, call_function, check_rewards, load_function
 from rlstream.scorers.http import EndpointError, RewardModelClient
+
+log = logging.getLogger(__name__)
+
+POOL_EXIT_S = 10.0
+"""How long :meth:`Scorer.close` waits for a busy pool worker before terminating it."""
 
 # Keys TRL passes itself: a dataset column of the same name is not forwarded.
 _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -269,8 +275,18 @@ class Scorer:
         if self.client is not None:
             await self.client.close()
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            # the queued work is cancelled; a worker still busy gets POOL_EXIT_S to finish
+            # its call, then is terminated (a stop must not wait on a long reward call)
+            workers = list((getattr(self.pool, "_processes", None) or {}).values())
+            self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
+            deadline = time.monotonic() + POOL_EXIT_S
+            for w in workers:
+                await asyncio.to_thread(w.join, max(deadline - time.monotonic(), 0.0))
+                if w.is_alive():
+                    log.warning("scorer: pool worker %d still busy after %gs; terminating it", w.pid, POOL_EXIT_S)
+                    w.terminate()
+                    await asyncio.to_thread(w.join, 5.0)
 
     # -- scoring ---------------------------------------------------------------------------
     async def _term_over_groups(self, term: Term, groups: list[RolloutGroup], flat: Flat) -> list[list[float | None] | BaseException]:

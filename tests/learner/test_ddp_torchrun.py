@@ -199,3 +199,26 @@ def test_deepspeed_zero2_two_ranks_match_torch_two_ranks(tiny_model_dir, tmp_pat
     assert [m["optim/grad_norm"] for m in d] == pytest.approx([m["optim/grad_norm"] for m in t], rel=1e-3)
     wt, wd = _weights(runs["torch"], 2), _weights(runs["deepspeed"], 2)
     assert max(float((wt[k] - wd[k]).abs().max()) for k in wt) < 1e-4
+
+
+def test_a_nonfinite_step_is_skipped_on_every_rank_and_never_published(tiny_model_dir, tmp_path, nats_server, recorded):
+    # lr 1e30: step 1 is finite and moves every weight by ~1e30 (Adam's first update is ~lr per
+    # weight), so step 2's forward overflows and its loss is NaN/inf. That step must be skipped
+    # (no update, on both ranks) and its weights never published: policy.version stays 1.
+    one_cfg, two_cfg = (_grpo_cfg(tiny_model_dir, f"nan-{n}", lr=1e30) for n in (1, 2))
+    for cfg in (one_cfg, two_cfg):
+        asyncio.run(publish_groups(nats_server.url, cfg, recorded))
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert asyncio.run(main(one_cfg, nats_server.url, "learner", run_dir=one, max_steps=2)) == 0
+    _torchrun(_write(two_cfg, tmp_path / "nan.yaml"), two, "--nats", nats_server.url, "--max-steps", "2")
+    for run_dir, cfg in ((one, one_cfg), (two, two_cfg)):
+        metrics = _metrics(run_dir)
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert [m["optim/stepped"] for m in metrics] == [1.0, 0.0], metrics
+        assert metrics[-1]["alert/nonfinite_steps"] == 1.0
+        assert [m["policy_version"] for m in metrics] == [1, 1]
+        assert asyncio.run(kv_int(nats_server.url, cfg, "policy.version")) == 1
+        assert json.loads((run_dir / "learner_summary.json").read_text())["nan_steps_skipped"] == 1
+        # the skipped step left the weights as step 1 made them (on 2 ranks: rank 0's checkpoint)
+        w1, w2 = _weights(run_dir, 1), _weights(run_dir, 2)
+        assert all(torch.equal(w1[k], w2[k]) for k in w1)

@@ -34,6 +34,39 @@ def _trajectory(cfg, tmp_path, groups):
     return learner, [m["loss/total"] for m in out], [m["optim/grad_norm"] for m in out]
 
 
+@pytest.fixture(scope="module")
+def torch_run(tiny_model_dir, tmp_path_factory, groups):
+    """The torch engine's 3 steps, the reference the DeepSpeed configurations are held to."""
+    cfg = make_cfg(tiny_model_dir, "RL_GRPO", algo={"group_size": 4, "kl_coefficient": 0.05},
+                   learner={"micro_batch_size": 4, "batch_groups": 2})
+    learner, losses, norms = _trajectory(cfg, tmp_path_factory.mktemp("torch"), groups)
+    return losses, norms, learner.engine.full_state_dict()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("zero", [{"stage": 0}, {"stage": 1}, {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                                  {"stage": 2, "offload_optimizer": {"device": "cpu"}}],
+                         ids=["zero0", "zero1", "zero1-offload", "zero2-offload"])
+def test_deepspeed_zero_0_1_and_cpu_offload_train_like_torch(tiny_model_dir, tmp_path, groups, torch_run, zero):
+    # the engine hands DeepSpeed a torch AdamW (zero_force_ds_cpu_optimizer off under offload), so no
+    # CPU Adam is JIT-compiled; each configuration takes the torch engine's 3 steps
+    pytest.importorskip("deepspeed")
+    t_losses, t_norms, t_sd = torch_run
+    cfg = make_cfg(tiny_model_dir, "RL_GRPO", algo={"group_size": 4, "kl_coefficient": 0.05},
+                   learner={"micro_batch_size": 4, "batch_groups": 2, "engine": "deepspeed",
+                            "deepspeed": {"zero_optimization": zero}})
+    learner, losses, norms = _trajectory(cfg, tmp_path, groups)
+    ds = learner.engine.engine
+    assert learner.engine.stage == zero["stage"] and ds.zero_optimization_stage() == zero["stage"]
+    assert bool(ds.zero_cpu_offload()) == ("offload_optimizer" in zero)
+    assert isinstance(learner.engine._base_opt, torch.optim.Optimizer)  # the torch AdamW, not DeepSpeedCPUAdam
+    assert losses == pytest.approx(t_losses, abs=2e-5)
+    assert norms == pytest.approx(t_norms, rel=1e-3)
+    sd = learner.engine.full_state_dict()
+    worst = max(float((t_sd[k] - sd[k]).abs().max()) for k in t_sd)
+    assert worst < 1e-4, worst
+
+
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_matches_torch(tiny_model_dir, tmp_path, groups, stage):

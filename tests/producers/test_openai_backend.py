@@ -30,11 +30,14 @@ def test_endpoint_forms():
     assert completions_url("http://rl-lb:8000/generate") == "http://rl-lb:8000/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def serve(tiny_model_dir, tmp_path_factory, dev_mode: bool):
+    """`vllm serve` of the tiny model; with ``dev_mode`` it has the weight-reload endpoint."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("vllm-serve") / "serve.log", "w+")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
          "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)],
@@ -59,6 +62,16 @@ def server(tiny_model_dir, tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=True)
+
+
+@pytest.fixture
+def server_without_reload(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False)
 
 
 def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
@@ -104,5 +117,31 @@ async def test_unreachable_server_fails_after_retries():
         with pytest.raises(Exception, match="ClientConnectorError|Cannot connect"):
             await backend.generate([np.array([1, 2], np.int32)], SamplingSpec(n=1, max_new_tokens=2))
         assert time.monotonic() - t0 >= 0.5  # one backoff before giving up
+    finally:
+        await backend.close()
+
+
+async def test_a_server_that_cannot_reload_weights_says_so_and_keeps_serving(server_without_reload, tiny_model_dir):
+    # `vllm serve` without VLLM_SERVER_DEV_MODE has no POST /collective_rpc (404): load_weights
+    # answers False (the producer keeps stamping the version the server serves), can_reload
+    # turns False with a note for the heartbeat, and generation goes on with the weights it has
+    import safetensors.torch
+
+    backend = OpenAIBackend(server_without_reload, tokenizer_path=str(tiny_model_dir), retries=1)
+    try:
+        prompt = backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0]
+        spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.8, top_k=50, seed=3)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        new = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        torch.manual_seed(9)
+        with torch.no_grad():
+            for prm in new.parameters():
+                prm.add_(torch.randn_like(prm) * 0.05)
+        assert await backend.load_weights(WeightsSource(1, data=safetensors.torch.save(new.state_dict()))) is False
+        assert backend.can_reload is False
+        assert "no weight-reload endpoint" in backend.reload_note and "VLLM_SERVER_DEV_MODE=1" in backend.reload_note
+        (group,) = await backend.generate([prompt], spec)
+        for c in group:  # still the served (base) weights' log-probs
+            np.testing.assert_allclose(c.logprobs, teacher_forced(base, prompt, c.token_ids), atol=1e-4)
     finally:
         await backend.close()

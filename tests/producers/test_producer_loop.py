@@ -98,17 +98,28 @@ async def publish_weights(js, lay, model, version: int) -> None:
     await state.set_policy_version(version)
 
 
-async def test_new_weights_are_loaded_between_batches_and_stamped(js, nats_server, run_id, config, dataset, tiny_model_dir):
-    cfg, _ = config(data_source={"path": str(dataset(4))}, producer={"batch_prompts": 2, "max_new_tokens": 5})
+@pytest.mark.parametrize("transport", ["object_store", "shared_path"])
+async def test_new_weights_are_loaded_between_batches_and_stamped(js, nats_server, run_id, config, dataset, tiny_model_dir,
+                                                                  tmp_path, transport):
+    learner = {"weights_transport": transport, "shared_path": str(tmp_path / "shared")}
+    cfg, _ = config(data_source={"path": str(dataset(4))}, producer={"batch_prompts": 2, "max_new_tokens": 5}, learner=learner)
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     backend = make_backend(cfg)
     async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
         await wait_until(lambda: _eq(rollout_count(js, lay), 4), 60)
         model = perturbed(tiny_model_dir, seed=3)
-        await publish_weights(js, lay, model, 1)
+        if transport == "shared_path":  # the learner's own publishing: a folder under shared_path, a file:// announcement
+            from rlstream.learner.publish import publish_weights as learner_publish
+
+            async with Component(cfg, nats_server.url, "learner", "l0", handle_signals=False) as lcomp:
+                pub = await learner_publish(lcomp, cfg.learner, model.state_dict(), version=1, step=1,
+                                            config_json=model.config.to_json_string())
+            assert pub.announcement.location.startswith(f"file://{tmp_path / 'shared'}"), pub.announcement.location
+        else:
+            await publish_weights(js, lay, model, 1)
         # the same prompts again under new ids (a second epoch) after the weights are out
-        cfg2, _ = config(data_source={"path": str(dataset(4)), "epochs": 2})
+        cfg2, _ = config(data_source={"path": str(dataset(4)), "epochs": 2}, learner=learner)
         await feed(js, lay, cfg2, progress=False)
         await wait_until(lambda: _eq(rollout_count(js, lay), 8), 60)
         reload_s = prod.comp.reporter.values.get("producer/weight_reload_s")
