@@ -33,7 +33,58 @@ class Strict(BaseModel):
 # ---- algorithms ------------------------------------------------------------------------
 
 
-class SFTParams(Strict):
+class AlgorithmTraits:
+    """What the rest of the system asks of an algorithm, answered by its params class.
+
+    Components read these properties instead of probing for fields (``getattr(params,
+    "kl_coefficient", 0)``) or comparing ``training_mode`` strings; a new mode answers them
+    once, here. Defaults are those of a supervised, offline objective.
+    """
+
+    @property
+    def is_online(self) -> bool:
+        """The learner's data is sampled by producers and streamed through the broker
+        (prompts -> rollouts -> scored); otherwise it reads an offline dataset."""
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        """The learner loads a frozen reference policy (KL penalty, DPO)."""
+        return False
+
+    @property
+    def needs_value_model(self) -> bool:
+        """The learner trains a value model next to the policy (PPO's critic)."""
+        return False
+
+    @property
+    def group_filter(self) -> bool:
+        """Groups whose rewards are all equal are dropped before batching (DAPO's dynamic sampling)."""
+        return False
+
+    @property
+    def masks_truncated(self) -> bool:
+        """Samples cut at the generation budget get no loss (DAPO's overlong filtering)."""
+        return False
+
+    @property
+    def overlong_shaping(self) -> dict[str, Any]:
+        """Defaults this algorithm gives the ``overlong`` reward rule (``max_length``,
+        ``buffer``, ``factor``; absent: the rule's own defaults)."""
+        return {}
+
+    @property
+    def samples_per_record(self) -> int:
+        """Sequences one trained record holds (a group's ``group_size``; 1 for an example or pair)."""
+        return 1
+
+    @property
+    def staleness_bound(self) -> int:
+        """Most policy versions a streamed sample may lag the learner (0 offline)."""
+        return 0
+
+
+class SFTParams(AlgorithmTraits, Strict):
     type: Literal["SFT"] = "SFT"
     packing: bool = False
     """Pack examples into rows of up to ``learner.max_seq_len`` tokens (first-fit decreasing),
@@ -42,7 +93,7 @@ class SFTParams(Strict):
     loss_aggregation: LossAggregation = "token-mean"
 
 
-class DPOParams(Strict):
+class DPOParams(AlgorithmTraits, Strict):
     type: Literal["DPO"] = "DPO"
     beta: float = Field(0.1, gt=0, le=10)
     """Strength of the implicit KL to the reference (Rafailov et al. 2023)."""
@@ -51,6 +102,14 @@ class DPOParams(Strict):
     """Conservative DPO: assumed probability that a preference label is flipped."""
     online_pairs: bool = False
     """Build pairs from scored groups (best vs worst sample) instead of an offline dataset."""
+
+    @property
+    def is_online(self) -> bool:
+        return self.online_pairs
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
 
 
 # ---- off-policy corrections (algorithm_params.off_policy_correction) -------------------------
@@ -187,7 +246,7 @@ def _tagged(value: Any) -> Any:
     return {"type": value} if isinstance(value, str) else value
 
 
-class RLParams(Strict):
+class RLParams(AlgorithmTraits, Strict):
     """Knobs every RL mode shares: group sampling, off-policy correction, KL to reference."""
 
     group_size: int = Field(8, ge=1, le=1024)
@@ -205,6 +264,22 @@ class RLParams(Strict):
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo", "gae"] = "group_relative"
     epochs_per_batch: int = Field(1, ge=1, le=16)
     """Optimizer passes over each batch (PPO epochs)."""
+
+    @property
+    def is_online(self) -> bool:
+        return True
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coefficient > 0
+
+    @property
+    def samples_per_record(self) -> int:
+        return self.group_size
+
+    @property
+    def staleness_bound(self) -> int:
+        return self.max_staleness
 
     @model_validator(mode="before")
     @classmethod
@@ -250,6 +325,10 @@ class PPOParams(RLParams):
     value_lr: float | None = Field(None, gt=0)
     """Learning rate of the value head; defaults to the learner's."""
 
+    @property
+    def needs_value_model(self) -> bool:
+        return True
+
 
 class GRPOParams(RLParams):
     type: Literal["RL_GRPO"] = "RL_GRPO"
@@ -273,6 +352,23 @@ class DAPOParams(RLParams):
     """Overlong reward shaping: soft-penalty window before max length (default: max length / 5)."""
     overlong_penalty_factor: float = Field(1.0, ge=0)
     loss_aggregation: LossAggregation = "token-mean"
+
+    @property
+    def group_filter(self) -> bool:
+        return self.dynamic_sampling
+
+    @property
+    def masks_truncated(self) -> bool:
+        return self.overlong_filtering
+
+    @property
+    def overlong_shaping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"factor": self.overlong_penalty_factor}
+        if self.overlong_max_length is not None:
+            out["max_length"] = self.overlong_max_length
+        if self.overlong_buffer is not None:
+            out["buffer"] = self.overlong_buffer
+        return out
 
     @model_validator(mode="after")
     def _clip_order(self):
@@ -587,6 +683,8 @@ class Config(Strict):
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
             raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
+        if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
+            raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
         if self.data_source.sampling_endpoint and self.producer.backend != "openai":
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
@@ -599,16 +697,21 @@ class Config(Strict):
         return self
 
     @property
+    def is_online(self) -> bool:
+        """The learner trains on the stream (producers and scorers run); see ``AlgorithmTraits``."""
+        return self.algorithm_params.is_online
+
+    @property
     def is_rl(self) -> bool:
-        return self.training_mode in RL_MODES
+        return isinstance(self.algorithm_params, RLParams)
 
     @property
     def group_size(self) -> int:
-        return getattr(self.algorithm_params, "group_size", 1)
+        return self.algorithm_params.samples_per_record
 
     @property
     def max_staleness(self) -> int:
-        return getattr(self.algorithm_params, "max_staleness", 0)
+        return self.algorithm_params.staleness_bound
 
     def resolved(self) -> dict[str, Any]:
         """The full config with defaults filled in and secrets masked (for config.resolved.json)."""

@@ -7,7 +7,7 @@ checkpoints to ``RUN_DIR/checkpoints/step_K`` (the state after step K). Replay l
 config (``RUN_DIR/config.resolved.json``, with ``--set`` overrides), builds the learner in a
 scratch directory (the run's own files are never written), restores ``step_K``, fetches
 the groups of steps K+1 .. K+N from the scored stream by sequence (``js.get_msg``) and runs
-:func:`rlstream.learner.loop.train_step` on each. The losses (``loss/*``) and the gradient
+:func:`rlstream.learner.steps.train_step` on each. The losses (``loss/*``) and the gradient
 norm (``optim/grad_norm``) must equal the recorded ones: bitwise by default (on CPU with the
 same engine and thread count training is deterministic), or within ``--rtol``/``--atol``.
 It prints a table and the first step that differs, and exits 1 if one does.
@@ -101,7 +101,8 @@ async def fetch_groups(url: str, run: str, seqs: list[int]) -> dict[int, ScoredG
 
 def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url: str | None, *, rtol: float = 0.0,
            atol: float = 0.0) -> dict[str, Any]:
-    from rlstream.learner.loop import build_learner, load_checkpoint, train_step
+    from rlstream.learner.checkpoint import load_checkpoint
+    from rlstream.learner.steps import build_learner, train_step
 
     cfg = load_run_config(run_dir, overrides)
     if not cfg.is_rl:

@@ -51,6 +51,7 @@ import numpy as np
 from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
 from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -74,11 +75,6 @@ class ProducerStats:
     """The newest policy version whose weights could not be had (not tried again)."""
     policy_version: int = 0
     group_ids: list[str] = field(default_factory=list)
-
-
-def default_admit(cfg) -> int:
-    """The pacing bound before the learner has written ``pacing.admit``."""
-    return min(cfg.buffer.max_groups, cfg.learner.batch_groups * (cfg.max_staleness + 1))
 
 
 class GenerationTimeout(ProducerError):
@@ -159,7 +155,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     spec = SamplingSpec.from_config(cfg)
     sampling = spec.describe(backend.name)
     keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3
-    bound = default_admit(cfg)
+    bound = admit_bound(cfg)  # before the learner has written pacing.admit
     stats = ProducerStats()
     reporter = comp.reporter
     n_lanes = p.pipeline_batches or backend.concurrent_batches

@@ -7,7 +7,7 @@ import torch
 
 from rlstream.config import LearnerConfig
 from rlstream.learner.engines import lr_at
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 from test_loop_groups import make_cfg, sample_groups
 
 

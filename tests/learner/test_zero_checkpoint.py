@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from rlstream.learner.checkpoint import load_checkpoint, save_checkpoint
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 from test_loop_groups import make_cfg, sample_groups
 
 pytestmark = pytest.mark.deepspeed
