@@ -10,6 +10,7 @@ the value and what is allowed.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -605,21 +606,27 @@ class LearnerConfig(Strict):
             raise ValueError("weights_transport 'shared_path' needs learner.shared_path")
         return self
 
-    def deepspeed_config(self, world_size: int = 1) -> dict[str, Any]:
+    def deepspeed_config(self, world_size: int | None = None, accumulation: int | None = None) -> dict[str, Any]:
         """The DeepSpeed dict with batch, accumulation, clipping and precision from this config.
 
         Values the user wrote are kept when they agree (``"auto"`` is filled in); a value that
-        disagrees is an error, so the two can never silently differ.
+        disagrees is an error, so the two can never silently differ. ``accumulation`` (the
+        step's micro-batches, :attr:`Config.accumulation_steps`) and ``world_size`` (ranks)
+        derive ``gradient_accumulation_steps`` and ``train_batch_size`` when given.
         """
         ds = self.deepspeed
         if isinstance(ds, str):
             ds = json.loads(Path(ds).read_text())
         ds = dict(ds or {})
         micro = self.micro_batch_size
-        derived = {
+        derived: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_clipping": self.max_grad_norm or 0.0,
         }
+        if accumulation is not None:
+            derived["gradient_accumulation_steps"] = max(1, accumulation)
+            if world_size is not None:
+                derived["train_batch_size"] = micro * max(1, accumulation) * world_size
         for key, want in derived.items():
             have = ds.get(key, "auto")
             if have not in ("auto", None) and have != want:
@@ -686,12 +693,15 @@ class Config(Strict):
         if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
             raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
         if self.data_source.sampling_endpoint and self.producer.backend != "openai":
+            if "backend" in self.producer.model_fields_set:
+                raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
+                                 "(served by the 'openai' backend); remove one of them or set producer.backend: openai")
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
         if self.learner.engine == "deepspeed":
             try:
-                self.learner.deepspeed_config()
+                self.learner.deepspeed_config(accumulation=self.accumulation_steps)
             except (ConfigError, OSError, json.JSONDecodeError) as exc:
                 raise ValueError(str(exc)) from None
         return self
@@ -700,6 +710,12 @@ class Config(Strict):
     def is_online(self) -> bool:
         """The learner trains on the stream (producers and scorers run); see ``AlgorithmTraits``."""
         return self.algorithm_params.is_online
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches (forward/backward passes) in one optimizer step."""
+        per_step = self.learner.batch_groups * self.algorithm_params.samples_per_record
+        return max(1, math.ceil(per_step / self.learner.micro_batch_size))
 
     @property
     def is_rl(self) -> bool:

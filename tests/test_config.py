@@ -100,3 +100,20 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
     p.write_text("training_mode: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
+
+
+def test_an_explicit_value_that_conflicts_is_an_error_not_rewritten():
+    # a sampling endpoint selects the openai backend only when producer.backend is not given
+    with pytest.raises(ConfigError, match=r"producer\.backend 'hf'.*sampling_endpoint"):
+        parse_config({**SEED, "producer": {"backend": "hf"}})
+    assert parse_config({**SEED, "producer": {"backend": "openai"}}).producer.backend == "openai"
+    # DeepSpeed's accumulation: batch_groups 8 x group_size 8 = 64 sequences / micro 4 = 16 passes
+    learner = {"engine": "deepspeed", "micro_batch_size": 4, "batch_groups": 8}
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 3 disagrees.*16"):
+        parse_config({**SEED, "learner": {**learner, "deepspeed": {"gradient_accumulation_steps": 3}}})
+    cfg = parse_config({**SEED, "learner": {**learner, "deepspeed": {"gradient_accumulation_steps": 16, "train_batch_size": "auto"}}})
+    ds = cfg.learner.deepspeed_config(world_size=2, accumulation=cfg.accumulation_steps)
+    assert (ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (16, 4 * 16 * 2)
+    with pytest.raises(ConfigError, match=r"train_batch_size = 64 disagrees.*128"):
+        cfg.learner.deepspeed = {"train_batch_size": 64}
+        cfg.learner.deepspeed_config(world_size=2, accumulation=cfg.accumulation_steps)

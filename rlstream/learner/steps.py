@@ -69,11 +69,6 @@ class Learner:
 # ---- building ------------------------------------------------------------------------------
 
 
-def accumulation_steps(cfg: Config) -> int:
-    per_step = cfg.learner.batch_groups * cfg.algorithm_params.samples_per_record
-    return max(1, math.ceil(per_step / cfg.learner.micro_batch_size))
-
-
 def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     """Load the policy (and the reference / value model when the algorithm needs them), build the engine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +92,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     critic = None
     if params.needs_value_model:
         critic = ValueHead(model.config.hidden_size, device, lr=params.value_lr or lcfg.lr, base_lr=lcfg.lr, betas=tuple(lcfg.betas))
-    engine = build_engine(model, lcfg, accumulation_steps(cfg))
+    engine = build_engine(model, lcfg, cfg.accumulation_steps)
     return Learner(cfg, Path(run_dir or default_run_dir(cfg.run)), engine, tokenizer, ref_model, critic, device=device, pad_id=pad_id)
 
 
