@@ -92,6 +92,10 @@ def cmd_reward_server(args) -> int:
     return _call("rlstream.scorers.reward_server", "cli")(args)
 
 
+def cmd_replay(args) -> int:
+    return _call("rlstream.learner.replay", "cli")(args)
+
+
 def cmd_observe(name: str):
     def run(args) -> int:
         return _call(f"rlstream.observe.{name}", "cli")(args)
@@ -200,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
     sp.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
-    sp.set_defaults(fn=cmd_observe("replay"))
+    sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
     sp.add_argument("--run", required=True)
