@@ -39,7 +39,7 @@ COLUMNS = ("correction", "reward first", "reward last", "ESS", "ESS raw", "misma
 
 
 def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)]
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite", "--max-steps", str(max_steps)]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def prepare() -> tuple[Path, Path]:
     sft = WORK / "sft"
     if not (sft / "summary.json").exists():
         print("SFT warm-up (once; cached in bench/.e2e) ...", flush=True)
-        sh([sys.executable, "-m", "rlstream.cli", "run", "examples/arithmetic/sft.yaml", "--run-dir", str(sft), "--no-live",
+        sh([sys.executable, "-m", "rlstream.cli", "run", "examples/arithmetic/sft.yaml", "--run-dir", str(sft), "--no-live", "--overwrite",
             "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data['sft']}"], WORK / "sft.log")
     ckpt = sorted((sft / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     return ckpt, data["rl"]

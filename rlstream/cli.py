@@ -53,10 +53,27 @@ def _call(module: str, func: str = "main"):
 # ---- commands --------------------------------------------------------------------------
 
 
+def run_preflight(cfg, endpoints: bool = False) -> int:
+    """Print every preflight problem on its own line; 2 when there is one, else 0."""
+    from rlstream.preflight import preflight
+
+    problems = preflight(cfg, endpoints=endpoints)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def cmd_validate(args) -> int:
     cfg = _load(args)
-    print(f"ok: {args.config} is a valid {cfg.training_mode} config (run {cfg.run!r})")
+    if not args.schema_only and run_preflight(cfg, endpoints=args.check_endpoints):
+        return 2
+    checked = "config" if args.schema_only else "config; model, tokenizer, dataset and rewards load"
+    print(f"ok: {args.config} is a valid {cfg.training_mode} {checked} (run {cfg.run!r})")
     return 0
+
+
+def cmd_export_model(args) -> int:
+    return _call("rlstream.learner.export_model", "cli")(args)
 
 
 def cmd_broker(args) -> int:
@@ -85,6 +102,11 @@ def _component(module: str, default_id: str):
 
 
 def cmd_run(args) -> int:
+    if not args.skip_preflight:
+        # before the broker or any component starts: a problem here would only make them fail in turn
+        code = run_preflight(_load(args), endpoints=args.check_endpoints)
+        if code:
+            return code
     return _call("rlstream.run")(args)
 
 
@@ -98,9 +120,39 @@ def cmd_replay(args) -> int:
 
 def cmd_observe(name: str):
     def run(args) -> int:
-        return _call(f"rlstream.observe.{name}", "cli")(args)
+        command = _call(f"rlstream.observe.{name}", "cli")
+        run_dir = getattr(args, "run_dir", None)
+        if not run_dir:
+            if hasattr(args, "run") and not args.run:
+                print("error: give RUN_DIR, or --run RUN (with --nats)", file=sys.stderr)
+                return 2
+            return command(args)
+        from rlstream.observe import ObserveError
+        from rlstream.observe.rundir import read_run_id, run_broker
+
+        try:
+            if hasattr(args, "run") and not args.run:
+                args.run = read_run_id(Path(run_dir))
+            if args.nats or os.environ.get("RLSTREAM_NATS_URL"):
+                return command(args)
+            with run_broker(Path(run_dir), log=lambda m: print(m, file=sys.stderr, flush=True)) as url:
+                args.nats = url
+                return command(args)
+        except ObserveError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     return run
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, when it has a meaningful one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rlstream {__version__}")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(name, **kw):  # every command's --help shows its defaults
+        return _add_parser(name, formatter_class=_DefaultsFormatter, **kw)
+
+    sub.add_parser = add_parser
 
     def with_config(sp):
         sp.add_argument("config", help="YAML config file")
@@ -116,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     def with_nats(sp):
         sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL)")
 
-    sp = sub.add_parser("validate", help="check a config; exit 0 or name the bad field")
+    sp = sub.add_parser("validate", help="check a config, and that its model, data and rewards load; exit 0 or name each problem")
     with_config(sp)
+    sp.add_argument("--schema-only", action="store_true", help="check the config's fields only (load nothing)")
+    sp.add_argument("--check-endpoints", action="store_true", help="also check that the NATS, sampling and reward endpoints accept connections")
     sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser("run", help="everything on one machine (embedded nats-server unless nats.url is set)")
@@ -125,12 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run-dir", help="run directory (default runs/<run>)")
     sp.add_argument("--max-steps", type=int, help="stop after this many learner steps")
     sp.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    sp.add_argument("--overwrite", action="store_true", help="delete what --run-dir holds and start a new run there")
     sp.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+    sp.add_argument("--skip-preflight", action="store_true", help="start without checking that the model, data and rewards load")
+    sp.add_argument("--check-endpoints", action="store_true", help="preflight also checks that configured endpoints accept connections")
     sp.set_defaults(fn=cmd_run)
 
+    sp = sub.add_parser("export-model", help="a checkpoint as a clean Hugging Face model directory with a model card")
+    sp.add_argument("checkpoint", help="a checkpoints/step_N directory (or checkpoints/latest, or a run directory)")
+    sp.add_argument("out", help="output directory (must not exist, or be empty)")
+    sp.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repository (token from $HF_TOKEN or `hf auth login`)")
+    sp.add_argument("--private", action="store_true", help="create the Hub repository private")
+    sp.set_defaults(fn=cmd_export_model)
+
     sp = sub.add_parser("broker", help="the embedded nats-server in the foreground")
-    sp.add_argument("--port", type=int, default=4222)
-    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=4222, help="client port")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--store", default="nats-store", help="JetStream store directory")
     sp.set_defaults(fn=cmd_broker)
 
@@ -153,14 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("reward-server", help="serve a reward model over HTTP")
     sp.add_argument("--model", required=True, help="Hugging Face model directory")
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sp.add_argument("--port", type=int, default=8000, help="HTTP port")
     sp.add_argument("--token", help="bearer token (required when not bound to loopback)")
-    sp.add_argument("--max-batch", type=int, default=64)
+    sp.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass")
     sp.set_defaults(fn=cmd_reward_server)
 
     sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")
     sp.add_argument("subject")
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its broker (started on its store if none runs)")
     with_nats(sp)
     sp.add_argument("--json", action="store_true", help="one JSON object per line")
     sp.add_argument("--from-seq", type=int, help="start at this stream sequence")
@@ -172,13 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_observe("tail"))
 
     sp = sub.add_parser("status", help="streams, consumers, components alive, policy version, lag")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_observe("status"))
 
     sp = sub.add_parser("export", help="write a range of a stream to a file")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
     with_nats(sp)
     sp.add_argument("--out", required=True)
@@ -190,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("import", help="publish an exported file into a run")
     sp.add_argument("file")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     with_nats(sp)
     sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
@@ -199,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir")
     with_nats(sp)
     sp.add_argument("--from-step", type=int, required=True, help="checkpoint step to start from")
-    sp.add_argument("--steps", type=int, default=4)
+    sp.add_argument("--steps", type=int, default=4, help="learner steps to re-run")
     sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
@@ -207,9 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
-    sp.add_argument("--run", required=True)
+    sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
+    sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
-    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
     sp.set_defaults(fn=cmd_observe("dashboard"))
@@ -217,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers', huggingface_hub's and datasets' tqdm bars fill logs with carriage returns
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

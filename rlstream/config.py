@@ -406,10 +406,18 @@ class DataSource(Strict):
     type: Literal["on_policy", "off_policy"] = "on_policy"
     """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
     path: str | None = None
-    """jsonl, parquet, or a Hugging Face ``datasets`` directory saved with save_to_disk."""
+    """A jsonl, json or parquet file, a Hugging Face ``datasets`` directory saved with
+    ``save_to_disk``, or a Hub dataset id (``org/name``), loaded with ``datasets.load_dataset``
+    (from the local Hub cache when ``HF_HUB_OFFLINE=1``). A relative file path is relative to
+    the config file's folder."""
+    name: str | None = None
+    """Hub datasets: the configuration (subset) name, as ``load_dataset(path, name)``."""
     split: str = "train"
     prompt_column: str = "prompt"
+    """Plain-text prompts (on_policy), or the prompt of an SFT/DPO example."""
     messages_column: str = "messages"
+    """Chat turns ``[{role, content}, ...]``, used when a row has no ``prompt_column``: on_policy
+    prompts are rendered with the model's chat template; SFT trains on the assistant turns."""
     completion_column: str = "completion"
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
@@ -578,9 +586,12 @@ class LearnerConfig(Strict):
     deepspeed: dict[str, Any] | str | None = None
     """A DeepSpeed JSON, inline or as a path; batch, accumulation, clipping and precision must agree."""
     lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (TRL: ``learning_rate``)."""
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to ``lr`` before the schedule starts."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: constant ``lr``, or cosine / linear decay to 0 at ``max_steps``."""
     betas: tuple[float, float] = (0.9, 0.999)
     batch_groups: int = Field(8, ge=1)
     """Groups per optimizer step (RL) / examples per step (SFT, DPO)."""
@@ -588,6 +599,8 @@ class LearnerConfig(Strict):
     """Sequences per forward pass."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """bfloat16: mixed precision (float32 master weights and optimizer state, bfloat16 compute:
+    the torch engine autocasts the forward, DeepSpeed's bf16 keeps float32 masters)."""
     device: str = "cpu"
     max_steps: int = Field(100, ge=1)
     publish_every: int = Field(1, ge=1)
@@ -599,6 +612,7 @@ class LearnerConfig(Strict):
     max_seq_len: int = Field(1024, ge=8)
     seed: int = 0
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
 
     @model_validator(mode="after")
     def _shared(self):
@@ -646,8 +660,24 @@ class LearnerConfig(Strict):
 
 class MetricsConfig(Strict):
     prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Base port for /metrics; each component takes the next free one. None: off. 0: any free port."""
+    """Base port for /metrics. Each component serves on a stable port derived from it: learner
+    +0, feeder +1, scorer-N +10+N, producer-N +100+N (the next free one if taken). None: off
+    (the default). 0: any free port."""
     interval_s: float = Field(2.0, gt=0)
+
+
+class ProgressConfig(Strict):
+    """When ``rlstream run`` decides that a run cannot progress, says why and stops (exit 3)."""
+
+    window_groups: int = Field(32, ge=1)
+    """Groups per window: every time this many groups have reached a verdict (scored or
+    dead-lettered), the share dead-lettered in that window is checked."""
+    max_dlq_fraction: float = Field(0.8, gt=0, le=1)
+    """Stop when at least this share of a window's groups went to the dead-letter stream
+    (e.g. a reward function that raises on every group)."""
+    max_step_gap_s: float | None = Field(1800.0, gt=0)
+    """Stop when no learner step happened for this many seconds (from the start, or the last
+    step). None: never."""
 
 
 # ---- the whole config --------------------------------------------------------------------
@@ -671,6 +701,7 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    progress: ProgressConfig = Field(default_factory=ProgressConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -764,6 +795,65 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+TRL_NAMES: dict[str, str] = {
+    "num_generations": "algorithm_params.group_size",
+    "learning_rate": "learner.lr",
+    "beta": "algorithm_params.kl_coefficient",
+    "max_completion_length": "producer.max_new_tokens",
+    "max_prompt_length": "learner.max_seq_len",
+    "max_length": "learner.max_seq_len",
+    "per_device_train_batch_size": "learner.micro_batch_size",
+    "num_train_epochs": "data_source.epochs",
+    "num_iterations": "algorithm_params.epochs_per_batch",
+    "epsilon": "algorithm_params.clip_range (GRPO) or clip_low (DAPO/GSPO)",
+    "epsilon_high": "algorithm_params.clip_high",
+    "lr_scheduler_type": "learner.lr_schedule",
+    "model_name_or_path": "model_checkpoint_path",
+    "dataset_name": "data_source.path",
+    "dataset_config": "data_source.name",
+    "dataset_train_split": "data_source.split",
+    "save_steps": "checkpoint.interval",
+    "save_total_limit": "checkpoint.keep_last",
+    "output_dir": "the --run-dir option of rlstream run",
+    "use_vllm": "producer.backend: vllm",
+    "bf16": "learner.dtype: bfloat16",
+    "reward_funcs": "reward_function.terms (function: module:name)",
+    "reward_weights": "reward_function.terms[].weight",
+    "vllm_gpu_memory_utilization": "producer.vllm.gpu_memory_utilization",
+}
+"""Names TRL users type, and where the same knob lives here (for "did you mean")."""
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        out.append(prefix + name)
+        for sub in (info.annotation, *getattr(info.annotation, "__args__", ())):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += _field_paths(sub, prefix + name + ".")
+    return out
+
+
+def did_you_mean(loc: list[str]) -> str | None:
+    """A hint for an unknown key: TRL's name for one of ours, or a close spelling."""
+    import difflib
+
+    key = loc[-1] if loc else ""
+    if key in TRL_NAMES:
+        return f"did you mean {TRL_NAMES[key]}? ({key} is TRL's name)"
+    section = ".".join(loc[:-1])
+    known = [p for p in _field_paths(Config) if p.rsplit(".", 1)[0] == section or (not section and "." not in p)]
+    if loc[:1] == ["algorithm_params"]:
+        known = [f"algorithm_params.{n}" for m in (SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams)
+                 for n in m.model_fields if n != "type"]
+    full = ".".join(loc)
+    close = difflib.get_close_matches(full, list(dict.fromkeys(known)), n=1, cutoff=0.75)
+    if not close:
+        close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in _field_paths(Config)], n=1, cutoff=0.8)
+        close = [p for p in _field_paths(Config) if p.endswith("." + close[0]) or p == close[0]][:1] if close else []
+    return f"did you mean {close[0]}?" if close else None
+
+
 def _describe(err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
@@ -777,7 +867,8 @@ def _describe(err: dict[str, Any]) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
-        return f"{field}: unknown key (value {value!r}); check the spelling or remove it"
+        hint = did_you_mean(loc)
+        return f"{field}: unknown key (value {value!r}); " + (hint or "check the spelling or remove it")
     if kind == "missing":
         return f"{field}: required, missing"
     if kind == "literal_error":
@@ -813,27 +904,60 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    data = apply_overrides(data, overrides or [])
-    cfg = parse_config(data)
-    return _resolve_relative_paths(cfg, path.parent)
+    data = apply_overrides(data, overrides or []) if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        data = resolve_relative_paths(data, path.parent)
+    return parse_config(data)
 
 
-def _resolve_relative_paths(cfg: Config, base: Path) -> Config:
-    """Relative model/data paths in a config file are relative to that file."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[\w-]$")
+_DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow", ".txt")
+PATH_KEYS = (
+    ("model_checkpoint_path",),
+    ("tokenizer_path",),
+    ("data_source", "path"),
+    ("learner", "reference_model_path"),
+    ("learner", "deepspeed"),
+)
+"""Config values that name a file or directory (or, for models and datasets, a Hub id)."""
 
-    def fix(p: str | None) -> str | None:
-        if p is None or "://" in p or Path(p).is_absolute():
+
+def is_hub_id(value: str) -> bool:
+    """``org/name`` as the Hub spells a repository: two parts, no ``.``/``..`` segment, no
+    file suffix. Only consulted for a value that is no existing local path."""
+    return bool(_HUB_ID.match(value)) and ".." not in value and not value.lower().endswith(_DATA_SUFFIXES)
+
+
+def resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths in a config file are relative to that file's folder.
+
+    A value that exists relative to the config's folder becomes that absolute path; else one
+    that exists relative to the working directory becomes that; else a Hub id (``org/name``)
+    stays as written (``from_pretrained`` / ``load_dataset`` resolve it, from the local Hub
+    cache when offline); else it becomes the path relative to the config's folder, which the
+    preflight check reports as missing.
+    """
+    data = json.loads(json.dumps(data))
+
+    def fix(p: Any) -> Any:
+        if not isinstance(p, str) or not p or "://" in p or Path(p).is_absolute():
             return p
         candidate = (base / p).resolve()
-        return str(candidate) if candidate.exists() or not Path(p).exists() else str(Path(p).resolve())
+        if candidate.exists():
+            return str(candidate)
+        if Path(p).exists():
+            return str(Path(p).resolve())
+        if is_hub_id(p):
+            return p
+        return str(candidate)
 
-    cfg.model_checkpoint_path = fix(cfg.model_checkpoint_path)
-    cfg.tokenizer_path = fix(cfg.tokenizer_path)
-    cfg.data_source.path = fix(cfg.data_source.path)
-    cfg.learner.reference_model_path = fix(cfg.learner.reference_model_path)
-    if isinstance(cfg.learner.deepspeed, str):
-        cfg.learner.deepspeed = fix(cfg.learner.deepspeed)
-    return cfg
+    for keys in PATH_KEYS:
+        node = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = fix(node[keys[-1]])
+    return data
 
 
 def dump_resolved(cfg: Config, path: str | Path) -> None:

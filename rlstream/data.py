@@ -1,4 +1,9 @@
-"""Reading datasets from disk: jsonl, json, parquet, or a Hugging Face ``datasets`` directory.
+"""Reading datasets: jsonl, json, parquet, a Hugging Face ``datasets`` directory, or a Hub
+dataset id (``org/name``, with an optional configuration ``name`` and a ``split``).
+
+A Hub id is loaded with ``datasets.load_dataset``. Offline (``HF_HUB_OFFLINE=1``) it is
+read from the local Hub cache (``HF_HUB_CACHE``): the cached snapshot of the dataset
+repository is handed to ``load_dataset`` as a local folder.
 
 Rows come back as plain dicts. Missing columns and empty values are reported with the
 row number and the column name, so a bad dataset fails with a clear message.
@@ -6,25 +11,50 @@ row number and the column name, so a bad dataset fails with a clear message.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator
+
+from rlstream.config import is_hub_id
 
 
 class DatasetError(ValueError):
     """A dataset that cannot be used as configured."""
 
 
-def read_rows(path: str | Path, split: str = "train", limit: int | None = None) -> list[dict[str, Any]]:
+def read_rows(path: str | Path, split: str = "train", limit: int | None = None, *, name: str | None = None) -> list[dict[str, Any]]:
     p = Path(path)
-    if not p.exists():
+    if p.exists():
+        rows = list(itertools.islice(_iter_rows(p, split), limit))
+    elif is_hub_id(str(path)):
+        rows = list(itertools.islice(_iter_hub(str(path), name, split), limit))
+    else:
         raise DatasetError(f"dataset {p} does not exist")
-    rows = list(_iter_rows(p, split))
-    if limit is not None:
-        rows = rows[:limit]
     if not rows:
         raise DatasetError(f"dataset {p} has no rows")
     return rows
+
+
+def _iter_hub(repo_id: str, name: str | None, split: str) -> Iterator[dict[str, Any]]:
+    import datasets
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    source = repo_id
+    if constants.HF_HUB_OFFLINE:
+        try:
+            source = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+        except LocalEntryNotFoundError:
+            raise DatasetError(f"dataset {repo_id!r}: no local file or directory of that name, and not in the Hub cache "
+                               f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE=1") from None
+    try:
+        ds = datasets.load_dataset(source, name, split=split)
+    except ValueError as exc:  # unknown split or configuration name
+        raise DatasetError(f"dataset {repo_id!r} (name {name!r}, split {split!r}): {exc}") from None
+    except (FileNotFoundError, ConnectionError) as exc:
+        raise DatasetError(f"dataset {repo_id!r}: {exc}") from None
+    yield from ds
 
 
 def _iter_rows(p: Path, split: str) -> Iterator[dict[str, Any]]:

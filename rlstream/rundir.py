@@ -5,6 +5,7 @@ and the tests::
 
     RUN_DIR/
       config.resolved.json   the config with defaults filled in (run)
+      broker.json            the run's broker: URL, embedded or not, store (run)
       metrics.jsonl          one JSON object per optimizer step (learner)
       learner_summary.json   the learner's accounting at a clean exit (learner)
       summary.json           the run's summary (run)
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_FILE = "config.resolved.json"
+BROKER_FILE = "broker.json"
 METRICS_FILE = "metrics.jsonl"
 LEARNER_SUMMARY_FILE = "learner_summary.json"
 SUMMARY_FILE = "summary.json"
@@ -49,6 +51,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / CONFIG_FILE
+
+    @property
+    def broker(self) -> Path:
+        return self.root / BROKER_FILE
 
     @property
     def metrics(self) -> Path:

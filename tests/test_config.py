@@ -81,7 +81,7 @@ def test_secrets_are_masked_in_the_resolved_config():
 def test_cli_validate(tmp_path):
     good = tmp_path / "seed.yaml"
     good.write_text(yaml.safe_dump(SEED))
-    r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(good)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(good), "--schema-only"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "valid RL_GRPO config" in r.stdout
     bad = tmp_path / "bad.yaml"
@@ -117,3 +117,22 @@ def test_an_explicit_value_that_conflicts_is_an_error_not_rewritten():
     with pytest.raises(ConfigError, match=r"train_batch_size = 64 disagrees.*128"):
         cfg.learner.deepspeed = {"train_batch_size": 64}
         cfg.learner.deepspeed_config(world_size=2, accumulation=cfg.accumulation_steps)
+
+
+@pytest.mark.parametrize("section, key, ours", [
+    ("algorithm_params", "num_generations", "algorithm_params.group_size"),
+    ("learner", "learning_rate", "learner.lr"),
+    ("algorithm_params", "beta", "algorithm_params.kl_coefficient"),
+    ("producer", "max_completion_length", "producer.max_new_tokens"),
+    ("learner", "max_stpes", "learner.max_steps"),
+])
+def test_unknown_keys_suggest_ours(section, key, ours):
+    data = {**SEED, section: {**SEED.get(section, {}), key: 8}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert f"{section}.{key}: unknown key (value 8); did you mean {ours}?" in str(err.value)
+
+
+def test_help_shows_defaults():
+    out = subprocess.run([sys.executable, "-m", "rlstream.cli", "broker", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "(default: 4222)" in out

@@ -23,7 +23,7 @@ ROOT = HERE.parent.parent
 
 
 def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path, max_steps: int | None) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite",
            "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data}"]
     if max_steps:
         cmd += ["--max-steps", str(max_steps)]

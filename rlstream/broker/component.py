@@ -32,7 +32,7 @@ from rlstream.broker.connection import connect
 from rlstream.broker.io import Publisher
 from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
-from rlstream.broker.telemetry import Reporter
+from rlstream.broker.telemetry import Reporter, metrics_port
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Component:
         self.layout = await self._layout()
         self.state = await RunState.open(self.js, self.layout)
         self.publisher = Publisher(self.js)
-        port = cfg.metrics.prometheus_port
+        port = metrics_port(cfg.metrics.prometheus_port, self.component, self.component_id)
         self.reporter = Reporter(self.nc, self.layout, self.component, self.component_id, state=self.state,
                                  prometheus_port=port, interval_s=cfg.metrics.interval_s)
         self._signals = contextlib.ExitStack()

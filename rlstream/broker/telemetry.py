@@ -1,9 +1,15 @@
 """Metrics of one component: Prometheus ``/metrics`` and MetricEvents on the metrics subject.
 
 Keys are flat and namespaced (``producer/tokens_per_s``, ``loss/policy``). The same figure
-is a Prometheus gauge named ``rlstream_<key with / and . as _>`` with labels run, component
+is a Prometheus metric named ``rlstream_<key with / and . as _>`` with labels run, component
 and id, and a value in the MetricEvent published every ``interval_s`` on
-``rl.<run>.metrics.<component>.<id>``. The reporter also measures event-loop lag and
+``rl.<run>.metrics.<component>.<id>``. A key whose last part ends in ``_total``
+(``producer/groups_total``) is a running total and is exposed as a Prometheus counter; every
+other key is a gauge. The learner's step is the gauge ``rlstream_step``.
+
+Each component serves ``/metrics`` on a port of its own, derived from
+``metrics.prometheus_port`` (the base) by :func:`metrics_port`, so a scrape config can name
+it: learner base + 0, feeder + 1, ``scorer-N`` + 10 + N, ``producer-N`` + 100 + N. The reporter also measures event-loop lag and
 process memory, the DLQ depth (``dlq/count``), reports GPU memory when CUDA is present, and
 writes the heartbeat (which carries ``interval_s``).
 """
@@ -33,6 +39,51 @@ def prometheus_name(key: str) -> str:
     return "rlstream_" + _NAME_RE.sub("_", key)
 
 
+def is_counter(key: str) -> bool:
+    """A running total: the key's last part ends in ``_total`` (``loss/total`` is a gauge)."""
+    return key.rsplit("/", 1)[-1].endswith("_total")
+
+
+_PORT_OFFSETS = {"learner": 0, "feeder": 1}
+_INDEXED_OFFSETS = {"scorer": (10, 90), "producer": (100, 900)}
+
+
+def metrics_port(base: int | None, component: str, component_id: str) -> int | None:
+    """The stable /metrics port of a component: ``base`` plus its offset (None: off; 0: any
+    free port). A component id that is not ``<kind>-<N>`` gets ``base + 1000`` (the next free
+    port from there)."""
+    if base is None or base == 0:
+        return base
+    if component in _PORT_OFFSETS:
+        return base + _PORT_OFFSETS[component]
+    m = re.fullmatch(rf"{re.escape(component)}-(\d+)", component_id)
+    if component in _INDEXED_OFFSETS and m and int(m.group(1)) < _INDEXED_OFFSETS[component][1]:
+        return base + _INDEXED_OFFSETS[component][0] + int(m.group(1))
+    return base + 1000
+
+
+class _Collector:
+    """Exposes a reporter's current values at scrape time: counters for totals, gauges else."""
+
+    def __init__(self, reporter: "Reporter"):
+        self.reporter = reporter
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r = self.reporter
+        labels = ["run", "component", "id"]
+        values = [r.layout.run, r.component, r.component_id]
+        for key, value in list(r.values.items()):
+            name = prometheus_name(key)
+            if is_counter(key):
+                family = CounterMetricFamily(name.removesuffix("_total"), key, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, key, labels=labels)
+            family.add_metric(values, value)
+            yield family
+
+
 class Reporter:
     """Holds the latest value of each figure; publishes and serves them.
 
@@ -52,7 +103,6 @@ class Reporter:
         self.subject = layout.metrics(component, component_id)
         self.prometheus_port = prometheus_port
         self.bound_port: int | None = None
-        self._gauges: dict[str, Any] = {}
         self._registry = None
         self._server = None
         self._proc = psutil.Process(os.getpid())
@@ -62,9 +112,7 @@ class Reporter:
 
     # ---- values ---------------------------------------------------------------------
     def set(self, key: str, value: float) -> None:
-        value = float(value)
-        self.values[key] = value
-        self._prom(key, value)
+        self.values[key] = float(value)
 
     def inc(self, key: str, n: float = 1.0) -> None:
         self.set(key, self.values.get(key, 0.0) + n)
@@ -76,32 +124,22 @@ class Reporter:
     async def emit(self, values: dict[str, float], step: int = -1) -> None:
         """Publish a MetricEvent now (and keep the values for /metrics)."""
         self.update(values)
+        if step >= 0:
+            self.values["step"] = float(step)
         clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         event = MetricEvent(component=self.component, component_id=self.component_id, values=clean, step=step, run=self.layout.run)
         if self.nc.is_connected:
             await self.nc.publish(self.subject, event.encode())
 
     # ---- prometheus -----------------------------------------------------------------
-    def _prom(self, key: str, value: float) -> None:
-        if self._registry is None:
-            return
-        gauge = self._gauges.get(key)
-        if gauge is None:
-            from prometheus_client import Gauge
-
-            gauge = Gauge(prometheus_name(key), key, ["run", "component", "id"], registry=self._registry)
-            self._gauges[key] = gauge
-        gauge.labels(self.layout.run, self.component, self.component_id).set(value)
-
     def start_http(self) -> int | None:
         """Serve /metrics on ``prometheus_port`` (0: any free port; taken: the next free one)."""
         if self.prometheus_port is None:
             return None
         from prometheus_client import CollectorRegistry, start_http_server
 
-        self._registry = CollectorRegistry()
-        for k, v in self.values.items():
-            self._prom(k, v)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_Collector(self))
         port = self.prometheus_port
         for attempt in range(64):
             try:
@@ -113,6 +151,8 @@ class Reporter:
             except OSError:
                 if port == 0:
                     raise
+                if port == self.prometheus_port:
+                    log.warning("/metrics port %d of %s %s is taken; trying the next ones", port, self.component, self.component_id)
                 port += 1
         log.warning("no free port for /metrics near %d", self.prometheus_port)
         return None

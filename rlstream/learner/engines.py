@@ -127,8 +127,25 @@ def make_optimizer(params, lcfg) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8)
 
 
+def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Run ``model``'s forward under ``torch.autocast`` to ``dtype``, its weights untouched.
+
+    Mixed precision as DeepSpeed's ``bf16`` does it: the weights, their gradients and the
+    optimizer state stay float32 (the master weights), while matrix multiplications run in
+    bfloat16. An update far below bfloat16's resolution (about 3 significant digits) is
+    therefore kept, where pure bfloat16 weights would round it away. Log-probabilities are
+    taken from float32 logits (``forward_logprobs`` upcasts before the softmax).
+    """
+    device_type = next(model.parameters()).device.type
+    model.forward = torch.autocast(device_type=device_type, dtype=dtype)(model.forward)
+    return model
+
+
 class TorchEngine:
-    """Plain torch: AdamW, ``clip_grad_norm_``; DDP when ``WORLD_SIZE`` > 1 (``torchrun``)."""
+    """Plain torch: AdamW, ``clip_grad_norm_``; DDP when ``WORLD_SIZE`` > 1 (``torchrun``).
+
+    ``learner.dtype: bfloat16`` is mixed precision (:func:`autocast_forward`): float32 master
+    weights, bfloat16 compute."""
 
     name = "torch"
     optimizer_sharded = False

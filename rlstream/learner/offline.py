@@ -38,7 +38,7 @@ def _digest(path: str) -> str:
 
 
 def load_sft(ds, tokenizer) -> list[SFTExample]:
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     eos = tokenizer.eos_token_id
     tag = _digest(ds.path)
     out = []
@@ -62,7 +62,7 @@ def load_sft(ds, tokenizer) -> list[SFTExample]:
 
 
 def load_dpo(ds, tokenizer) -> list[PreferencePair]:
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
     eos = tokenizer.eos_token_id
     tag = _digest(ds.path)

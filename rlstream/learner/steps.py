@@ -40,7 +40,7 @@ from rlstream.learner import losses
 from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction, sequence_logps
 from rlstream.learner.checkpoint import LearnerState
 from rlstream.learner.critic import ValueHead
-from rlstream.learner.engines import Engine, build_engine, lr_at
+from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
 from rlstream.rundir import default_run_dir
 from rlstream.schemas import PreferencePair, ScoredGroup, SFTExample
 
@@ -76,12 +76,17 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     lcfg = cfg.learner
     torch.manual_seed(lcfg.seed)
     np.random.seed(lcfg.seed)
-    dtype = torch.bfloat16 if lcfg.dtype == "bfloat16" and lcfg.engine == "torch" else torch.float32
+    # bfloat16 is mixed precision in both engines: float32 master weights (DeepSpeed's bf16
+    # keeps its own; the torch engine autocasts the forward), never pure bfloat16 training.
+    mixed = lcfg.dtype == "bfloat16" and lcfg.engine == "torch"
+    dtype = torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype)
     if lcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     device = torch.device(lcfg.device)
     model.to(device).train()
+    if mixed:
+        autocast_forward(model, torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
@@ -89,6 +94,8 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     if params.needs_reference:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
+        if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
+            autocast_forward(ref_model, torch.bfloat16)
     critic = None
     if params.needs_value_model:
         critic = ValueHead(model.config.hidden_size, device, lr=params.value_lr or lcfg.lr, base_lr=lcfg.lr, betas=tuple(lcfg.betas))

@@ -110,7 +110,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
     ds = cfg.data_source
     if not ds.path:
         raise DatasetError("data_source.path is not set: nothing to feed")
-    rows = read_rows(ds.path, ds.split, ds.limit)
+    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
     total = len(base) * ds.epochs
     prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)

@@ -10,6 +10,10 @@ the config). Three parts:
   checkpoint) and leaves a resumable run.
 - :mod:`rlstream.run.display` shows step, reward, KL, staleness, producer tokens/s,
   buffer depth and DLQ count live.
+- A run directory that holds anything is refused unless ``--resume`` (continue it) or
+  ``--overwrite`` (empty it first) is given: a new run there would train the old run's
+  leftover groups and overwrite its metrics and checkpoints. The embedded broker's address
+  is recorded in ``RUN_DIR/broker.json``, so operator commands can take ``RUN_DIR``.
 - :mod:`rlstream.run.summary` writes ``summary.json`` and the reward curve at the end,
   next to the learner's ``metrics.jsonl`` and checkpoints (file names in
   :mod:`rlstream.rundir`).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,7 +33,8 @@ from typing import Any
 from rlstream.broker import EmbeddedServer, Layout
 from rlstream.config import ConfigError, dump_resolved, load_config
 from rlstream.run.summary import broker_accounting, read_metrics, reward_curve, summarize
-from rlstream.run.supervisor import plan_children, streaming, supervise
+from rlstream.observe.rundir import write_broker_record
+from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
 from rlstream.rundir import RunDir, default_run_dir
 
 
@@ -40,6 +46,14 @@ def main(args) -> int:
         return 2
     run_dir = Path(args.run_dir or default_run_dir(cfg.run)).resolve()
     rd = RunDir(run_dir)
+    resume, overwrite = bool(getattr(args, "resume", False)), bool(getattr(args, "overwrite", False))
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not resume:
+        if not overwrite:
+            print(f"error: run directory {run_dir} is not empty (a previous run?): pass --resume to continue it, "
+                  "--overwrite to delete its contents and start over, or another --run-dir", file=sys.stderr)
+            return EXIT_USAGE
+        for item in run_dir.iterdir():
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     rd.logs.mkdir(exist_ok=True)
     dump_resolved(cfg, rd.config)
@@ -54,28 +68,36 @@ def main(args) -> int:
                                 port=int(os.environ["RLSTREAM_BROKER_PORT"]) if os.environ.get("RLSTREAM_BROKER_PORT") else None)
         server.start()
         nats_url = server.url
+    write_broker_record(run_dir, nats_url, store=rd.nats_store if server is not None else None)
     config_path = str(Path(args.config).resolve())
     children = plan_children(cfg, config_path, args.set or [], nats_url, run_dir, args.max_steps)
     live = sys.stdout.isatty() and not getattr(args, "no_live", False)
     print(f"rlstream run {cfg.run}: {cfg.training_mode}, broker {nats_url}, run directory {run_dir}", flush=True)
     t0 = time.monotonic()
-    ok = False
+    outcome = Outcome(1, "not started")
     accounting: dict[str, Any] = {}
     try:
-        ok = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
+        outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
         accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run)))
     finally:
         if server is not None:
             server.stop()
+    ok = outcome.ok
     summary = summarize(cfg, run_dir, time.monotonic() - t0, accounting, {c.name: c.restarts for c in children}, ok,
                         streaming(cfg))
     curve = reward_curve(read_metrics(run_dir), rd.reward_curve, f"{cfg.run} · {cfg.training_mode}")
     first, last = summary["reward_first"], summary["reward_last"]
-    verdict = "finished" if ok else "stopped (resumable: rlstream run --resume --run-dir ...)"
+    if ok:
+        verdict = "finished"
+    elif any(p.is_dir() and p.name.split("_", 1)[1].isdigit() and int(p.name.split("_", 1)[1]) > 0
+             for p in rd.checkpoints.glob("step_*")):  # a checkpoint of step 0 holds no training
+        verdict = f"stopped (resumable: rlstream run {args.config} --resume --run-dir {run_dir})"
+    else:
+        verdict = "stopped before its first checkpoint (nothing to resume; fix the cause and run again with --overwrite)"
     print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s", flush=True)
     if first is not None:
         print(f"reward: first 10% of steps {first:.3f} -> last 10% {last:.3f}", flush=True)
     print(f"summary: {rd.summary}", flush=True)
     if curve:
         print(f"curve:   {curve}", flush=True)
-    return 0 if ok else 1
+    return outcome.code

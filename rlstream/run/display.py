@@ -1,5 +1,10 @@
 """The live view of ``rlstream run``: the latest figures from the metrics subject, shown as
-a rich table on a terminal or as a plain log line every 10 s without one."""
+a rich table on a terminal or as a plain log line every 10 s without one.
+
+Besides the figures it shows an ETA (from the step rate since the first step), which
+processes finished their work normally (the feeder, once the dataset is published), and a
+note when the run waits for something or stops for a reason (a resume waiting for the
+previous learner's groups; no progress, with the top dead-letter reasons)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ class LiveFigures:
         self.events = 0
         self.started = time.time()
         self.timeline: list[dict[str, float]] = []
+        self.step_events = 0
+        """Learner step events seen by this run (a resumed learner's first step included)."""
 
     def add(self, ev: MetricEvent) -> None:
         self.events += 1
@@ -32,6 +39,7 @@ class LiveFigures:
             if ev.step >= 0:
                 self.learner.update(ev.values)
                 self.learner["step"] = ev.step
+                self.step_events += 1
                 self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, **{
                     k: ev.values[k] for k in ("reward/mean", "loss/total", "samples") if k in ev.values}})
             else:
@@ -44,6 +52,14 @@ class LiveFigures:
     @property
     def step(self) -> int:
         return int(self.learner.get("step", 0))
+
+    def eta_s(self, max_steps: int) -> float | None:
+        """Seconds to ``max_steps`` at the step rate seen since this run's first step event."""
+        if len(self.timeline) < 2:
+            return None
+        a, b = self.timeline[0], self.timeline[-1]
+        rate = (b["step"] - a["step"]) / max(1e-9, b["elapsed_s"] - a["elapsed_s"])
+        return max(0.0, (max_steps - b["step"]) / rate) if rate > 0 else None
 
     def line(self, max_steps: int) -> dict[str, str]:
         lf = self.learner
@@ -62,7 +78,17 @@ class LiveFigures:
             "tokens/s": f"{tok_s:,.0f}",
             "buffer": f("buffer/depth", "{:.0f}"),
             "DLQ": str(self.dlq),
+            "ETA": _duration(self.eta_s(max_steps)),
         }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 async def watch_metrics(nc, layout: Layout, figures: LiveFigures) -> Any:
@@ -86,6 +112,9 @@ class Display:
         self._live = None
         self._last_print = 0.0
         self._t0 = time.monotonic()
+        self.note = ""
+        """A sentence shown under the figures (why the run waits, or why it stopped)."""
+        self._printed_note = ""
 
     def start(self) -> None:
         if self.enabled:
@@ -94,9 +123,11 @@ class Display:
             self._live = Live(refresh_per_second=2, transient=False)
             self._live.start()
 
-    def update(self, figures: LiveFigures, alive: int, processes: int) -> None:
-        """Show ``figures`` and how many of the run's ``processes`` are ``alive``."""
+    def update(self, figures: LiveFigures, alive: int, processes: int, done: list[str] = ()) -> None:
+        """Show ``figures``, how many of the ``processes`` still expected to run are ``alive``,
+        and the processes that are ``done`` (finished their work normally)."""
         row = figures.line(self.max_steps)
+        procs = f"{alive}/{processes}" + (f" ({', '.join(done)} done)" if done else "")
         elapsed = time.monotonic() - self._t0
         if self._live is not None:
             from rich.progress_bar import ProgressBar
@@ -106,14 +137,20 @@ class Display:
             for k in row:
                 t.add_column(k, justify="right")
             t.add_column("processes", justify="right")
-            t.add_row(*row.values(), f"{alive}/{processes}")
+            t.add_row(*row.values(), procs)
             grid = Table.grid()
             grid.add_row(t)
             grid.add_row(ProgressBar(total=max(1, self.max_steps), completed=figures.step, width=60))
+            if self.note:
+                grid.add_row(self.note)
             self._live.update(grid)
-        elif time.monotonic() - self._last_print > 10:
-            self._last_print = time.monotonic()
-            print(f"[{elapsed:6.0f}s] " + "  ".join(f"{k} {v}" for k, v in row.items()) + f"  processes {alive}/{processes}", flush=True)
+        else:
+            if self.note and self.note != self._printed_note:
+                self._printed_note = self.note
+                print(self.note, flush=True)
+            if time.monotonic() - self._last_print > 10:
+                self._last_print = time.monotonic()
+                print(f"[{elapsed:6.0f}s] " + "  ".join(f"{k} {v}" for k, v in row.items()) + f"  processes {procs}", flush=True)
 
     def stop(self) -> None:
         if self._live is not None:

@@ -1,9 +1,17 @@
 """The supervisor of ``rlstream run``: it starts the component processes and watches them.
 
 A process that exits with an error, or whose heartbeat goes stale, is restarted (the
-learner with ``--resume``), up to ``MAX_RESTARTS`` times. The run ends when the learner
-exits 0, when the dataset is used up and nothing moves, or on SIGINT/SIGTERM; then the
-learner is stopped first (it writes its final checkpoint) and the rest after it.
+learner with ``--resume``), up to ``MAX_RESTARTS`` times. A process that exits with 2 (a
+usage, config or dataset error, which a restart cannot fix) is never restarted: the run
+stops and prints the process's last error line. The run also stops when it cannot
+progress (``progress`` in the config): when most of a window of groups went to the
+dead-letter stream (it shows the most frequent reasons), or when no learner step came for
+``progress.max_step_gap_s``. Otherwise it ends when the learner exits 0, when the dataset is
+used up and nothing moves, or on SIGINT/SIGTERM; then the learner is stopped first (it
+writes its final checkpoint) and the rest after it.
+
+Exit codes of ``rlstream run`` (:class:`Outcome`): 0 finished, 1 a process failed for
+good, 2 a usage/config error, 3 no progress, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,11 +37,43 @@ from rlstream.rundir import RunDir
 
 log = logging.getLogger("rlstream.run")
 
+EXIT_USAGE = 2
+EXIT_NO_PROGRESS = 3
+EXIT_INTERRUPTED = 130
+PROGRESS_EVERY_S = 2.0
 HEARTBEAT_STALE_S = 120.0
 EXHAUSTED_AFTER_S = 20.0
 MAX_RESTARTS = 5
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
 """Exit codes a component uses to say why it wants a restart (for the run's log)."""
+
+
+@dataclass
+class Outcome:
+    """How supervision ended: the run's exit code and, unless it finished, why."""
+
+    code: int
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+def last_error_line(log_path: Path, max_bytes: int = 65536) -> str:
+    """The last line of a process's log that reads as an error (else its last line)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln and not ln.startswith("=== ")]
+    for ln in reversed(lines):
+        if " ERROR " in ln or ln.startswith("error:") or re.match(r"^[\w.]+(Error|Exception)\b", ln):
+            return ln
+    return lines[-1] if lines else ""
 
 
 @dataclass
@@ -113,9 +154,10 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
     return children
 
 
-async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool) -> bool:
-    """Run ``children`` until the learner finishes (True), the dataset is used up (True),
-    a process fails for good or a signal comes (False)."""
+async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool) -> Outcome:
+    """Run ``children`` until the learner finishes or the dataset is used up (code 0), a
+    process fails for good (1) or with a usage error (2), the run cannot progress (3), or a
+    signal comes (130)."""
     env = child_env(cfg)
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
@@ -126,15 +168,22 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     stop = asyncio.Event()
 
     learner = next(c for c in children if c.kind == "learner")
+    resume = bool(getattr(args, "resume", False))
     for c in children:
-        c.start(env, resume=(c is learner and bool(getattr(args, "resume", False))))
+        c.start(env, resume=(c is learner and resume))
     max_steps = args.max_steps or cfg.learner.max_steps
-    ok = False
+    outcome: Outcome | None = None
     display = Display(live, cfg, max_steps)
     display.start()
-    last_health = time.monotonic()
+    resume_note = (f"resuming: groups the last learner held come back after nats.ack_wait_s "
+                   f"({cfg.nats.ack_wait_s:.0f}s); the first steps wait for them")
+    if resume:
+        display.note = resume_note
+    seen_steps = 0
+    progress = ProgressWatch(cfg, js, layout)
+    await progress.start()
+    last_health = last_progress = time.monotonic()
     idle_since: float | None = None
-    exhausted = False
     try:
         with signals_to(stop):
             while not stop.is_set():
@@ -142,7 +191,10 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     await asyncio.wait_for(stop.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
-                display.update(figures, sum(c.alive() for c in children), len(children))
+                if display.note == resume_note and figures.step_events > seen_steps:
+                    display.note = ""
+                display.update(figures, sum(c.alive() for c in children), sum(not c.finished for c in children),
+                               done=[c.name for c in children if c.finished and c.once])
                 # exits
                 for c in children:
                     if c.proc is None or c.alive() or c.finished:
@@ -151,21 +203,43 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     c.exit_codes.append(code)
                     if c is learner and code == 0:
                         c.finished = True
-                        ok = True
+                        outcome = Outcome(0)
                         stop.set()
                         break
                     if c.once and code == 0:
                         c.finished = True
                         continue
+                    if code == EXIT_USAGE:  # a config or data error: the same again on every restart
+                        c.finished = True
+                        outcome = Outcome(EXIT_USAGE, f"{c.name} exited with 2 (a usage, config or data error; not restarted): "
+                                                      f"{last_error_line(c.log_path)}  [log {c.log_path}]")
+                        stop.set()
+                        break
                     if c.restarts >= MAX_RESTARTS:
-                        log.error("%s exited with %s %d times; giving up (see %s)", c.name, code, c.restarts + 1, c.log_path)
+                        outcome = Outcome(1, f"{c.name} exited with {code} {c.restarts + 1} times; giving up: "
+                                             f"{last_error_line(c.log_path)}  [log {c.log_path}]")
                         stop.set()
                         break
                     c.restarts += 1
                     why = f" ({EXIT_MEANINGS[code]})" if code in EXIT_MEANINGS else ""
-                    log.warning("%s exited with %s%s; restarting (%d/%d), log %s", c.name, code, why, c.restarts, MAX_RESTARTS, c.log_path)
+                    log.warning("%s exited with %s%s; restarting (%d/%d), log %s: %s", c.name, code, why, c.restarts, MAX_RESTARTS,
+                                c.log_path, last_error_line(c.log_path))
                     await asyncio.sleep(min(2.0 * c.restarts, 10.0))
                     c.start(env, resume=(c is learner))
+                    if c is learner:
+                        display.note, seen_steps = resume_note, figures.step_events
+                if stop.is_set():
+                    break
+                # no progress: groups dead-lettered, or no learner step for too long
+                if time.monotonic() - last_progress > PROGRESS_EVERY_S:
+                    last_progress = time.monotonic()
+                    why = await progress.check(figures)
+                    if why:
+                        display.note = why
+                        display.update(figures, sum(c.alive() for c in children), sum(not c.finished for c in children))
+                        outcome = Outcome(EXIT_NO_PROGRESS, why)
+                        stop.set()
+                        break
                 # hung components: a heartbeat that stopped while the process lives
                 if time.monotonic() - last_health > 10:
                     last_health = time.monotonic()
@@ -183,7 +257,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                                         figures.step)
                             print(f"dataset exhausted after step {figures.step}: raise data_source.epochs "
                                   "or lower learner.max_steps", flush=True)
-                            exhausted = True
+                            outcome = Outcome(0)
                             stop.set()
                     else:
                         idle_since = None
@@ -195,7 +269,86 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                 f.write(json.dumps(point) + "\n")
         await stop_children(children)
         await nc.close()
-    return ok or exhausted
+    if outcome is None:
+        outcome = Outcome(EXIT_INTERRUPTED, "interrupted")
+    if outcome.reason and outcome.code != EXIT_INTERRUPTED:
+        log.error("%s", outcome.reason)
+        print(f"error: {outcome.reason}", file=sys.stderr, flush=True)
+    return outcome
+
+
+class ProgressWatch:
+    """Decides, from the broker's counts, that a run cannot progress (``cfg.progress``).
+
+    Every ``window_groups`` groups that reach a verdict (a scored group, or a dead-lettered
+    prompt or rollout), the share dead-lettered in that window is compared with
+    ``max_dlq_fraction``; and the time since the last learner step with ``max_step_gap_s``.
+    """
+
+    def __init__(self, cfg: Config, js, layout: Layout):
+        self.cfg = cfg.progress
+        self.js = js
+        self.layout = layout
+        self.base: tuple[int, int] | None = None
+        self.last_step = -1
+        self.last_step_at = time.monotonic()
+
+    async def _counts(self) -> tuple[int, int]:
+        """(groups scored, groups dead-lettered) so far."""
+        scored = (await self.js.stream_info(self.layout.scored_stream)).state.last_seq
+        dlq = (await self.js.stream_info(self.layout.dlq_stream)).state.last_seq
+        return scored, dlq
+
+    async def start(self) -> None:
+        self.base = await self._counts()
+
+    async def check(self, figures: LiveFigures) -> str | None:
+        if figures.step != self.last_step:
+            self.last_step, self.last_step_at = figures.step, time.monotonic()
+        gap = self.cfg.max_step_gap_s
+        if gap is not None and time.monotonic() - self.last_step_at > gap:
+            return (f"no progress: no learner step for {gap:.0f}s (progress.max_step_gap_s)"
+                    + await self._reasons_suffix())
+        try:
+            scored, dlq = await self._counts()
+            figures.dlq = (await self.js.stream_info(self.layout.dlq_stream)).state.messages
+        except Exception:  # a busy broker: judge at the next check
+            return None
+        d_scored, d_dlq = scored - self.base[0], dlq - self.base[1]
+        if d_scored + d_dlq < self.cfg.window_groups:
+            return None
+        self.base = (scored, dlq)
+        if d_dlq / (d_scored + d_dlq) >= self.cfg.max_dlq_fraction:
+            return (f"no progress: {d_dlq} of the last {d_scored + d_dlq} groups went to the dead-letter stream "
+                    f"(progress.max_dlq_fraction {self.cfg.max_dlq_fraction:g})" + await self._reasons_suffix())
+        return None
+
+    async def _reasons_suffix(self) -> str:
+        top = await top_dlq_reasons(self.js, self.layout)
+        return ("; top reasons: " + "; ".join(f"{n}x {reason}" for reason, n in top)) if top else ""
+
+
+async def top_dlq_reasons(js, layout: Layout, last: int = 50, top: int = 3) -> list[tuple[str, int]]:
+    """The most frequent reasons among the last ``last`` dead letters (the last line of each)."""
+    from collections import Counter
+
+    from rlstream.schemas import DeadLetter
+
+    try:
+        info = await js.stream_info(layout.dlq_stream)
+    except Exception:  # no DLQ stream yet: no reasons
+        return []
+    counts: Counter[str] = Counter()
+    first = max(info.state.first_seq, info.state.last_seq - last + 1)
+    for seq in range(first, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(layout.dlq_stream, seq)
+            reason = DeadLetter.decode(msg.data).reason
+        except Exception:  # a purged or undecodable letter: skip it
+            continue
+        lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+        counts[(lines[-1] if lines else "?")[:200]] += 1
+    return counts.most_common(top)
 
 
 async def exhausted_now(js, layout: Layout, children: list[Child], figures: LiveFigures) -> bool:

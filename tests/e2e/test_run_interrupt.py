@@ -25,7 +25,7 @@ def test_ctrl_c_then_resume(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1 and "resumable" in out, out[-2000:]
+    assert proc.returncode == 130 and "resumable" in out, out[-2000:]  # 128 + SIGINT, as shells report it
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["ok"] is False and 4 <= first["steps"] < steps
     # the learner wrote a final checkpoint on the way out, though the interval is 100

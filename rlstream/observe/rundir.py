@@ -1,0 +1,79 @@
+"""Operator commands from a run directory alone.
+
+``rlstream run`` records its broker in ``RUN_DIR/broker.json``: the URL, whether it is the
+embedded server, and (embedded) its store directory. Given ``RUN_DIR``, ``status``,
+``tail``, ``dashboard``, ``export``, ``import`` and ``replay`` read the run id from
+``RUN_DIR/config.resolved.json`` and the broker from ``broker.json``. When that broker
+does not answer (the run has ended) and it was the embedded one, they start an embedded
+nats-server on the run's store for as long as the command runs, so a finished run can
+still be inspected and replayed. ``--nats`` still wins over everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from rlstream.observe import ObserveError
+from rlstream.rundir import BROKER_FILE, RunDir
+
+
+def write_broker_record(run_dir: Path, url: str, *, store: Path | None = None) -> None:
+    """Record the run's broker (``store`` set: the embedded server on that store)."""
+    rec = {"url": url, "embedded": store is not None, "store": str(store) if store else None, "written_at": time.time()}
+    tmp = run_dir / f".{BROKER_FILE}.tmp"
+    tmp.write_text(json.dumps(rec, indent=2) + "\n")
+    tmp.replace(run_dir / BROKER_FILE)
+
+
+def read_run_id(run_dir: Path) -> str:
+    path = RunDir(run_dir).config
+    try:
+        return json.loads(path.read_text())["run"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        raise ObserveError(f"{run_dir} is not a run directory ({path} is missing or unreadable)") from None
+
+
+def _answers(url: str, timeout: float = 1.0) -> bool:
+    for one in url.split(","):
+        u = urlparse(one.strip())
+        try:
+            with socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=timeout):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@contextlib.contextmanager
+def run_broker(run_dir: Path, *, log: Any = None) -> Iterator[str]:
+    """The URL of the run's broker, started on the run's store for the block when needed."""
+    run_dir = Path(run_dir)
+    rd = RunDir(run_dir)
+    try:
+        rec = json.loads(rd.broker.read_text())
+    except (OSError, json.JSONDecodeError):
+        rec = {"url": None, "embedded": True, "store": str(rd.nats_store)}
+    if rec.get("url") and _answers(rec["url"]):
+        yield rec["url"]
+        return
+    store = Path(rec.get("store") or rd.nats_store)
+    if not rec.get("embedded"):
+        raise ObserveError(f"the broker of {run_dir} ({rec.get('url')}) does not answer; pass --nats")
+    if not store.is_dir():
+        raise ObserveError(f"{run_dir} has no broker store ({store}); pass --nats")
+    from rlstream.broker.server import EmbeddedServer
+
+    server = EmbeddedServer(store, log_file=rd.log("nats-server-operator"))
+    server.start()
+    if log is not None:
+        log(f"started an embedded nats-server on {store} ({server.url}) for this command")
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -1,0 +1,267 @@
+"""Preflight: what a run needs, checked in seconds before any process starts.
+
+``rlstream validate`` and ``rlstream run`` call :func:`preflight` after the config parses.
+It checks what the schema cannot see, and returns one line per problem (an empty list
+when all is well):
+
+- the model (``model_checkpoint_path``, and ``learner.reference_model_path``) is a local
+  directory holding a config and weights, or a Hub id whose config loads (from the local
+  Hub cache when ``HF_HUB_OFFLINE=1``); the tokenizer loads;
+- the dataset exists, and its first rows have the columns the training mode reads;
+- every reward function imports, accepts the keyword arguments the scorer will pass it
+  (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
+  dataset column and the term's ``params``), and returns a reward list when called once on
+  the first rows; every rule's parameters are valid and its answer column is there;
+- a DeepSpeed JSON file parses, and ``deepspeed`` is installed;
+- with ``endpoints=True``: the NATS URL, the sampling endpoint and the reward endpoint
+  accept a TCP connection.
+
+Nothing here loads model weights or starts a process, so it stays fast for any model size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import socket
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from rlstream.config import Config, is_hub_id
+
+HEAD_ROWS = 4
+"""Rows of the dataset the checks read (and the reward functions are called on)."""
+_TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _has_weights(d: Path) -> bool:
+    return any(d.glob("*.safetensors")) or any(d.glob("*.bin")) or any(d.glob("*.safetensors.index.json"))
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot folder of a Hub model repository, or None when not cached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+
+
+def check_model(field: str, ref: str, *, need_weights: bool = True) -> list[str]:
+    """A local model directory or a Hub id whose config loads (and whose weights are there)."""
+    from huggingface_hub import constants
+
+    p = Path(ref)
+    if p.exists():
+        if not p.is_dir():
+            return [f"{field}: {ref} is a file; expected a model directory (config.json and weights)"]
+        if not (p / "config.json").exists():
+            return [f"{field}: {ref} has no config.json (not a Hugging Face model directory)"]
+        if need_weights and not _has_weights(p):
+            return [f"{field}: {ref} has no weights (*.safetensors or *.bin)"]
+    elif is_hub_id(ref):
+        snap = _hub_snapshot(ref)
+        if snap is None and constants.HF_HUB_OFFLINE:
+            return [f"{field}: {ref!r} is no local directory and not in the Hub cache ({constants.HF_HUB_CACHE}) "
+                    "while HF_HUB_OFFLINE=1 (download it with `hf download` first, or give a directory)"]
+        if snap is not None and need_weights and not _has_weights(snap):
+            return [f"{field}: the Hub cache entry of {ref!r} ({snap}) has no weights (*.safetensors or *.bin)"]
+    else:
+        return [f"{field}: {ref} does not exist (relative paths in a config are relative to its folder)"]
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(ref)
+    except Exception as exc:  # any load failure is the user's to see, in one line
+        return [f"{field}: {ref}: the model config does not load ({_first_line(exc)})"]
+    return []
+
+
+def check_tokenizer(field: str, ref: str) -> list[str]:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(ref)
+    except Exception as exc:  # any load failure is the user's to see, in one line
+        return [f"{field}: the tokenizer of {ref} does not load ({_first_line(exc)})"]
+    return []
+
+
+def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
+    """Problems with ``data_source``, and the first rows when they could be read."""
+    from rlstream.data import DatasetError, read_rows, require_columns
+
+    ds = cfg.data_source
+    if ds.path is None:
+        return ["data_source.path: required, missing (a jsonl/json/parquet file, a datasets directory or a Hub id)"], []
+    try:
+        rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
+    except DatasetError as exc:
+        return [f"data_source.path: {exc}"], []
+    except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)
+        return [f"data_source.path: {ds.path} cannot be read ({_first_line(exc)})"], []
+    streaming = ds.type == "on_policy"
+    try:
+        if streaming:
+            from rlstream.producers.feeder import check_rows
+
+            check_rows(rows, cfg, where=str(ds.path))
+        elif cfg.training_mode == "SFT":
+            has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
+            require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
+        elif cfg.training_mode == "DPO":
+            require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
+    except DatasetError as exc:
+        return [f"data_source: {exc}"], rows
+    return [], rows
+
+
+def _accepts(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    """The keyword arguments of ``names`` that ``fn`` cannot take."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []  # a builtin or C callable: nothing to inspect
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return []
+    ok = {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [n for n in names if n not in ok]
+
+
+def _required_missing(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in sig.parameters.items()
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names]
+
+
+def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
+    """Reward terms build, functions take what they will be given and return a reward list."""
+    from rlstream.scorers.functions import RewardError, ScorerState, call_function, load_function
+
+    rf = cfg.reward_function
+    ds = cfg.data_source
+    problems: list[str] = []
+    columns = [k for k in (rows[0] if rows else {}) if k not in (ds.prompt_column, ds.messages_column) and k not in _TRL_KWARGS]
+    for i, term in enumerate(rf.terms if (rf.type != "model_based" or "terms" in rf.model_fields_set) else []):
+        where = f"reward_function.terms[{i}] ({term.name})"
+        if term.rule in ("math", "exact_match") and rows and rf.answer_column not in rows[0]:
+            problems.append(f"{where}: rule {term.rule!r} reads the reference answer from column {rf.answer_column!r}, "
+                            f"which the dataset does not have (columns: {sorted(rows[0])}); set reward_function.answer_column")
+        if term.function is None:
+            continue
+        try:
+            fn = load_function(term.function)
+        except RewardError as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        given = list(_TRL_KWARGS) + columns + list(term.params)
+        refused = _accepts(fn, given)
+        if refused:
+            problems.append(f"{where}: {term.function} does not accept {refused}, which the scorer passes "
+                            "(add **kwargs to its signature, as TRL reward functions have)")
+            continue
+        missing = _required_missing(fn, given)
+        if missing:
+            problems.append(f"{where}: {term.function} requires {missing}, which no dataset column or params entry provides")
+            continue
+        if not rows:
+            continue
+        prompts = [r.get(ds.prompt_column) or "" for r in rows]
+        completions = [str(r.get(rf.answer_column, "42")) for r in rows]
+        cols = {k: [r.get(k) for r in rows] for k in columns}
+        try:
+            asyncio.run(call_function(term.name, fn, prompts=prompts, completions=completions,
+                                      completion_ids=[[0] for _ in rows], columns=cols,
+                                      state=ScorerState(), params=dict(term.params)))
+        except Exception as exc:  # the function's own failure, reported instead of dead-lettering every group
+            problems.append(f"{where}: {term.function} raised {_first_line(exc)} on a trial call with the first "
+                            f"{len(rows)} rows (completions = their {rf.answer_column!r} column)")
+    # the rules' parameters: the scorer checks them when it builds its terms
+    from rlstream.scorers.scoring import Scorer
+
+    local = cfg.model_copy(deep=True)
+    local.scorer.processes = 0
+    local.reward_function.terms = [t for t in local.reward_function.terms if t.function is None]
+    if rf.type == "model_based":
+        local.reward_function.type = "rule_based"
+    try:
+        Scorer(local)
+    except (RewardError, ValueError) as exc:
+        problems.append(f"reward_function: {exc}")
+    return problems
+
+
+def check_deepspeed(cfg: Config) -> list[str]:
+    lc = cfg.learner
+    problems = []
+    if isinstance(lc.deepspeed, str):
+        p = Path(lc.deepspeed)
+        if not p.exists():
+            return [f"learner.deepspeed: {p} does not exist"]
+        try:
+            json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            return [f"learner.deepspeed: {p} is not valid JSON (line {exc.lineno}: {exc.msg})"]
+    if lc.engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:  # found, not imported: that takes seconds
+        problems.append("learner.engine: 'deepspeed' needs the deepspeed package; pip install 'rlstream[deepspeed]'")
+    return problems
+
+
+def _reachable(url: str, default_port: int, timeout: float = 3.0) -> str | None:
+    """None when something accepts a TCP connection at the URL's host and port, else why not."""
+    for one in url.split(","):
+        u = urlparse(one.strip() if "://" in one else f"tcp://{one.strip()}")
+        port = u.port or (443 if u.scheme in ("https", "tls", "wss") else default_port)
+        try:
+            with socket.create_connection((u.hostname or "127.0.0.1", port), timeout=timeout):
+                return None
+        except OSError as exc:
+            last = f"{u.hostname}:{port}: {exc.strerror or exc}"
+    return last
+
+
+def check_endpoints(cfg: Config) -> list[str]:
+    checks = [("nats.url", cfg.nats.url, 4222), ("data_source.sampling_endpoint", cfg.data_source.sampling_endpoint, 80),
+              ("producer.endpoint", cfg.producer.endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
+    problems = []
+    for field, url, port in checks:
+        if url:
+            why = _reachable(url, port)
+            if why:
+                problems.append(f"{field}: {url} is not reachable ({why})")
+    return problems
+
+
+def preflight(cfg: Config, *, endpoints: bool = False) -> list[str]:
+    """Every problem found, one line each (empty: ready to run)."""
+    problems = check_model("model_checkpoint_path", cfg.model_checkpoint_path)
+    tok = cfg.tokenizer_path or cfg.model_checkpoint_path
+    if not problems or cfg.tokenizer_path:
+        if cfg.tokenizer_path and not Path(cfg.tokenizer_path).exists() and not is_hub_id(cfg.tokenizer_path):
+            problems.append(f"tokenizer_path: {cfg.tokenizer_path} does not exist")
+        else:
+            problems += check_tokenizer("tokenizer_path" if cfg.tokenizer_path else "model_checkpoint_path", tok)
+    ref = cfg.learner.reference_model_path
+    if ref:
+        problems += check_model("learner.reference_model_path", ref)
+    data_problems, rows = check_dataset(cfg)
+    problems += data_problems
+    if cfg.is_rl or cfg.data_source.type == "on_policy":
+        problems += check_rewards(cfg, rows)
+    problems += check_deepspeed(cfg)
+    if endpoints:
+        problems += check_endpoints(cfg)
+    return problems
