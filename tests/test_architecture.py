@@ -108,6 +108,34 @@ def test_no_stage_imports_another():
     assert not crossings, "stages meet only through subjects and records:\n" + "\n".join(crossings)
 
 
+FLOORS = {
+    # top-level modules and packages -> floor (docs/architecture.md); imports never go up
+    "config": 1, "pacing": 1, "rundir": 1, "data": 1, "tiny": 1, "__main__": 5,
+    "schemas": 2, "broker": 3,
+    **dict.fromkeys(STAGES, 4),
+    "cli": 5, "run": 5, "preflight": 5,
+}
+
+
+def floor_of(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else "__init__"
+    return top, FLOORS.get(top, 5 if top == "__init__" else 0)
+
+
+def test_each_floor_imports_only_lower_floors():
+    g = graph()
+    unknown = sorted({floor_of(m)[0] for m in g if floor_of(m)[1] == 0})
+    assert not unknown, f"modules without a floor (add them to FLOORS and docs/architecture.md): {unknown}"
+    upward = []
+    for a, deps in g.items():
+        top_a, fa = floor_of(a)
+        for b in sorted(deps):
+            top_b, fb = floor_of(b)
+            if fb > fa:  # same floor: a stage importing a stage is test_no_stage_imports_another's
+                upward.append(f"{a} (floor {fa}) imports {b} (floor {fb})")
+    assert not upward, "imports go down the floors only:\n" + "\n".join(upward)
+
+
 def test_the_checks_see_what_they_check():
     # the walker resolves lazy and relative imports: a cycle written inside a function counts
     g = graph()
