@@ -38,15 +38,11 @@ from rlstream.config import Config
 from rlstream.learner import distributed as dist
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint
 from rlstream.learner.runner import LocalRunner, StepRunner, make_runner
-from rlstream.learner.sources import BatchSource, OfflineSource, StreamSource, Taken
-from rlstream.learner.steps import Learner, build_learner
+from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, StreamSource, Taken
+from rlstream.learner.steps import Learner, LearnerError, build_learner
 from rlstream.rundir import RunDir, default_run_dir
 
 log = logging.getLogger(__name__)
-
-
-class LearnerError(RuntimeError):
-    """The learner cannot run as configured."""
 
 
 # ---- the run directory's metrics --------------------------------------------------------------
@@ -82,10 +78,12 @@ async def _maybe_component(cfg: Config, nats_url: str | None, component_id: str)
 
 @contextlib.asynccontextmanager
 async def open_source(learner: Learner, comp):
-    """The stream when the algorithm trains on it, else the offline dataset."""
+    """The stream when the algorithm trains on it, else the offline dataset (or its shards)."""
     if learner.cfg.is_online:
         async with StreamSource.open(learner, comp) as source:
             yield source
+    elif learner.cfg.data_source.type == "webdataset":
+        yield await ShardSource.open(learner)
     else:
         yield await OfflineSource.open(learner)
 

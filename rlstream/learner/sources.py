@@ -8,7 +8,7 @@ A source gives the loop three things:
   and, once it is durable, ack everything held.
 
 :class:`OfflineSource` reads an SFT or DPO dataset in epoch order (its position is the
-state's epoch and offset; nothing to ack). :class:`StreamSource` pulls scored groups from
+state's epoch and offset; nothing to ack); :class:`ShardSource` reads WebDataset shards. :class:`StreamSource` pulls scored groups from
 the broker into the bounded :class:`~rlstream.learner.buffer.GroupBuffer`, drops duplicate,
 too-stale and (with a group filter) all-equal-reward groups, and owns the learner's side of
 pacing (``pacing.admit``, see :mod:`rlstream.pacing`).
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlstream.learner import advantages as adv
-from rlstream.learner.offline import epoch_summary, load_dpo, load_sft, next_offline_batch
+from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
 from rlstream.learner.steps import Learner
 from rlstream.pacing import admit_bound
 from rlstream.schemas import Limits, ScoredGroup
@@ -116,6 +116,27 @@ class OfflineSource:
 
     def summary(self) -> dict[str, Any]:
         return {"dataset_size": len(self.examples), "epochs": epoch_summary(self.learner.state, len(self.examples))}
+
+
+class ShardSource(OfflineSource):
+    """SFT examples or DPO pairs streamed from WebDataset shards (``data_source.type:
+    webdataset``); the reader's position is the state's ``data_cursor``."""
+
+    def __init__(self, learner: Learner, shards: ShardBatches):
+        super().__init__(learner, [])
+        self.shards = shards
+
+    @classmethod
+    async def open(cls, learner: Learner) -> "ShardSource":
+        return cls(learner, await asyncio.to_thread(ShardBatches, learner.cfg, learner.tokenizer, learner.state.data_cursor))
+
+    async def take(self, stop: asyncio.Event) -> Taken | None:
+        batch = await asyncio.to_thread(self.shards.next_batch, self.learner.state, self.learner.cfg.learner.batch_groups)
+        return Taken(batch) if batch is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        # the size is not known without reading every shard
+        return {"dataset_size": None, "epochs": epoch_summary(self.learner.state, None)}
 
 
 # ---- the scored stream ----------------------------------------------------------------------

@@ -45,6 +45,10 @@ from rlstream.rundir import default_run_dir
 from rlstream.schemas import PreferencePair, ScoredGroup, SFTExample
 
 
+class LearnerError(RuntimeError):
+    """The learner cannot run as configured."""
+
+
 @dataclass
 class Learner:
     """Models, optimizer and state of one learner; no broker."""
@@ -87,11 +91,15 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     model.to(device).train()
     if mixed:
         autocast_forward(model, torch.bfloat16)
+    if lcfg.compile:
+        # in place: the module (and its parameter names) stay as they are, only forward is compiled
+        model.compile(mode=lcfg.compile_mode, dynamic=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
     ref_model = None
-    if params.needs_reference:
+    # with the reference stage on, the reference log-probs arrive recorded in the groups
+    if params.needs_reference and cfg.reference is None:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
         if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
@@ -198,9 +206,12 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
             advantages = adv.compute_advantages(params, rewards.unsqueeze(0))[0]
         reasons = [s.finish_reason for s in g.rollout.samples]
         keep = adv.overlong_mask(reasons) if params.masks_truncated else torch.ones(len(reasons), dtype=torch.bool)
-        for s, r, a, k in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist()):
+        # per-token log-probs recorded by the reference / teacher stages (None when absent)
+        ref = g.per_sample(g.ref_logprobs) or [None] * len(reasons)
+        teacher = g.per_sample(g.teacher_logprobs) or [None] * len(reasons)
+        for s, r, a, k, rl, tl in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
-                            policy_version=g.rollout.policy_version, keep=bool(k)))
+                            policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl))
     return rows, torch.cat(all_rewards) if all_rewards else torch.zeros(0)
 
 
@@ -226,11 +237,29 @@ class _Targets:
 
 def _targets(learner: Learner, tbs: list[TokenBatch]) -> _Targets:
     n = len(tbs)
-    if learner.critic is None:
-        return _Targets([None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
     params = learner.cfg.algorithm_params
-    v = learner.critic.targets(learner.engine.module, tbs, gamma=params.gamma, lam=params.lam)
-    return _Targets([None] * n, list(v.prox_logprobs), list(v.advantages), list(v.old_values), list(v.returns))
+    if learner.ref_model is None and params.needs_reference and any(tb.ref_logprobs is None for tb in tbs):
+        raise LearnerError("kl_coefficient > 0 without an in-learner reference model: every group needs ref_logprobs "
+                           "(is the reference stage running, and does the learner read its subject?)")
+    # the reference stage's recorded log-probs, else filled on first use from the in-learner model
+    ref = [tb.ref_logprobs if learner.ref_model is None else None for tb in tbs]
+    if learner.critic is not None:
+        v = learner.critic.targets(learner.engine.module, tbs, gamma=params.gamma, lam=params.lam)
+        return _Targets(ref, list(v.prox_logprobs), list(v.advantages), list(v.old_values), list(v.returns))
+    token_adv = [distill_token_advantages(params, tb) for tb in tbs] if params.distills else [None] * n
+    return _Targets(ref, [None] * n, token_adv, [None] * n, [None] * n)
+
+
+def distill_token_advantages(params, tb: TokenBatch) -> torch.Tensor:
+    """DISTILL: the per-token reverse-KL advantage against the recorded teacher log-probs, plus
+    ``reward_weight`` times the group-relative reward advantage."""
+    if tb.teacher_logprobs is None:
+        raise LearnerError("training_mode DISTILL: a group arrived without teacher_logprobs "
+                           "(is the teacher stage running, and does the learner read its subject?)")
+    out = adv.distill_advantages(tb.old_logprobs, tb.teacher_logprobs, tb.mask, coefficient=params.distill_coefficient)
+    if params.reward_weight > 0:
+        out = out + params.reward_weight * tb.advantages.unsqueeze(-1) * tb.mask
+    return out
 
 
 def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
@@ -238,7 +267,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     lcfg = cfg.learner
     loss_fn = losses.policy_loss_fn(params)
     rows, rewards = group_rows(cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     module, critic = learner.engine.module, learner.critic
     max_tokens = generation_budget(groups)
@@ -266,6 +295,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     old_values=t.old_values[i], returns=t.returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
                     lag=learner.state.policy_version - tb.policy_versions,
+                    teacher_logprobs=tb.teacher_logprobs,
                 )
                 loss, metrics = loss_fn(batch, params)
                 if record and epoch == params.epochs_per_batch - 1:
@@ -295,7 +325,7 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
         # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
         tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
     else:
-        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -329,7 +359,7 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
     chunks = []
     for chunk in micro_batches(pairs, lcfg.micro_batch_size):
         rows = [Row(p.prompt_ids, p.chosen_ids) for p in chunk] + [Row(p.prompt_ids, p.rejected_ids) for p in chunk]
-        tb = collate(rows, learner.pad_id, lcfg.max_seq_len).to(learner.device)
+        tb = collate(rows, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device)
         total_tokens += float(tb.mask.sum())
         chunks.append((len(chunk), tb))
 

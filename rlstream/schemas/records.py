@@ -171,9 +171,9 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         if min(lengths) < 0:
             raise RecordError(f"{path}lengths", "negative length")
         total = sum(lengths)
-        for name in ("completion_ids", "logprobs"):
-            if len(getattr(self, name)) != total:
-                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
+        if len(self.completion_ids) != total or len(self.logprobs) != total:
+            name = "completion_ids" if len(self.completion_ids) != total else "logprobs"
+            raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
         reasons = self.finish_reasons
         if len(reasons) != g:
             raise RecordError(f"{path}finish_reasons", f"has {len(reasons)} entries, expected {g}")
@@ -194,10 +194,13 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     ``rewards`` [G] is the weighted sum of ``components`` (name -> [G]). ``id`` is the
     rollout's id (filled in from it when not given).
     v1: id, run, ts, rollout, rewards, components, scorer_id, score_s.
+    v2: + ``ref_logprobs`` and ``teacher_logprobs``, per completion token in the rollout's
+    flat order ([sum(lengths)], log-probs <= 0), added by the ``reference`` and ``teacher``
+    stages; empty when the stage is not in the run. + ``annotated_by`` (stage -> component id).
     """
 
     SCHEMA: ClassVar[str] = "scored_group"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     v: int = VERSION
     id: str = ""
@@ -208,11 +211,21 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     components: capped(dict[str, MaybeFloats], MAX_NAMES) = msgspec.field(default_factory=dict)
     scorer_id: str = ""
     score_s: float = 0.0
+    ref_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
+    teacher_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
+    annotated_by: capped(dict[str, str], MAX_NAMES) = msgspec.field(default_factory=dict)  # v2
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.id:
             self.id = self.rollout.id
+
+    def per_sample(self, flat: np.ndarray) -> list[np.ndarray] | None:
+        """A flat per-token annotation split by sample ([G] arrays); None when absent."""
+        if flat.size == 0 and self.rollout.num_tokens() > 0:
+            return None
+        ends = list(itertools.accumulate(self.rollout.lengths.tolist()))
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     def check(self, limits: Limits, path: str) -> None:
         g = self.rollout.group_size
@@ -223,6 +236,10 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
                 raise RecordError(f"{path}components.{name}", f"has {len(values)} elements, expected {g}")
         if self.id != self.rollout.id:
             raise RecordError(f"{path}id", f"{self.id!r} differs from rollout.id {self.rollout.id!r}")
+        n = self.rollout.num_tokens()
+        for name in ("ref_logprobs", "teacher_logprobs"):
+            if len(getattr(self, name)) not in (0, n):
+                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected 0 or {n} (one per completion token)")
 
 
 class PreferencePair(Record, tag="preference_pair", kw_only=True):
