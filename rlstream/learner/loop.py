@@ -188,6 +188,11 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     config_json = learner.model.config.to_json_string()
     if comp is not None:
         await comp.state.put_int(LEARNER_STEP, state.step)
+    # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
+    # after a step counts in the next pass (``time/learner/checkpoint_s``). The step adds
+    # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`).
+    phases = learner.phases
+    phases.start()
     with open(metrics_path, "a") as metrics_file:
         while state.step < limit and not stop.is_set():
             t_wait = time.perf_counter()
@@ -195,16 +200,21 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
             if taken is None:
                 break
             t_step = time.perf_counter()
+            phases.add("wait", t_step - t_wait)
             m = await asyncio.to_thread(runner.step, taken.records)  # forward, loss, backward, update
             m["time/step_s"] = time.perf_counter() - t_step
             m["time/wait_data_s"] = t_step - t_wait
             source.hold(taken)
             m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
             if comp is not None and m["optim/stepped"] > 0 and state.step % cfg.learner.publish_every == 0:
-                m.update(await _publish(runner, source, comp, config_json))
+                with phases.time("publish"):
+                    m.update(await _publish(runner, source, comp, config_json))
+            m.update(phases.finish())
             await _log(m, taken, source, state, metrics_file, comp)
+            phases.start()
             if state.step % cfg.checkpoint.interval == 0:
-                await checkpoints.save()
+                with phases.time("checkpoint"):
+                    await checkpoints.save()
     return await checkpoints.final()
 
 

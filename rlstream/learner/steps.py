@@ -26,6 +26,7 @@ How it differs from the papers' trainers:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
@@ -64,6 +66,9 @@ class Learner:
     device: torch.device = torch.device("cpu")
     pad_id: int = 0
     done_ids: set[str] = field(default_factory=set)
+    phases: Phases = field(default_factory=lambda: Phases("learner"))
+    """Where the current loop pass went (see :func:`rlstream.learner.loop.train`); the step fills
+    collate, forward, backward and optimizer."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -139,16 +144,20 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
     lr = lr_at(learner.state.step, learner.cfg.learner)
     engine.set_lr(lr)
     passes = list(backward_passes)
+    phases = learner.phases
     if dist.is_active(engine):
         finite = _backward_shard(learner, passes)
     else:
         finite = True
         for i, run in enumerate(passes):
-            loss = run()
+            with phases.time("forward"):
+                loss = run()
             if not torch.isfinite(loss.detach()).all():
                 finite = False
                 break
-            engine.backward(loss, last=i == len(passes) - 1)
+            with phases.time("backward"):
+                engine.backward(loss, last=i == len(passes) - 1)
+    t_opt = time.perf_counter()
     value_norm = critic.clip_grads(learner.cfg.learner.max_grad_norm) if critic is not None else 0.0
     if not finite:
         engine.zero_grad()
@@ -162,6 +171,7 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
     if not (finite and math.isfinite(grad_norm)):
         learner.state.nan_steps_skipped += 1
         stepped = False
+    phases.add("optimizer", time.perf_counter() - t_opt)
     return grad_norm, stepped
 
 
@@ -177,9 +187,11 @@ def _backward_shard(learner: Learner, passes: list) -> bool:
     for j, (i, real) in enumerate(plan):
         last = j == len(plan) - 1
         with dist.sync_context(engine, last):
-            loss = passes[i](record=real)
+            with learner.phases.time("forward"):
+                loss = passes[i](record=real)
             finite = finite and bool(torch.isfinite(loss.detach()).all())
-            engine.backward(loss * (world if real else 0.0), last=last)
+            with learner.phases.time("backward"):
+                engine.backward(loss * (world if real else 0.0), last=last)
     if learner.critic is not None:
         learner.critic.average_grads(world)
     return dist.all_true(finite)
@@ -401,5 +413,15 @@ STEPS: dict[str, Callable[[Learner, list], dict[str, float]]] = {"SFT": sft_step
 def train_step(learner: Learner, batch: list) -> dict[str, float]:
     """One optimizer step (``epochs_per_batch`` of them for PPO epochs) on exactly ``batch``:
     ScoredGroups (RL), SFTExamples (SFT) or PreferencePairs (DPO). Deterministic on CPU given
-    the same learner state. Advances ``learner.state.step``; never touches the broker."""
-    return STEPS.get(learner.cfg.training_mode, rl_step)(learner, batch)
+    the same learner state. Advances ``learner.state.step``; never touches the broker.
+
+    Adds its phases to ``learner.phases``: forward, backward and optimizer as they run, and
+    ``collate`` for the rest of the step (rows, advantages, collation, PPO's value pass, metrics)."""
+    phases = learner.phases
+    timed = ("forward", "backward", "optimizer")
+    before = sum(phases.seconds.get(p, 0.0) for p in timed)
+    t0 = time.perf_counter()
+    out = STEPS.get(learner.cfg.training_mode, rl_step)(learner, batch)
+    inside = sum(phases.seconds.get(p, 0.0) for p in timed) - before
+    phases.add("collate", time.perf_counter() - t0 - inside)
+    return out
