@@ -92,7 +92,7 @@ def plain_step(model, opt, groups, cfg, micro: int) -> int:
 def bench_step(model_dir: Path, quick: bool) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    from rlstream.learner.loop import build_learner, train_step
+    from rlstream.learner.steps import build_learner, train_step
 
     cfg = parse_config({"training_mode": "RL_GRPO", "model_checkpoint_path": str(model_dir),
                         "algorithm_params": {"group_size": 8, "kl_coefficient": 0.0},
@@ -122,7 +122,7 @@ def bench_step(model_dir: Path, quick: bool) -> tuple[float, float]:
 
 def bench_compile(model_dir: Path, quick: bool) -> tuple[float, float]:
     """Best step tokens/s of the eager and the compiled learner, interleaved."""
-    from rlstream.learner.loop import build_learner, train_step
+    from rlstream.learner.steps import build_learner, train_step
 
     learners = {}
     for compiled in (False, True):

@@ -66,7 +66,7 @@ def worker(way: str, model_dir: str, steps: int, quick: bool) -> None:
 
     from rlstream.annotators.logprobs import LocalLogprobs
     from rlstream.config import parse_config
-    from rlstream.learner.loop import build_learner, train_step
+    from rlstream.learner.steps import build_learner, train_step
 
     torch.set_num_threads(1)
     group_size, batch_groups = (4, 2) if quick else (8, 4)

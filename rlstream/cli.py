@@ -156,6 +156,12 @@ def cmd_reward_server(args) -> int:
     return _call("rlstream.scorers.reward_server", "cli")(args)
 
 
+def cmd_replay(args) -> int:
+    from rlstream.observe import nats_config
+
+    return _call("rlstream.learner.replay", "cli")(args, nats_config(args))
+
+
 def cmd_observe(name: str):
     def run(args) -> int:
         command = _call(f"rlstream.observe.{name}", "cli")
@@ -344,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
     sp.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
-    sp.set_defaults(fn=cmd_observe("replay"))
+    sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("dashboard", help="a live web page of the run's metrics")
     sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import reprlib
@@ -78,7 +79,63 @@ DAY_S = 86400.0
 # ---- algorithms ------------------------------------------------------------------------
 
 
-class SFTParams(Strict):
+class AlgorithmTraits:
+    """What the rest of the system asks of an algorithm, answered by its params class.
+
+    Components read these properties instead of probing for fields (``getattr(params,
+    "kl_coefficient", 0)``) or comparing ``training_mode`` strings; a new mode answers them
+    once, here. Defaults are those of a supervised, offline objective.
+    """
+
+    @property
+    def is_online(self) -> bool:
+        """The learner's data is sampled by producers and streamed through the broker
+        (prompts -> rollouts -> scored); otherwise it reads an offline dataset."""
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        """The learner loads a frozen reference policy (KL penalty, DPO)."""
+        return False
+
+    @property
+    def needs_value_model(self) -> bool:
+        """The learner trains a value model next to the policy (PPO's critic)."""
+        return False
+
+    @property
+    def group_filter(self) -> bool:
+        """Groups whose rewards are all equal are dropped before batching (DAPO's dynamic sampling)."""
+        return False
+
+    @property
+    def masks_truncated(self) -> bool:
+        """Samples cut at the generation budget get no loss (DAPO's overlong filtering)."""
+        return False
+
+    @property
+    def overlong_shaping(self) -> dict[str, Any]:
+        """Defaults this algorithm gives the ``overlong`` reward rule (``max_length``,
+        ``buffer``, ``factor``; absent: the rule's own defaults)."""
+        return {}
+
+    @property
+    def samples_per_record(self) -> int:
+        """Sequences one trained record holds (a group's ``group_size``; 1 for an example or pair)."""
+        return 1
+
+    @property
+    def staleness_bound(self) -> int:
+        """Most policy versions a streamed sample may lag the learner (0 offline)."""
+        return 0
+
+    @property
+    def distills(self) -> bool:
+        """Token advantages come from the teacher stage's recorded log-probs (on-policy distillation)."""
+        return False
+
+
+class SFTParams(AlgorithmTraits, Strict):
     type: Literal["SFT"] = "SFT"
     packing: bool = False
     """Pack examples into rows of up to ``learner.max_seq_len`` tokens (first-fit decreasing),
@@ -87,7 +144,7 @@ class SFTParams(Strict):
     loss_aggregation: LossAggregation = "token-mean"
 
 
-class DPOParams(Strict):
+class DPOParams(AlgorithmTraits, Strict):
     type: Literal["DPO"] = "DPO"
     beta: float = Field(0.1, gt=0, le=10)
     """Strength of the implicit KL to the reference (Rafailov et al. 2023)."""
@@ -96,6 +153,14 @@ class DPOParams(Strict):
     """Conservative DPO: assumed probability that a preference label is flipped."""
     online_pairs: bool = False
     """Build pairs from scored groups (best vs worst sample) instead of an offline dataset."""
+
+    @property
+    def is_online(self) -> bool:
+        return self.online_pairs
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
 
 
 # ---- off-policy corrections (algorithm_params.off_policy_correction) -------------------------
@@ -232,7 +297,7 @@ def _tagged(value: Any) -> Any:
     return {"type": value} if isinstance(value, str) else value
 
 
-class RLParams(Strict):
+class RLParams(AlgorithmTraits, Strict):
     """Knobs every RL mode shares: group sampling, off-policy correction, KL to reference."""
 
     group_size: int = Field(8, ge=1, le=1024)
@@ -250,6 +315,22 @@ class RLParams(Strict):
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo", "gae"] = "group_relative"
     epochs_per_batch: int = Field(1, ge=1, le=16)
     """Optimizer passes over each batch (PPO epochs)."""
+
+    @property
+    def is_online(self) -> bool:
+        return True
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coefficient > 0
+
+    @property
+    def samples_per_record(self) -> int:
+        return self.group_size
+
+    @property
+    def staleness_bound(self) -> int:
+        return self.max_staleness
 
     @model_validator(mode="before")
     @classmethod
@@ -295,6 +376,10 @@ class PPOParams(RLParams):
     value_lr: float | None = Field(None, gt=0, le=10)
     """Learning rate of the value head; defaults to the learner's."""
 
+    @property
+    def needs_value_model(self) -> bool:
+        return True
+
 
 class GRPOParams(RLParams):
     type: Literal["RL_GRPO"] = "RL_GRPO"
@@ -318,6 +403,23 @@ class DAPOParams(RLParams):
     """Overlong reward shaping: soft-penalty window before max length (default: max length / 5)."""
     overlong_penalty_factor: float = Field(1.0, ge=0, le=1e6)
     loss_aggregation: LossAggregation = "token-mean"
+
+    @property
+    def group_filter(self) -> bool:
+        return self.dynamic_sampling
+
+    @property
+    def masks_truncated(self) -> bool:
+        return self.overlong_filtering
+
+    @property
+    def overlong_shaping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"factor": self.overlong_penalty_factor}
+        if self.overlong_max_length is not None:
+            out["max_length"] = self.overlong_max_length
+        if self.overlong_buffer is not None:
+            out["buffer"] = self.overlong_buffer
+        return out
 
     @model_validator(mode="after")
     def _clip_order(self):
@@ -356,6 +458,10 @@ class DistillParams(RLParams):
     reward_weight: float = Field(0.0, ge=0, le=100)
     """Adds this times the group-relative reward advantage (0: pure distillation; the rewards
     are still scored and reported)."""
+
+    @property
+    def distills(self) -> bool:
+        return True
 
 
 AlgorithmParams = Annotated[
@@ -673,21 +779,27 @@ class LearnerConfig(Strict):
             raise ValueError("weights_transport 'shared_path' needs learner.shared_path")
         return self
 
-    def deepspeed_config(self, world_size: int = 1) -> dict[str, Any]:
+    def deepspeed_config(self, world_size: int | None = None, accumulation: int | None = None) -> dict[str, Any]:
         """The DeepSpeed dict with batch, accumulation, clipping and precision from this config.
 
         Values the user wrote are kept when they agree (``"auto"`` is filled in); a value that
-        disagrees is an error, so the two can never silently differ.
+        disagrees is an error, so the two can never silently differ. ``accumulation`` (the
+        step's micro-batches, :attr:`Config.accumulation_steps`) and ``world_size`` (ranks)
+        derive ``gradient_accumulation_steps`` and ``train_batch_size`` when given.
         """
         ds = self.deepspeed
         if isinstance(ds, str):
             ds = read_json_file(ds, "learner.deepspeed")
         ds = dict(ds or {})
         micro = self.micro_batch_size
-        derived = {
+        derived: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_clipping": self.max_grad_norm or 0.0,
         }
+        if accumulation is not None:
+            derived["gradient_accumulation_steps"] = max(1, accumulation)
+            if world_size is not None:
+                derived["train_batch_size"] = micro * max(1, accumulation) * world_size
         for key, want in derived.items():
             have = ds.get(key, "auto")
             if have not in ("auto", None) and have != want:
@@ -801,7 +913,12 @@ class Config(Strict):
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
             raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
+        if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
+            raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
         if self.data_source.sampling_endpoint and self.producer.backend != "openai":
+            if "backend" in self.producer.model_fields_set:
+                raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
+                                 "(served by the 'openai' backend); remove one of them or set producer.backend: openai")
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
@@ -813,14 +930,25 @@ class Config(Strict):
             raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
         if self.learner.engine == "deepspeed":
             try:
-                self.learner.deepspeed_config()
+                self.learner.deepspeed_config(accumulation=self.accumulation_steps)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return self
 
     @property
+    def is_online(self) -> bool:
+        """The learner trains on the stream (producers and scorers run); see ``AlgorithmTraits``."""
+        return self.algorithm_params.is_online
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches (forward/backward passes) in one optimizer step."""
+        per_step = self.learner.batch_groups * self.algorithm_params.samples_per_record
+        return max(1, math.ceil(per_step / self.learner.micro_batch_size))
+
+    @property
     def is_rl(self) -> bool:
-        return self.training_mode in RL_MODES
+        return isinstance(self.algorithm_params, RLParams)
 
     @property
     def learner_reads_dataset(self) -> bool:
@@ -829,7 +957,7 @@ class Config(Strict):
 
     @property
     def group_size(self) -> int:
-        return getattr(self.algorithm_params, "group_size", 1)
+        return self.algorithm_params.samples_per_record
 
     @property
     def annotators(self) -> tuple[str, ...]:
@@ -838,7 +966,7 @@ class Config(Strict):
 
     @property
     def max_staleness(self) -> int:
-        return getattr(self.algorithm_params, "max_staleness", 0)
+        return self.algorithm_params.staleness_bound
 
     def resolved(self) -> dict[str, Any]:
         """The full config with defaults filled in and secrets masked (for config.resolved.json):

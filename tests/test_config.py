@@ -102,6 +102,23 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
         load_config(p)
 
 
+def test_an_explicit_value_that_conflicts_is_an_error_not_rewritten():
+    # a sampling endpoint selects the openai backend only when producer.backend is not given
+    with pytest.raises(ConfigError, match=r"producer\.backend 'hf'.*sampling_endpoint"):
+        parse_config({**SEED, "producer": {"backend": "hf"}})
+    assert parse_config({**SEED, "producer": {"backend": "openai"}}).producer.backend == "openai"
+    # DeepSpeed's accumulation: batch_groups 8 x group_size 8 = 64 sequences / micro 4 = 16 passes
+    learner = {"engine": "deepspeed", "micro_batch_size": 4, "batch_groups": 8}
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 3 disagrees.*16"):
+        parse_config({**SEED, "learner": {**learner, "deepspeed": {"gradient_accumulation_steps": 3}}})
+    cfg = parse_config({**SEED, "learner": {**learner, "deepspeed": {"gradient_accumulation_steps": 16, "train_batch_size": "auto"}}})
+    ds = cfg.learner.deepspeed_config(world_size=2, accumulation=cfg.accumulation_steps)
+    assert (ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (16, 4 * 16 * 2)
+    with pytest.raises(ConfigError, match=r"train_batch_size = 64 disagrees.*128"):
+        cfg.learner.deepspeed = {"train_batch_size": 64}
+        cfg.learner.deepspeed_config(world_size=2, accumulation=cfg.accumulation_steps)
+
+
 # ---- hostile or broken configs: refused fast, one line per problem -------------------------------
 
 
@@ -229,6 +246,8 @@ def test_reward_token_from_the_environment(monkeypatch):
         cfg.reward_function.token_value()
     with pytest.raises(ConfigError, match="token or reward_function.token_env, not both"):
         parse_config({**SEED, "reward_function": {"type": "model_based", "endpoint": "http://rm/score", "token": "x", "token_env": "V"}})
+
+
 def test_reference_and_teacher_stages_and_distill():
     base = {"model_checkpoint_path": "m", "data_source": {"type": "on_policy"}}
     cfg = parse_config({**base, "training_mode": "RL_GRPO", "reference": {}})
@@ -250,6 +269,8 @@ def test_reference_and_teacher_stages_and_distill():
     ):
         with pytest.raises(ConfigError, match=message):
             parse_config(data)
+
+
 @pytest.mark.parametrize("section, key, ours", [
     ("algorithm_params", "num_generations", "algorithm_params.group_size"),
     ("learner", "learning_rate", "learner.lr"),

@@ -5,7 +5,7 @@ of rollout groups that may exist in total. After publishing policy version ``v``
 consumed ``c`` groups, it sets ``admit = c + min(buffer.max_groups, batch_groups *
 (max_staleness + 1) / keep_rate)``, where ``keep_rate`` is the share of groups DAPO's
 dynamic sampling is expected to keep (1 without it; see
-``rlstream.learner.advantages.admission_window``), so the groups in flight hold enough
+``rlstream.pacing``, the one place the formula is written), so the groups in flight hold enough
 trainable ones. Producers compare it with the rollouts stream's message count and
 wait while it is reached. So with ``max_staleness: 0`` each batch is sampled by the
 latest weights (synchronous RL); with ``k`` producers run up to ``k`` versions ahead.

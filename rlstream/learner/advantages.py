@@ -24,7 +24,7 @@ How each function relates to its paper:
   DAPO's dynamic sampling drops groups whose rewards are all equal (zero advantage,
   zero gradient) and keeps sampling until the batch is full; here we only return the keep
   mask, the loop keeps filling. Overlong filtering masks the loss of truncated samples.
-- :func:`update_keep_rate` / :func:`admission_window`: dynamic sampling when the learner runs
+- :func:`update_keep_rate` / :func:`admission_window` (from :mod:`rlstream.pacing`): dynamic sampling when the learner runs
   asynchronously. The paper's trainer is synchronous: it samples another round whenever the
   filter leaves the batch short. Here producers run ahead, paced by ``pacing.admit``, so the
   pacing window is widened by the expected share of groups the filter keeps (an exponential
@@ -44,12 +44,13 @@ How each function relates to its paper:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from rlstream.pacing import admission_window  # re-exported: the pacing window is spelled once, in rlstream.pacing
 
 __all__ = [
     "distill_advantages",
@@ -232,22 +233,6 @@ def update_keep_rate(rate: float, kept: bool, horizon: int) -> float:
     if horizon < 1:
         raise ValueError(f"horizon must be >= 1, got {horizon}")
     return rate + ((1.0 if kept else 0.0) - rate) / horizon
-
-
-def admission_window(batch_groups: int, max_staleness: int, max_groups: int, keep_rate: float = 1.0,
-                     min_keep_rate: float = 0.125) -> int:
-    """Groups that may exist beyond those the learner consumed (the pacing window).
-
-    ``min(max_groups, ceil(batch_groups * (max_staleness + 1) / keep_rate))``: enough that the
-    groups in flight are expected to hold ``max_staleness + 1`` batches of *trainable* groups,
-    so the learner's batch fills without waiting while every admitted group is still expected
-    to be trained within the staleness bound. ``keep_rate`` is floored at ``min_keep_rate``
-    (a run where the filter drops everything must not admit without bound) and the window is
-    capped by the buffer (``max_groups``). With ``keep_rate = 1`` it is the plain window.
-    """
-    rate = min(1.0, max(keep_rate, min_keep_rate))
-    want = math.ceil(batch_groups * (max_staleness + 1) / rate - 1e-9)
-    return max(1, min(max_groups, want))
 
 
 def overlong_mask(finish_reasons: list[str]) -> Tensor:

@@ -10,9 +10,9 @@ A checkpoint directory holds:
   ``trainer/optimizer_rank{r}.safetensors`` (fp32 master partitions + Adam moments, the
   rank's JSON meta in the safetensors header); ``learner_state.json`` records the world size,
   and a resume loads rank r's file on rank r (same world size required);
-- ``trainer/value_head.safetensors`` + ``trainer/value_optimizer.safetensors`` for PPO (in
-  ``trainer/`` so the directory stays loadable by vLLM, which reads every top-level
-  ``*.safetensors``);
+- ``trainer/value_head.safetensors`` + ``trainer/value_optimizer.safetensors`` for PPO
+  (:class:`rlstream.learner.critic.ValueHead` writes them; in ``trainer/`` so the directory
+  stays loadable by vLLM, which reads every top-level ``*.safetensors``);
 - ``learner_state.json``: step, policy version, the ids already trained (and dropped), the
   records pending ack when it was written, the stream position, RNG states, the offline
   dataset's epoch position and per-epoch usage.
@@ -46,6 +46,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from rlstream.learner import critic
 from rlstream.rundir import RunDir
 
 STATE_FILE = "learner_state.json"
@@ -231,13 +232,8 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
             tensors, meta = engine.optimizer_tensors()
             save_file(tensors, str(trainer_dir / "optimizer.safetensors"))
         extra: dict[str, Any] = {"optimizer": meta, "engine": engine.name}
-        if learner.value_head is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in learner.value_head.state_dict().items()}, str(trainer_dir / "value_head.safetensors"))
-            from rlstream.learner.engines import optimizer_to_tensors
-
-            vt, vmeta = optimizer_to_tensors(learner.value_optimizer)
-            save_file(vt, str(trainer_dir / "value_optimizer.safetensors"))
-            extra["value_optimizer"] = vmeta
+        if learner.critic is not None:
+            extra[critic.META_KEY] = learner.critic.save(trainer_dir)
         state.rng = capture_rng()
         doc = {**state.to_json(), "extra": extra, "saved_at": time.time()}
         (tmp / STATE_FILE).write_text(json.dumps(doc))
@@ -296,11 +292,8 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
         engine.load_optimizer_tensors(*load_optimizer_shard(trainer_dir / optimizer_shard_name(engine.rank)))
     elif opt_file.exists() and opt_meta:
         engine.load_optimizer_tensors(load_file(str(opt_file)), opt_meta)
-    if learner.value_head is not None and (trainer_dir / "value_head.safetensors").exists():
-        learner.value_head.load_state_dict(load_file(str(trainer_dir / "value_head.safetensors")))
-        from rlstream.learner.engines import optimizer_from_tensors
-
-        optimizer_from_tensors(learner.value_optimizer, load_file(str(trainer_dir / "value_optimizer.safetensors")), extra["value_optimizer"])
+    if learner.critic is not None:
+        learner.critic.load(trainer_dir, extra.get(critic.META_KEY, {}))
     restore_rng(state.rng)
     learner.state = state
     return state

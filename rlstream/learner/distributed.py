@@ -28,7 +28,7 @@ import logging
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -180,28 +180,37 @@ def sync_context(engine: Engine, last: bool):
 # ---- ranks > 0 ---------------------------------------------------------------------------------------
 
 
-def follow(learner, run_dir, limits: Limits | None = None) -> int:
-    """The loop of a rank > 0: obey rank 0's messages until ``stop``. Never touches the broker
-    nor the run directory (``save_checkpoint`` writes files on rank 0 only)."""
-    from rlstream.learner.checkpoint import load_checkpoint, save_checkpoint
-    from rlstream.learner.loop import train_step
+class Follower(Protocol):
+    """What a rank > 0 does on rank 0's messages (:class:`rlstream.learner.runner.LocalRunner`)."""
 
-    engine = learner.engine
+    rank: int
+
+    def resume(self, path: str | None) -> object: ...
+
+    def step(self, batch: list) -> object: ...
+
+    def save(self) -> object: ...
+
+    def join_publish(self) -> None: ...
+
+
+def follow(local: Follower, limits: Limits | None = None) -> int:
+    """The loop of a rank > 0: obey rank 0's messages until ``stop``. The work itself is
+    ``local``'s (the same step, save and gathering rank 0 runs); this loop never touches the
+    broker nor the run directory (``save_checkpoint`` writes files on rank 0 only)."""
     steps = 0
     while True:
         msg = receive(limits)
         if msg.op is Op.STOP:
             break
         if msg.op is Op.STEP:
-            train_step(learner, msg.records)
+            local.step(msg.records)
             steps += 1
         elif msg.op is Op.RESUME:
-            if msg.fields.get("path"):
-                load_checkpoint(learner, msg.fields["path"])
+            local.resume(msg.fields.get("path") or None)
         elif msg.op is Op.CHECKPOINT:
-            save_checkpoint(learner, run_dir)
+            local.save()
         elif msg.op is Op.PUBLISH:
-            if engine.gathers_weights:
-                engine.full_state_dict()
-    log.info("rank %d: stopped after %d steps", engine.rank, steps)
+            local.join_publish()
+    log.info("rank %d: stopped after %d steps", local.rank, steps)
     return 0

@@ -236,9 +236,7 @@ class DeepSpeedEngine:
         init_deepspeed_single_process()
         self.lcfg = lcfg
         self.rank, self.world_size = world()
-        ds = lcfg.deepspeed_config(self.world_size)
-        ds["gradient_accumulation_steps"] = max(1, accumulation)
-        ds["train_batch_size"] = lcfg.micro_batch_size * ds["gradient_accumulation_steps"] * self.world_size
+        ds = lcfg.deepspeed_config(self.world_size, accumulation)
         ds.setdefault("steps_per_print", 10**9)
         ds.setdefault("wall_clock_breakdown", False)
         self.stage = int(ds.get("zero_optimization", {}).get("stage", 0))

@@ -1,4 +1,5 @@
-"""Operator tools: tail, status, export/import, replay, the live dashboard.
+"""Operator tools: tail, status, export/import, the live dashboard (``replay`` re-runs the learner's
+steps, so it lives in :mod:`rlstream.learner.replay`).
 
 Each command module exposes ``cli(args) -> int`` (called by ``rlstream.cli``), most of
 them made by :func:`command` from an ``async def run_x(args) -> int``. The helpers here are

@@ -57,6 +57,7 @@ from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
+from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -82,11 +83,6 @@ class ProducerStats:
     group_ids: list[str] = field(default_factory=list)
     drain_naks: int = 0
     """Prompts given back at SIGTERM because their batch did not finish within the drain timeout."""
-
-
-def default_admit(cfg) -> int:
-    """The pacing bound before the learner has written ``pacing.admit``."""
-    return min(cfg.buffer.max_groups, cfg.learner.batch_groups * (cfg.max_staleness + 1))
 
 
 class GenerationTimeout(ProducerError):
@@ -176,7 +172,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     spec = SamplingSpec.from_config(cfg)
     sampling = spec.describe(backend.name)
     keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3
-    bound = default_admit(cfg)
+    bound = admit_bound(cfg)  # before the learner has written pacing.admit
     stats = ProducerStats()
     reporter = comp.reporter
     n_lanes = p.pipeline_batches or backend.concurrent_batches

@@ -120,7 +120,7 @@ class Child:
 
 def streaming(cfg: Config) -> bool:
     """The learner's data comes through the broker (RL, or DPO with online pairs)."""
-    return cfg.is_rl or (cfg.training_mode == "DPO" and getattr(cfg.algorithm_params, "online_pairs", False))
+    return cfg.is_online
 
 
 def child_env(cfg: Config) -> dict[str, str]:

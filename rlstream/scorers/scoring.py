@@ -143,19 +143,15 @@ def _answers(flat: Flat, column: str) -> list[str]:
 
 
 def overlong_settings(cfg: Config, params: dict[str, Any]) -> dict[str, Any]:
-    """DAPO's overlong shaping scaled to this config: the term's params win; then, in
-    RL_DAPO, ``algorithm_params.overlong_*``; then ``producer.max_new_tokens`` for the max
-    length and a fifth of it for the buffer."""
-    ap = cfg.algorithm_params
-    dapo = cfg.training_mode == "RL_DAPO"
-    max_length = params.get("max_length") or (dapo and ap.overlong_max_length) or cfg.producer.max_new_tokens
-    buffer = params.get("buffer")
+    """DAPO's overlong shaping scaled to this config: the term's params win; then the
+    algorithm's defaults (``algorithm_params.overlong_*`` in RL_DAPO); then
+    ``producer.max_new_tokens`` for the max length, a fifth of it for the buffer, factor 1."""
+    q = {**cfg.algorithm_params.overlong_shaping, **{k: v for k, v in params.items() if v is not None}}
+    max_length = q.get("max_length") or cfg.producer.max_new_tokens
+    buffer = q.get("buffer")
     if buffer is None:
-        buffer = ap.overlong_buffer if dapo and ap.overlong_buffer is not None else max_length // 5
-    factor = params.get("factor")
-    if factor is None:
-        factor = ap.overlong_penalty_factor if dapo else 1.0
-    return {"max_length": int(max_length), "buffer": int(buffer), "factor": float(factor)}
+        buffer = max_length // 5
+    return {"max_length": int(max_length), "buffer": int(buffer), "factor": float(q.get("factor", 1.0))}
 
 
 def _check_params(term: RewardTerm, allowed: set[str]) -> None:

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from e2e_helpers import read_jsonl, run_cmd, wait_for_step, write_data
+from helpers.runs import read_jsonl, run_cmd, wait_for_step, write_data
 
 from rlstream.broker import EmbeddedServer
 from rlstream.broker.telemetry import STAGE_PHASES, phase_key

@@ -20,7 +20,7 @@ from rlstream.broker import connect
 from rlstream.broker.layout import Layout
 from rlstream.config import dump_resolved, parse_config
 from rlstream.learner.loop import main as learner_main
-from rlstream.observe.replay import replay
+from rlstream.learner.replay import replay
 from rlstream.schemas import ScoredGroup
 from helpers.groups import make_cfg, publish_groups, sample_groups
 

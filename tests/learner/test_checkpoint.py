@@ -13,7 +13,7 @@ from helpers.groups import make_cfg, sample_groups
 from safetensors.torch import load_file
 
 from rlstream.learner.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_checkpoint_resume_continues_bitwise(tiny_model_dir, tmp_path, groups, m
     for k, v in a.model.state_dict().items():
         assert torch.equal(v, b.model.state_dict()[k]), k
     if mode == "RL_PPO":
-        assert torch.equal(a.value_head.weight, b.value_head.weight)
+        assert torch.equal(a.critic.head.weight, b.critic.head.weight)
 
 
 def test_checkpoint_is_an_hf_dir_without_pickle(tiny_model_dir, tmp_path, groups):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.groups import make_cfg, sample_groups
 
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 
 
 @pytest.mark.slow

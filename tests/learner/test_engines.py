@@ -8,7 +8,7 @@ from helpers.groups import make_cfg, sample_groups
 
 from rlstream.config import LearnerConfig
 from rlstream.learner.engines import lr_at
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 
 
 def test_lr_schedule_by_hand():

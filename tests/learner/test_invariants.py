@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.groups import make_cfg, sample_groups
 
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_nonfinite_loss_skips_the_step(tiny_model_dir, tmp_path, groups):
 
 def test_overlong_filtering_masks_truncated_samples(tiny_model_dir, tmp_path, groups):
     cfg = make_cfg(tiny_model_dir, "RL_DAPO", algo={"group_size": 4, "overlong_filtering": True})
-    from rlstream.learner.loop import group_rows
+    from rlstream.learner.steps import group_rows
 
     rows, _ = group_rows(cfg, groups)
     reasons = [s.finish_reason for g in groups for s in g.rollout.samples]

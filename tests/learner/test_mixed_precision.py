@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.groups import make_cfg
 
-from rlstream.learner.loop import build_learner, sft_step
+from rlstream.learner.steps import build_learner, sft_step
 from rlstream.schemas import SFTExample
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from rlstream.annotators.logprobs import LocalLogprobs
 from rlstream.config import parse_config
-from rlstream.learner.loop import LearnerError, build_learner, train_step
+from rlstream.learner.steps import LearnerError, build_learner, train_step
 from helpers.groups import make_cfg, sample_groups
 
 

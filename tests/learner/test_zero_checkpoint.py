@@ -11,7 +11,7 @@ from helpers.groups import make_cfg, sample_groups
 from safetensors import safe_open
 
 from rlstream.learner.checkpoint import load_checkpoint, save_checkpoint
-from rlstream.learner.loop import build_learner, train_step
+from rlstream.learner.steps import build_learner, train_step
 
 pytestmark = pytest.mark.deepspeed
 

@@ -7,13 +7,16 @@ checkpoints to ``RUN_DIR/checkpoints/step_K`` (the state after step K). Replay l
 config (``RUN_DIR/config.resolved.json``, with ``--set`` overrides), builds the learner in a
 scratch directory (the run's own files are never written), restores ``step_K``, fetches
 the groups of steps K+1 .. K+N from the scored stream by sequence (``js.get_msg``) and runs
-:func:`rlstream.learner.loop.train_step` on each. The losses (``loss/*``) and the gradient
+:func:`rlstream.learner.steps.train_step` on each. The losses (``loss/*``) and the gradient
 norm (``optim/grad_norm``) must equal the recorded ones: bitwise by default (on CPU with the
 same engine and thread count training is deterministic), or within ``--rtol``/``--atol``.
 It prints a table and the first step that differs, and exits 1 if one does.
 
 Only streamed (RL) steps can be replayed: offline SFT/DPO steps come from the dataset,
 not the stream.
+
+It lives with the learner (it is the learner's step, run again); the CLI puts it among the
+operator commands.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ from rlstream.broker.connection import connect
 from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import Layout
 from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
-from rlstream.observe import ObserveError, fail, nats_config
+from rlstream.learner.checkpoint import load_checkpoint
+from rlstream.learner.steps import build_learner, train_step
 from rlstream.rundir import RunDir
 from rlstream.schemas import ScoredGroup
+
+
+class ReplayError(Exception):
+    """A problem an operator can fix (missing checkpoint, step or record); printed, exit 2."""
 
 ALWAYS_COMPARED = ("loss/total", "optim/grad_norm")
 
@@ -44,14 +52,14 @@ ALWAYS_COMPARED = ("loss/total", "optim/grad_norm")
 def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     path = RunDir(run_dir).metrics
     if not path.exists():
-        raise ObserveError(f"{path} does not exist (not a learner run directory?)")
+        raise ReplayError(f"{path} does not exist (not a learner run directory?)")
     out = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ObserveError(f"{path}:{n}: not JSON ({exc})") from None
+                raise ReplayError(f"{path}:{n}: not JSON ({exc})") from None
             out[int(rec["step"])] = rec  # a resumed run rewrote later steps: the last line wins
     return out
 
@@ -59,11 +67,11 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
 def load_run_config(run_dir: Path, overrides: list[str]):
     path = RunDir(run_dir).config
     if not path.exists():
-        raise ObserveError(f"{path} does not exist")
+        raise ReplayError(f"{path} does not exist")
     try:
         return parse_config(apply_overrides(json.loads(path.read_text()), overrides))
     except ConfigError as exc:
-        raise ObserveError(str(exc)) from None
+        raise ReplayError(str(exc)) from None
 
 
 def compared_keys(recorded: dict[str, Any]) -> list[str]:
@@ -96,7 +104,7 @@ async def fetch_groups(url: str, run: str, seqs: list[int], stages: tuple[str, .
             try:
                 raw = await js.get_msg(stream, seq)
             except Exception as exc:  # name the missing record instead of a bare API error
-                raise ObserveError(f"stream {stream} has no message {seq} ({type(exc).__name__}: {exc}); "
+                raise ReplayError(f"stream {stream} has no message {seq} ({type(exc).__name__}: {exc}); "
                                    "was it removed by retention?") from None
             out[seq] = ScoredGroup.decode(raw.data)
         return out
@@ -108,26 +116,24 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
            atol: float = 0.0, nats_cfg: NatsConfig | None = None) -> dict[str, Any]:
     """``nats_cfg``: the operator's credentials (``--nats-user`` ...); when it has none, the run's
     config (its ``nats`` section, with ``*_env`` secrets read here) is used."""
-    from rlstream.learner.loop import build_learner, load_checkpoint, train_step
-
     cfg = load_run_config(run_dir, overrides)
     if not cfg.is_rl:
-        raise ObserveError(f"training_mode {cfg.training_mode}: replay re-runs streamed RL steps only")
+        raise ReplayError(f"training_mode {cfg.training_mode}: replay re-runs streamed RL steps only")
     metrics = read_metrics(run_dir)
     ckpt = RunDir(run_dir).checkpoint(from_step)
     if not ckpt.is_dir():
         have = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
-        raise ObserveError(f"no checkpoint {ckpt}; available: {', '.join(have) or 'none'}")
+        raise ReplayError(f"no checkpoint {ckpt}; available: {', '.join(have) or 'none'}")
     wanted = list(range(from_step + 1, from_step + steps + 1))
     missing = [s for s in wanted if s not in metrics]
     if missing:
-        raise ObserveError(f"metrics.jsonl has no step {missing[0]} (it records steps {min(metrics, default=0)}..{max(metrics, default=0)})")
+        raise ReplayError(f"metrics.jsonl has no step {missing[0]} (it records steps {min(metrics, default=0)}..{max(metrics, default=0)})")
     for s in wanted:
         if not metrics[s].get("scored_seqs"):
-            raise ObserveError(f"step {s} in metrics.jsonl lists no scored_seqs")
+            raise ReplayError(f"step {s} in metrics.jsonl lists no scored_seqs")
     url = url or cfg.nats.url
     if not url:
-        raise ObserveError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
+        raise ReplayError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
     seqs = [q for s in wanted for q in metrics[s]["scored_seqs"]]
     has_creds = nats_cfg is not None and (nats_cfg.user or nats_cfg.token_env or nats_cfg.creds_file)
     groups = asyncio.run(fetch_groups(url, cfg.run, seqs, cfg.annotators, nats_cfg if has_creds else cfg.nats))
@@ -138,7 +144,7 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
         learner = build_learner(cfg, Path(scratch))
         state = load_checkpoint(learner, ckpt)
         if state.step != from_step:
-            raise ObserveError(f"{ckpt} holds step {state.step}, not {from_step}")
+            raise ReplayError(f"{ckpt} holds step {state.step}, not {from_step}")
         for s in wanted:
             batch = [groups[q] for q in metrics[s]["scored_seqs"]]
             got = train_step(learner, batch)
@@ -176,14 +182,17 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"[red]first differing step: {result['first_diff']}[/] ({', '.join(row['differs'])})")
 
 
-def cli(args) -> int:
+def cli(args, nats_cfg: NatsConfig | None = None) -> int:
+    """``nats_cfg``: the operator's credentials, built by the CLI from ``--nats-user`` ... and the
+    environment (:func:`rlstream.observe.nats_config`)."""
     rtol = getattr(args, "rtol", 0.0) or 0.0
     atol = getattr(args, "atol", 0.0) or 0.0
     try:
         url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
-        result = replay(Path(args.run_dir), args.from_step, args.steps, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_config(args))
-    except (ObserveError, BrokerError) as exc:
-        return fail(str(exc))
+        result = replay(Path(args.run_dir), args.from_step, args.steps, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_cfg)
+    except (ReplayError, BrokerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result))
     else:

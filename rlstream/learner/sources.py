@@ -1,0 +1,270 @@
+"""Batch sources: where the learner's batches come from, and when what it trained is acked.
+
+A source gives the loop three things:
+
+- ``take(stop)``: the next batch (None: the data is exhausted, or ``stop`` was set);
+- ``hold(taken)``: the batch was trained; keep it unacked until a checkpoint holds its effect;
+- ``ack_through(checkpoint)``: record the source's position in the state, run the checkpoint,
+  and, once it is durable, ack everything held.
+
+:class:`OfflineSource` reads an SFT or DPO dataset in epoch order (its position is the
+state's epoch and offset; nothing to ack); :class:`ShardSource` reads WebDataset shards. :class:`StreamSource` pulls scored groups from
+the broker into the bounded :class:`~rlstream.learner.buffer.GroupBuffer`, drops duplicate,
+too-stale and (with a group filter) all-equal-reward groups, and owns the learner's side of
+pacing (``pacing.admit``, see :mod:`rlstream.pacing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+import numpy as np
+import torch
+
+from rlstream.learner import advantages as adv
+from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
+from rlstream.learner.steps import Learner
+from rlstream.pacing import admit_bound
+from rlstream.schemas import Limits, ScoredGroup
+
+Checkpoint = Callable[[], Awaitable[Path | None]]
+"""Writes a checkpoint: its path, or None when the write failed (nothing may be acked then)."""
+
+KEEP_RATE_BATCHES = 4
+"""Dynamic sampling's keep rate is averaged over about this many batches of groups."""
+
+
+@dataclass
+class Taken:
+    """One batch: its records, and for a stream the deliveries they came in."""
+
+    records: list
+    deliveries: list = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.id for r in self.records]
+
+    @property
+    def stream_seqs(self) -> list[int]:
+        return [d.stream_seq for d in self.deliveries]
+
+
+class BatchSource(Protocol):
+    async def take(self, stop: asyncio.Event) -> Taken | None: ...
+
+    def hold(self, taken: Taken) -> None: ...
+
+    async def ack_through(self, checkpoint: Checkpoint) -> Path | None: ...
+
+    @property
+    def held(self) -> int:
+        """Records trained (or dropped) but not yet acked."""
+
+    async def published(self) -> None:
+        """New weights went out (a stream re-admits producers)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+# ---- offline datasets ----------------------------------------------------------------------
+
+
+LOADERS = {"SFT": load_sft, "DPO": load_dpo}
+"""Dataset loader per offline training mode."""
+
+
+class OfflineSource:
+    """An SFT or DPO dataset, batch after batch in epoch order (``data_source.epochs``)."""
+
+    def __init__(self, learner: Learner, examples: list):
+        self.learner = learner
+        self.examples = examples
+
+    @classmethod
+    async def open(cls, learner: Learner) -> "OfflineSource":
+        cfg = learner.cfg
+        examples = await asyncio.to_thread(LOADERS[cfg.training_mode], cfg.data_source, learner.tokenizer)
+        return cls(learner, examples)
+
+    async def take(self, stop: asyncio.Event) -> Taken | None:
+        ds, lcfg = self.learner.cfg.data_source, self.learner.cfg.learner
+        batch = next_offline_batch(self.examples, self.learner.state, lcfg.batch_groups, ds.epochs, ds.shuffle_seed)
+        return Taken(batch) if batch is not None else None
+
+    def hold(self, taken: Taken) -> None:
+        return None  # the state's epoch position is the whole record of what was used
+
+    async def ack_through(self, checkpoint: Checkpoint) -> Path | None:
+        return await checkpoint()
+
+    @property
+    def held(self) -> int:
+        return 0
+
+    async def published(self) -> None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {"buffer/depth": 0.0}
+
+    def summary(self) -> dict[str, Any]:
+        return {"dataset_size": len(self.examples), "epochs": epoch_summary(self.learner.state, len(self.examples))}
+
+
+class ShardSource(OfflineSource):
+    """SFT examples or DPO pairs streamed from WebDataset shards (``data_source.type:
+    webdataset``); the reader's position is the state's ``data_cursor``."""
+
+    def __init__(self, learner: Learner, shards: ShardBatches):
+        super().__init__(learner, [])
+        self.shards = shards
+
+    @classmethod
+    async def open(cls, learner: Learner) -> "ShardSource":
+        return cls(learner, await asyncio.to_thread(ShardBatches, learner.cfg, learner.tokenizer, learner.state.data_cursor))
+
+    async def take(self, stop: asyncio.Event) -> Taken | None:
+        batch = await asyncio.to_thread(self.shards.next_batch, self.learner.state, self.learner.cfg.learner.batch_groups)
+        return Taken(batch) if batch is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        # the size is not known without reading every shard
+        return {"dataset_size": None, "epochs": epoch_summary(self.learner.state, None)}
+
+
+# ---- the scored stream ----------------------------------------------------------------------
+
+
+@dataclass
+class StreamBatch:
+    deliveries: list
+    dropped_stale: int = 0
+    dropped_filtered: int = 0
+    duplicates: int = 0
+
+
+async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None) -> StreamBatch | None:
+    """The next ``batch_groups`` trainable groups in stream order. Already-trained ids,
+    too-stale groups and (with a group filter) all-equal-reward groups are dropped, counted
+    and held for ack. None when ``stop`` is set first (the groups taken so far are put back).
+
+    ``on_drop`` (async, no arguments) runs after each dropped group: the stream uses it to
+    admit a replacement, or producers paced on ``pacing.admit`` would wait forever for a
+    batch that dropped groups can never fill."""
+    cfg, state = learner.cfg, learner.state
+    group_filter = cfg.algorithm_params.group_filter
+    out = StreamBatch([])
+    while len(out.deliveries) < cfg.learner.batch_groups:
+        d = await buf.next(stop)
+        if d is None:
+            buf.rewind(out.deliveries)
+            return None
+        g: ScoredGroup = d.record
+        if g.id in learner.done_ids or any(x.record.id == g.id for x in out.deliveries):
+            state.duplicates_skipped += 1
+            out.duplicates += 1
+            buf.mark_handled(d)
+            continue
+        state.groups_consumed += 1
+        stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
+        filtered = False
+        if group_filter and not stale:
+            filtered = not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0])
+            state.keep_rate = adv.update_keep_rate(state.keep_rate, not filtered, KEEP_RATE_BATCHES * cfg.learner.batch_groups)
+        if stale or filtered:
+            if stale:
+                state.dropped_stale += 1
+                out.dropped_stale += 1
+            else:
+                state.dropped_filtered += 1
+                out.dropped_filtered += 1
+            state.dropped_ids.append(g.id)
+            learner.done_ids.add(g.id)
+            buf.mark_handled(d)
+            if on_drop is not None:
+                await on_drop()
+            continue
+        out.deliveries.append(d)
+    return out
+
+
+class StreamSource:
+    """Scored groups from the broker, through the bounded buffer, in stream order."""
+
+    def __init__(self, learner: Learner, comp, buf, consumer):
+        self.learner = learner
+        self.comp = comp
+        self.buf = buf
+        self.consumer = consumer
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, learner: Learner, comp) -> AsyncIterator["StreamSource"]:
+        """Start the consumer and the buffer's fill and hold tasks; stop them on the way out."""
+        from rlstream.broker.io import Consumer
+        from rlstream.learner.buffer import GroupBuffer, fill, hold
+
+        cfg = learner.cfg
+        # token ids outside the model's vocabulary would crash the forward pass: such
+        # groups are rejected at decode and dead-lettered with the reason instead
+        limits = Limits(vocab_size=int(learner.model.config.vocab_size))
+        consumer = await Consumer(comp.js, comp.layout, comp.layout.LEARNER, ScoredGroup, stage="learner",
+                                  max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
+        buf = GroupBuffer(cfg.buffer.max_groups, gap_timeout_s=cfg.nats.ack_wait_s * 1.5 + 1.0, next_seq=learner.state.next_seq)
+        tasks_stop = asyncio.Event()
+        tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
+                 asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
+        source = cls(learner, comp, buf, consumer)
+        try:
+            await source.published()
+            yield source
+        finally:
+            # always stop the fill/hold tasks, also when a step raised: nats-py turns the
+            # cancellation of a pending fetch into a timeout, so only the event ends them
+            tasks_stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await consumer.sub.unsubscribe()
+
+    async def take(self, stop: asyncio.Event) -> Taken | None:
+        taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.published)
+        if taken is None:
+            return None
+        return Taken([d.record for d in taken.deliveries], taken.deliveries)
+
+    def hold(self, taken: Taken) -> None:
+        self.learner.state.trained_ids.extend(taken.ids)
+        self.learner.done_ids.update(taken.ids)
+        for d in taken.deliveries:
+            self.buf.mark_handled(d)
+
+    async def ack_through(self, checkpoint: Checkpoint) -> Path | None:
+        state = self.learner.state
+        state.next_seq = self.buf.next_seq
+        state.pending_ack = self.buf.pending_ack()
+        path = await checkpoint()
+        if path is not None:
+            await self.buf.ack_handled()
+        return path
+
+    @property
+    def held(self) -> int:
+        return len(self.buf.handled)
+
+    async def published(self) -> None:
+        """Pacing: admit as many groups as the consumed ones plus the window (widened by the
+        group filter's expected drops)."""
+        state = self.learner.state
+        await self.comp.state.set_admit(admit_bound(self.learner.cfg, state.groups_consumed, state.keep_rate))
+
+    def metrics(self) -> dict[str, float]:
+        return {"buffer/depth": float(self.buf.depth)}
+
+    def summary(self) -> dict[str, Any]:
+        return {}
