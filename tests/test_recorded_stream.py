@@ -25,6 +25,8 @@ PLAIN = json.loads((DATA / "recorded_records_v1.json").read_text())
 
 # Fields added after the recording: schema -> (the version that added them, their defaults).
 ADDED = {
+    # a v1 letter holds the whole payload: its size is the length of its data (512 bytes in the recording)
+    "dead_letter": (2, {"size": 512, "sha256": ""}),
     "rollout_group": (3, {"prompt_messages": None}),
     "scored_group": (2, {"ref_logprobs": [], "teacher_logprobs": [], "annotated_by": {}}),
 }

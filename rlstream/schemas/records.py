@@ -385,6 +385,8 @@ class DeadLetter(Record, tag="dead_letter", kw_only=True):
         return len(self.data) < self.size
 
     def check(self, limits: Limits, path: str) -> None:
+        if self.size < 0:  # a v1 letter (decoding skips __post_init__): its data is the whole payload
+            self.size = len(self.data)
         _min(self.deliveries, 0, f"{path}deliveries")
         _min(self.size, len(self.data), f"{path}size")
 
