@@ -8,13 +8,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import run_cmd, write_data  # noqa: E402
+from helpers.runs import run_cmd, write_data
 
 from rlstream.broker import EmbeddedServer, free_port  # noqa: E402
 from tests.scorers.conftest import wait_http  # noqa: E402
