@@ -25,10 +25,15 @@ MAX_RESTARTS = 5  # rlstream.run.MAX_RESTARTS; the backoff before restart k is m
 def test_a_component_that_keeps_failing_is_restarted_with_backoff_then_given_up(tiny_model_dir, tmp_path):
     data = write_data(tmp_path / "data")
     run_dir = tmp_path / "run"
-    # a scorer whose reward function cannot be imported: it exits 1 at every start
+    # a scorer that dies at every start with exit 1 (not 2, which means "do not restart"): its
+    # reward module kills the process as it is imported. Preflight would import it too: skipped.
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "dies_on_import.py").write_text("import os\nos._exit(1)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")])}
     cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], 50,
-                  ['reward_function.terms=[{"function": "no_such_reward_module:score"}]'])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+                  ['reward_function.terms=[{"function": "dies_on_import:score"}]']) + ["--skip-preflight"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert re.search(rf"scorer-0 exited with \d+ {MAX_RESTARTS + 1} times; giving up", out), out[-3000:]
