@@ -45,9 +45,11 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
             try:
                 for p in psutil.Process(proc.pid).children(recursive=True):
                     try:
-                        seen.setdefault(p.pid, " ".join(p.cmdline()))
+                        line = " ".join(p.cmdline())
                     except psutil.Error:
-                        pass
+                        continue
+                    if line:  # a process read just after its fork has no command line yet
+                        seen.setdefault(p.pid, line)
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.2)
