@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -23,9 +24,15 @@ from rlstream.observe import ObserveError
 from rlstream.rundir import BROKER_FILE, RunDir
 
 
+def without_userinfo(url: str) -> str:
+    """The URL (or comma-separated URLs) with any ``user:password@`` removed: a run directory
+    records where its broker is, never how to log in (operator tools take credentials apart)."""
+    return ",".join(re.sub(r"^([a-z][a-z0-9+.-]*://)[^@/]*@", r"\1", part.strip()) for part in url.split(","))
+
+
 def write_broker_record(run_dir: Path, url: str, *, store: Path | None = None) -> None:
-    """Record the run's broker (``store`` set: the embedded server on that store)."""
-    rec = {"url": url, "embedded": store is not None, "store": str(store) if store else None, "written_at": time.time()}
+    """Record the run's broker (``store`` set: the embedded server on that store), without credentials."""
+    rec = {"url": without_userinfo(url), "embedded": store is not None, "store": str(store) if store else None, "written_at": time.time()}
     tmp = run_dir / f".{BROKER_FILE}.tmp"
     tmp.write_text(json.dumps(rec, indent=2) + "\n")
     tmp.replace(run_dir / BROKER_FILE)
