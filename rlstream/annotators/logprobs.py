@@ -27,12 +27,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from rlstream.openai_http import completions_url, request_json
 from rlstream.schemas import ScoredGroup
 
 log = logging.getLogger(__name__)
-
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-
 
 class AnnotatorError(RuntimeError):
     """Log-probs could not be computed for a batch (the groups are redelivered)."""
@@ -111,16 +109,6 @@ class LocalLogprobs:
         pass
 
 
-def completions_url(endpoint: str) -> str:
-    url = endpoint.rstrip("/")
-    if url.endswith("/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/completions"
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}/v1/completions"
-
-
 class EndpointLogprobs:
     """Prompt log-probs from an OpenAI-compatible server (vLLM's ``prompt_logprobs``)."""
 
@@ -137,26 +125,7 @@ class EndpointLogprobs:
         self.session = None
 
     async def _request(self, method: str, url: str, payload: dict | None = None) -> dict:
-        """One HTTP call with retries (exponential backoff) on transient failures."""
-        import aiohttp
-
-        delay = 0.5
-        for attempt in range(self.retries + 1):
-            try:
-                async with self.session.request(method, url, json=payload) as resp:
-                    if resp.status in RETRY_STATUS and attempt < self.retries:
-                        log.warning("%s %s: HTTP %d, retrying in %.1fs", method, url, resp.status, delay)
-                    elif resp.status >= 400:
-                        raise AnnotatorError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                    else:
-                        return await resp.json(content_type=None)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:  # transient: retry with backoff
-                if attempt >= self.retries:
-                    raise AnnotatorError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-                log.warning("%s %s: %s, retrying in %.1fs", method, url, type(exc).__name__, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-        raise AnnotatorError(f"{method} {url}: gave up after {self.retries + 1} tries")
+        return await request_json(self.session, method, url, payload, retries=self.retries, error=AnnotatorError)
 
     async def _open(self) -> None:
         if self.session is None:

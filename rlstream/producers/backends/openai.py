@@ -33,23 +33,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from rlstream.config import mask_secrets
+from rlstream.openai_http import completions_url, request_json
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 log = logging.getLogger(__name__)
-
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-
-
-def completions_url(endpoint: str) -> str:
-    url = endpoint.rstrip("/")
-    if url.endswith("/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/completions"
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}/v1/completions"
-
 
 class OpenAIBackend(Backend):
     name = "openai"
@@ -98,26 +85,7 @@ class OpenAIBackend(Backend):
         return self.session
 
     async def _request(self, method: str, url: str, payload: dict | None = None) -> dict[str, Any]:
-        """One HTTP call with retries (exponential backoff) on transient failures."""
-        import aiohttp
-
-        delay = 0.5
-        for attempt in range(self.retries + 1):
-            try:
-                async with self.session.request(method, url, json=payload) as resp:
-                    if resp.status in RETRY_STATUS and attempt < self.retries:
-                        log.warning("%s %s: HTTP %d, retrying in %.1fs", method, mask_secrets(url), resp.status, delay)
-                    elif resp.status >= 400:
-                        raise ProducerError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                    else:
-                        return await resp.json(content_type=None) if resp.content_length != 0 else {}
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:  # transient: retry with backoff
-                if attempt >= self.retries:
-                    raise ProducerError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-                log.warning("%s %s: %s, retrying in %.1fs", method, mask_secrets(url), type(exc).__name__, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-        raise ProducerError(f"{method} {url}: gave up after {self.retries + 1} tries")
+        return await request_json(self.session, method, url, payload, retries=self.retries, error=ProducerError)
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
         await self._session()
