@@ -394,7 +394,7 @@ class ToolRegistry:
                 value = await asyncio.wait_for(tool.fn(**call.arguments), self.limits.timeout_s)
             else:
                 value = await asyncio.wait_for(_in_daemon_thread(tool.fn, call.arguments, tool.name), self.limits.timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             return ToolResult(call.name, f"error: stopped: it ran past the {self.limits.timeout_s:g} s time limit", True, "timeout")
         except Exception as exc:  # a failing tool is an observation for the model
             return ToolResult(call.name, f"error: {type(exc).__name__}: {exc}", True, "exception")
