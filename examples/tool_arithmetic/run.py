@@ -34,6 +34,8 @@ async def evaluate(model_dir: Path, rows: list[dict], *, max_turns: int = 3, max
     from rlstream.producers.backends.hf import HFBackend
 
     backend = HFBackend(str(model_dir), seed=seed)
+    # a model turn ends at the chat template's end-of-turn marker, not only at EOS
+    backend.eos_ids.add(backend.tokenizer.convert_tokens_to_ids("<|im_end|>"))
     env = ToolEnvironment(["calculator"], reward="answer", max_tool_rounds=max_turns - 1)
     spec = SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
     rewards, tool_use, turns = [], [], []

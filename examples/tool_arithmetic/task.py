@@ -1,4 +1,4 @@
-"""Tool-use arithmetic: "What is 4837 + 2958?", where the tiny model cannot add in its head.
+"""Tool-use arithmetic: "What is 483 + 295?", where the tiny model cannot add in its head.
 
 The model is offered a ``calculator`` tool. A good episode is two turns: the model calls
 ``calculator`` with the sum (Hermes/Qwen ``<tool_call>`` JSON), the environment answers with
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlstream.envs.tools import calculator, format_tool_call, schema_of
 
-DIGITS = 4
+DIGITS = 3
 TOOLS = [schema_of(calculator)]
 
 
