@@ -139,14 +139,13 @@ async def fetch_weights(comp, announcement: WeightsAnnouncement, deadline: float
 
 
 async def _wait_for_file(path: Path, deadline: float | None) -> None:
-    """Until ``path`` exists: a shared volume may show a renamed folder late. Without a
-    deadline, one look."""
-    loop = asyncio.get_running_loop()
+    """Until ``path`` exists (a shared volume may show a renamed folder late); the caller's
+    deadline ends the wait. Without a deadline, one look."""
     delay = FILE_POLL_S
     while not path.exists():
-        if deadline is None or loop.time() >= deadline:
+        if deadline is None:
             raise FileNotFoundError(f"{path} does not exist")
-        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+        await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
 
 
