@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -66,7 +67,40 @@ def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _write_chunked(directory: Path, data: bytes, config_json: str, chunk_size: int, durable: bool) -> list[str]:
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def to_safetensors(state_dict: dict[str, torch.Tensor]) -> bytearray:
+    """The safetensors file of ``state_dict`` with one copy of the tensors (``safetensors.torch.save``
+    makes two: each tensor to bytes, then the file): the header is laid out first, then every
+    tensor is copied straight into its place in one buffer. Readable by any safetensors reader."""
+    header, offset = {}, 0
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        if t.dtype not in _ST_NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)  # tensors start 8-byte aligned
+    buf = bytearray(8 + len(head) + offset)
+    buf[:8] = len(head).to_bytes(8, "little")
+    buf[8:8 + len(head)] = head
+    base = 8 + len(head)
+    if offset:
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        for name, spec in header.items():
+            begin, end = spec["data_offsets"]
+            if end > begin:
+                src = state_dict[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                flat[base + begin:base + end].copy_(src)
+    return buf
+
+
+def _write_chunked(directory: Path, data: bytes | bytearray, config_json: str, chunk_size: int, durable: bool) -> list[str]:
     """``model.safetensors`` (+ ``config.json``) into ``directory``, renamed into place; chunks
     are written and hashed by parallel threads. Returns the chunk digests."""
     tmp = directory.with_name(directory.name + ".tmp")
@@ -106,11 +140,11 @@ def _write_chunked(directory: Path, data: bytes, config_json: str, chunk_size: i
 async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str) -> Published:
     """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component."""
     t0 = time.perf_counter()
-    data = await asyncio.to_thread(st_save, state_dict)
+    data = await asyncio.to_thread(to_safetensors, state_dict)
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0)
 
 
-async def publish_bytes(comp, lcfg, data: bytes, *, version: int, step: int, config_json: str,
+async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, step: int, config_json: str,
                         started: float | None = None) -> Published:
     """Put serialised weights where ``lcfg.weights_transport`` says, announce them, set the
     version, prune old versions. ``started``: when the publish began (for ``seconds``)."""
@@ -122,7 +156,7 @@ async def publish_bytes(comp, lcfg, data: bytes, *, version: int, step: int, con
     if transport == "object_store":
         digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         name = object_name(version)
-        await put_object(comp.js, layout.weights_bucket, name, data)
+        await put_object(comp.js, layout.weights_bucket, name, bytes(data))  # nats-py's put takes bytes
         location = f"object://{layout.weights_bucket}/{name}"
     elif transport == "chunked":
         name = object_name(version)
@@ -200,7 +234,7 @@ class BackgroundPublisher:
         if self.failures >= MAX_PUBLISH_FAILURES:
             raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(st_save, state_dict)
+        data = await asyncio.to_thread(to_safetensors, state_dict)
         snapshot_s = time.perf_counter() - t0
         if self._waiting is not None:
             self.superseded += 1

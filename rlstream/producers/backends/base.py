@@ -100,7 +100,7 @@ MAX_ST_HEADER = 100 * 1024 * 1024
 def safetensors_views(buffer) -> dict[str, Any]:
     """The tensors of a safetensors file held in a writable buffer (bytes from the broker as a
     bytearray, or a private mapping of a file), as torch tensors that share the buffer's memory:
-    no copy is made, so the buffer must outlive them (``load_state_dict`` copies them into the
+    no copy is made (a read-only buffer such as ``bytes`` is copied once), so the buffer must outlive them (``load_state_dict`` copies them into the
     model). Offsets and sizes are checked against the buffer; a bad file raises
     :class:`ProducerError`."""
     import json
@@ -108,6 +108,8 @@ def safetensors_views(buffer) -> dict[str, Any]:
     import torch
 
     view = memoryview(buffer).cast("B")
+    if view.readonly:  # torch cannot share a read-only buffer: one copy
+        view = memoryview(bytearray(view))
     if len(view) < 8:
         raise ProducerError("weights: not a safetensors file (shorter than its header length)")
     n = int.from_bytes(view[:8], "little")

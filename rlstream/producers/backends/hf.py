@@ -148,7 +148,7 @@ class HFBackend(Backend):
         # The tensors are views of the received bytes or of a private mapping of each file
         # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
         if source.data is not None:
-            buffers = [source.data if isinstance(source.data, bytearray) else bytearray(source.data)]
+            buffers = [source.data]
         elif source.path is not None:
             buffers = []
             for f in safetensors_files(source.path):
