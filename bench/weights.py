@@ -125,7 +125,7 @@ async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
 async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int) -> list[dict]:
     from rlstream.broker import Component
     from rlstream.broker.weights import delete_object, list_objects
-    from rlstream.learner.publish import publish_weights, serialize
+    from rlstream.learner.publish import publish_weights, to_safetensors
 
     procs = [subprocess.Popen([sys.executable, __file__, "--receiver", url, run, str(tmp), f"p{i}"]) for i in range(producers)]
     rows = []
@@ -173,7 +173,7 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
                             if not name.startswith(f"policy-v{version:06d}"):
                                 await delete_object(comp.js, comp.layout.weights_bucket, name)
                 t0 = time.perf_counter()
-                data, _ = serialize(sd)
+                data = to_safetensors(sd)  # what a background publish holds the step for
                 snapshot_s = time.perf_counter() - t0
                 size_mb = len(data) / 2**20
                 del data
