@@ -12,6 +12,12 @@ consumer; :func:`list_objects` reads the stream's meta subjects with one STREAM.
 get per live object instead of nats-py's ``store.list()`` (a watcher whose ordered consumer is
 never deleted); :func:`delete_object` purges the object's meta subject along with its chunks, so
 pruned versions leave no tombstones and the stream holds only the objects that exist.
+
+Chunked transfer (:func:`put_chunked`, :func:`get_chunked`): large weights are stored as
+parts ``<name>.part<i:05d>`` of a fixed size, each uploaded pipelined (:func:`put_part`) and
+hashed in a thread while the others upload; a reader fetches several parts at once into one
+buffer and checks each against the digest its announcement carries, so a corrupted or
+missing part is refused by name and a slow one never holds the others.
 """
 
 from __future__ import annotations

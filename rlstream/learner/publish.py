@@ -11,6 +11,7 @@ fetch it. Only the newest ``learner.keep_versions`` are kept. Where the bytes la
 | ``chunked`` | objects ``policy-v{version:06d}.safetensors.part{i:05d}`` of ``weights_chunk_mb`` | SHA-256 per chunk | remote producers, larger models |
 | ``local`` | ``{local_path}/{run}/policy-v{version:06d}/`` (shared memory) on this machine | SHA-256 per chunk | producers on the learner's machine |
 | ``shared_path`` | ``{shared_path}/{run}/policy-v{version:06d}/``, fsynced | SHA-256 per chunk | a volume every producer mounts |
+| ``broadcast`` | nowhere: a gloo broadcast to the producers that joined the version's group | SHA-256 per chunk | clusters (:mod:`rlstream.broker.broadcast`) |
 
 Folders are written under a ``.tmp`` name and renamed into place, so a reader never sees half
 a version. Chunk digests are computed in threads while the chunks are written or uploaded.
@@ -28,7 +29,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +41,16 @@ import torch
 from safetensors.torch import save as st_save
 
 from rlstream.broker.layout import WEIGHTS_LATEST, Layout
-from rlstream.broker.weights import PART_SUFFIX, delete_object, host_id, list_objects, put_chunked, put_object, root_digest
+from rlstream.broker.weights import (
+    PART_SUFFIX,
+    chunk_digests,
+    delete_object,
+    host_id,
+    list_objects,
+    put_chunked,
+    put_object,
+    root_digest,
+)
 from rlstream.schemas import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
@@ -162,6 +174,8 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, st
         name = object_name(version)
         digests = await put_chunked(comp.js, layout.weights_bucket, name, data, chunk)
         location = f"object://{layout.weights_bucket}/{name}"
+    elif transport == "broadcast":
+        return await _broadcast(comp, lcfg, data, version=version, step=step, started=t0)
     else:
         local = transport == "local"
         directory = shared_dir(lcfg.local_path if local else lcfg.shared_path, layout.run, version)
@@ -179,6 +193,32 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, st
     seconds = time.perf_counter() - t0
     await prune_versions(comp, lcfg, version)
     return Published(ann, seconds, len(data))
+
+
+_servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The broadcast store server of each learner Component (one per run, kept across versions)."""
+
+
+async def _broadcast(comp, lcfg, data, *, version: int, step: int, started: float) -> Published:
+    """Announce first (the producers must hear of the version to join its group), then wait for
+    them, close the group and broadcast; the bytes never rest anywhere."""
+    from rlstream.broker.broadcast import BroadcastServer
+
+    server = _servers.get(comp)
+    if server is None:
+        host = lcfg.broadcast_host or socket.getfqdn()
+        server = _servers[comp] = await asyncio.to_thread(BroadcastServer, host, lcfg.broadcast_port, lcfg.broadcast_timeout_s)
+    chunk = lcfg.weights_chunk_mb * 1024 * 1024
+    digests = await asyncio.to_thread(chunk_digests, data, chunk)
+    layout: Layout = comp.layout
+    ann = WeightsAnnouncement(id=f"{layout.run}-v{version}", policy_version=version, step=step,
+                              location=server.location(version), size=len(data), sha256=root_digest(digests),
+                              run=layout.run, chunk_size=chunk, chunk_sha256=digests)
+    await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
+    await comp.state.set_policy_version(version)
+    sent = await asyncio.to_thread(server.send, version, data, lcfg.broadcast_receivers, lcfg.broadcast_join_s)
+    comp.reporter.set("publish/broadcast_receivers", float(sent))
+    return Published(ann, time.perf_counter() - started, len(data))
 
 
 async def prune_versions(comp, lcfg, newest: int) -> list[str]:

@@ -11,6 +11,8 @@ One fetch, by where the announcement points:
 - ``object://bucket/name`` without chunks: the whole object, its SHA-256 checked.
 - ``object://bucket/name`` with chunks: the parts ``name.part{i:05d}`` read
   ``producer.weights_parallel`` at once into one buffer, each checked against its own digest.
+- ``dist://host:port/v<version>``: join the version's broadcast group (learner.weights_transport
+  broadcast) and receive the bytes, then check every chunk.
 - ``file://folder`` (a shared volume, or shared memory on the learner's machine): the file is
   waited for while it is not visible yet (a network filesystem's lag), then its chunks are
   checked in parallel threads over a read-only mapping, and the backend reads the file in place.
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlstream.broker import Layout, get_object
+from rlstream.broker.broadcast import LateJoin, receive
 from rlstream.broker.weights import get_chunked, host_id, root_digest
 from rlstream.producers.backends import ProducerError, WeightsSource
 from rlstream.schemas import RecordError, WeightsAnnouncement
@@ -72,6 +75,9 @@ def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
             raise WeightsRefused(f"{where}: local to the learner's machine {ann.host.split('/')[0]!r}, and this "
                                  f"producer runs on {host_id().split('/')[0]!r} (learner.weights_transport local "
                                  "serves producers on the learner's machine; use chunked or shared_path)")
+    elif ann.location.startswith("dist://"):
+        if ann.chunk_size <= 0:
+            raise WeightsRefused(f"{where}: a broadcast needs chunk digests")
     else:
         raise WeightsRefused(f"{where}: unknown location")
 
@@ -99,7 +105,9 @@ async def receive_weights(comp, announcement: WeightsAnnouncement) -> WeightsSou
             raise WeightsTimeout(f"receiving policy v{version} from {announcement.location} took over "
                                  f"{p.weights_timeout_s:g}s (producer.weights_timeout_s; try {attempt} of "
                                  f"{p.weights_fetch_tries})") from None
-        except WeightsRefused:
+        except (WeightsRefused, LateJoin) as exc:  # asking again cannot help
+            if isinstance(exc, LateJoin):
+                raise ProducerError(str(exc)) from None
             raise
         except Exception as exc:  # broker errors, a pruned object, a digest mismatch, a missing file
             if attempt == p.weights_fetch_tries:
@@ -124,6 +132,12 @@ async def fetch_weights(comp, announcement: WeightsAnnouncement, deadline: float
         if digest != announcement.sha256:
             raise RecordError("weights.sha256", f"{location}: digest {digest[:12]}... differs from the announced {announcement.sha256[:12]}...")
         return WeightsSource(announcement.policy_version, path=str(folder))
+    if location.startswith("dist://"):
+        loop = asyncio.get_running_loop()
+        left = p.weights_timeout_s if deadline is None else max(0.1, deadline - loop.time())
+        data = await asyncio.to_thread(receive, location, announcement.size, left)
+        await asyncio.to_thread(_check_chunks, memoryview(data), announcement, location, p.weights_parallel)
+        return WeightsSource(announcement.policy_version, data=data)
     bucket, _, name = location[len("object://"):].partition("/")
     if announcement.chunk_size > 0:
         data = await get_chunked(comp.js, bucket, name, announcement.size, announcement.chunk_size,
@@ -165,17 +179,22 @@ def _file_digest(path: Path, ann: WeightsAnnouncement, limit: int, threads: int)
             return h.hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             view = memoryview(mm)
-            cs, n = ann.chunk_size, ann.chunks()
-
-            def one(i: int) -> None:
-                got = hashlib.sha256(view[i * cs:(i + 1) * cs]).hexdigest()
-                if got != ann.chunk_sha256[i]:
-                    raise RecordError("weights.chunk_sha256", f"{path}: chunk {i} of {n} fails its SHA-256 check "
-                                                              f"(got {got[:12]}..., announced {ann.chunk_sha256[i][:12]}...)")
-
             try:
-                with ThreadPoolExecutor(max_workers=max(1, min(n, threads))) as pool:
-                    list(pool.map(one, range(n)))
+                _check_chunks(view, ann, str(path), threads)
             finally:
                 view.release()
     return root_digest(ann.chunk_sha256)
+
+
+def _check_chunks(view: memoryview, ann: WeightsAnnouncement, where: str, threads: int) -> None:
+    """Every chunk of ``view`` against the announcement's digests, in parallel threads."""
+    cs, n = ann.chunk_size, ann.chunks()
+
+    def one(i: int) -> None:
+        got = hashlib.sha256(view[i * cs:(i + 1) * cs]).hexdigest()
+        if got != ann.chunk_sha256[i]:
+            raise RecordError("weights.chunk_sha256", f"{where}: chunk {i} of {n} fails its SHA-256 check "
+                                                      f"(got {got[:12]}..., announced {ann.chunk_sha256[i][:12]}...)")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(n, threads))) as pool:
+        list(pool.map(one, range(n)))

@@ -301,6 +301,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     concatenated raw chunk digests (see :func:`rlstream.broker.weights.root_digest`); in the
     object store chunk ``i`` is the object ``<name>.part<i:05d>``. ``host`` names the machine of a
     ``file://`` location that only that machine can read (``learner.weights_transport: local``).
+    v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
+    (:mod:`rlstream.broker.broadcast`), with chunk digests.
     """
 
     SCHEMA: ClassVar[str] = "weights"
@@ -331,8 +333,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
                                                      f"of {self.chunk_size} bytes in {self.size}")
         if self.format != "safetensors":
             raise RecordError(f"{path}format", f"{self.format!r}; only 'safetensors' is accepted")
-        if not self.location.startswith(("object://", "file://")):
-            raise RecordError(f"{path}location", f"{self.location!r} must start with object:// or file://")
+        if not self.location.startswith(("object://", "file://", "dist://")):
+            raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file:// or dist://")
         _min(self.policy_version, 0, f"{path}policy_version")
         _min(self.step, 0, f"{path}step")
         _min(self.size, 0, f"{path}size")

@@ -53,13 +53,13 @@ class Loader:
         return True
 
 
-def make_cfg(run: str, url: str, tmp_path: Path, transport: str, **producer):
+def make_cfg(run: str, url: str, tmp_path: Path, transport: str, learner=None, **producer):
     return parse_config({
         "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused", "nats": {"url": url},
         "metrics": {"prometheus_port": None, "interval_s": 60}, "algorithm_params": {"group_size": 2},
         "producer": {"weights_fetch_tries": 2, "weights_timeout_s": 30, **producer},
         "learner": {"weights_transport": transport, "weights_chunk_mb": 1, "shared_path": str(tmp_path / "shared"),
-                    "local_path": str(tmp_path / "shm")},
+                    "local_path": str(tmp_path / "shm"), "broadcast_host": "127.0.0.1", **(learner or {})},
     })
 
 
@@ -75,8 +75,8 @@ async def comp_for(nats_server, run_id, tmp_path):
     learner's publishing and the producer's receipt share it; the run's layout is real)."""
     opened = []
 
-    async def make(transport: str, **producer) -> Component:
-        comp = await open_component(make_cfg(run_id, nats_server.url, tmp_path, transport, **producer), nats_server.url)
+    async def make(transport: str, learner=None, **producer) -> Component:
+        comp = await open_component(make_cfg(run_id, nats_server.url, tmp_path, transport, learner, **producer), nats_server.url)
         opened.append(comp)
         return comp
 
@@ -263,3 +263,61 @@ async def test_publish_bytes_and_publish_weights_announce_the_same_bytes(comp_fo
     assert await sync_weights(comp, backend, 0, ProducerStats()) == 1
     assert pub.announcement.chunk_size == 0 and pub.bytes == len(data)
     assert_same(backend.loaded[0], tensors())
+
+
+async def announced(comp, version: int, within: float = 30):
+    """The announcement of ``version`` once it is in KV (polled up to ``within`` seconds)."""
+    from rlstream.broker.layout import WEIGHTS_LATEST
+    from rlstream.schemas import WeightsAnnouncement
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            ann = WeightsAnnouncement.decode((await comp.state.kv.get(WEIGHTS_LATEST)).value)
+            if ann.policy_version == version:
+                return ann
+        except Exception:  # not written yet
+            pass
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"v{version} was not announced within {within}s")
+
+
+async def test_a_broadcast_reaches_the_producers_that_joined_and_a_late_one_is_told_to_wait(comp_for):
+    """gloo, a group per version: two producers join v1 and get the same tensors; a third one
+    asking after the group closed is told so at once and keeps its weights; v2, which nobody
+    joins, goes out to no one after the join window."""
+    comp = await comp_for("broadcast", {"broadcast_receivers": 2, "broadcast_join_s": 30})
+    sender = asyncio.create_task(publish(comp, 1))
+    await announced(comp, 1)
+    backends = [Loader(), Loader()]
+    got = await asyncio.wait_for(asyncio.gather(*(sync_weights(comp, b, 0, ProducerStats()) for b in backends)), 60)
+    pub = await asyncio.wait_for(sender, 60)
+    assert got == [1, 1] and pub.announcement.location.startswith("dist://127.0.0.1:")
+    for b in backends:
+        assert_same(b.loaded[0], tensors())
+    assert comp.reporter.values["publish/broadcast_receivers"] == 2
+    late, stats = Loader(), ProducerStats()
+    with pytest.raises(ProducerError, match="after the learner closed the group of 2"):
+        await asyncio.wait_for(receive_weights(comp, pub.announcement), 30)
+    assert await sync_weights(comp, late, 0, stats) == 0 and late.loaded == []
+    comp.cfg.learner.broadcast_join_s = 0.2
+    pub = await asyncio.wait_for(publish(comp, 2, seed=2), 30)
+    assert comp.reporter.values["publish/broadcast_receivers"] == 0
+
+
+async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_its_timeout(comp_for):
+    import torch.distributed as dist
+
+    from rlstream.broker.broadcast import parse
+
+    comp = await comp_for("broadcast", {"broadcast_receivers": 1, "broadcast_join_s": 30, "broadcast_timeout_s": 2})
+    sender = asyncio.create_task(publish(comp, 1))
+    ann = await announced(comp, 1)
+    host, port, prefix = parse(ann.location)
+    dist.TCPStore(host, port, is_master=False).add(f"{prefix}/joined", 1)  # joins, then never shows up
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait({sender}, timeout=30)
+    assert done, "the learner's broadcast did not end within 30 s (bound: 2 s)"
+    with pytest.raises(Exception, match="(?i)timed? ?out|timeout"):
+        sender.result()
+    assert time.monotonic() - t0 < 2 + 5
