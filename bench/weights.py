@@ -13,7 +13,8 @@ Transports, measured in the same run against the same nats-server:
 - ``chunked``: parts of ``learner.weights_chunk_mb`` in the object store, read in parallel,
   one SHA-256 per part;
 - ``local``: a file in shared memory (/dev/shm), read in place, chunks checked in parallel;
-- ``shared_path``: the same on the run's disk (fsynced), as a mounted volume would be.
+- ``shared_path``: the same on the run's disk (fsynced), as a mounted volume would be;
+- ``broadcast``: a gloo broadcast to the producers, in a group formed for the version.
 
 Also printed: how long the learner's step is held by an inline publish against a background
 one (``learner.publish_in_background``: only the snapshot). Goal: the local path >= 2x the old
@@ -37,11 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
-TRANSPORTS = ("object_store", "chunked", "local", "shared_path")
+TRANSPORTS = ("object_store", "chunked", "local", "shared_path", "broadcast")
 LOADED_SUBJECT = "bench.weights.loaded"
 
 
-def config(run: str, url: str, tmp: Path, transport: str = "object_store"):
+def config(run: str, url: str, tmp: Path, transport: str = "object_store", producers: int = 1):
     from rlstream.config import parse_config
 
     return parse_config({
@@ -49,7 +50,8 @@ def config(run: str, url: str, tmp: Path, transport: str = "object_store"):
         "metrics": {"prometheus_port": None, "interval_s": 3600}, "algorithm_params": {"group_size": 2},
         "producer": {"max_weights_mb": 8192, "weights_timeout_s": 600},
         "learner": {"weights_transport": transport, "shared_path": str(tmp / "shared"), "local_path": str(tmp / "shm"),
-                    "keep_versions": 1},
+                    "keep_versions": 1, "broadcast_host": "127.0.0.1", "broadcast_receivers": producers,
+                    "broadcast_join_s": 60},
     })
 
 
@@ -146,7 +148,7 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
             async def round_trip(transport: str, sd) -> tuple[float, float, float]:
                 nonlocal version
                 version += 1
-                lcfg = config(run, url, tmp, transport).learner
+                lcfg = config(run, url, tmp, transport, producers).learner
                 t0 = time.time()
                 pub = await publish_weights(comp, lcfg, sd, version=version, step=version, config_json="{}")
                 got = {}
@@ -227,7 +229,8 @@ def main() -> None:
     by = {r["transport"]: r for r in top}
     verdict("weights", mb=by["local"]["mb"], producers=counts[-1], old_s=by["object_store"]["loaded_s"],
             chunked_s=by["chunked"]["loaded_s"], local_s=by["local"]["loaded_s"], shared_path_s=by["shared_path"]["loaded_s"],
-            chunked_ratio=by["chunked"]["ratio"], shared_path_ratio=by["shared_path"]["ratio"],
+            broadcast_s=by["broadcast"]["loaded_s"], chunked_ratio=by["chunked"]["ratio"],
+            shared_path_ratio=by["shared_path"]["ratio"], broadcast_ratio=by["broadcast"]["ratio"],
             ratio=by["local"]["ratio"], goal=2.0)
 
 
