@@ -271,6 +271,8 @@ class BackgroundPublisher:
     async def submit(self, state_dict: dict[str, torch.Tensor], *, version: int, step: int) -> dict[str, float]:
         """Snapshot and queue version ``version``; returns the step's publish metrics
         (the snapshot's seconds, the last finished publish's seconds and MB/s)."""
+        if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
+            raise self._task.exception()  # the publisher itself died (e.g. re-admitting producers failed)
         if self.failures >= MAX_PUBLISH_FAILURES:
             raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
         t0 = time.perf_counter()
