@@ -200,11 +200,11 @@ def main() -> None:
         asyncio.run(receiver(url, run, Path(tmp), ident))
         return
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=None, help="MiB, comma-separated (default 8,64,512; --quick 4,32,128)")
+    p.add_argument("--sizes", default=None, help="MiB, comma-separated (default 8,64,512; --quick 4,32)")
     p.add_argument("--producers", default=None, help="counts, comma-separated (default 1,4; --quick 1,2)")
     p.add_argument("--repeats", type=int, default=None, help="rounds per transport, best kept (default 2; --quick 1)")
     args = p.parse_args()
-    sizes = [int(s) for s in (args.sizes or ("4,32,128" if args.quick else "8,64,512")).split(",")]
+    sizes = [int(s) for s in (args.sizes or ("4,32" if args.quick else "8,64,512")).split(",")]
     counts = [int(s) for s in (args.producers or ("1,2" if args.quick else "1,4")).split(",")]
     repeats = args.repeats or (1 if args.quick else 2)
     from rlstream.broker import EmbeddedServer
