@@ -223,10 +223,15 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
 
         publisher = BackgroundPublisher(comp, cfg.learner, config_json, published)
     try:
-        return await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json)
+        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json)
     finally:
         if publisher is not None:
             await publisher.close()
+    if comp is not None:
+        from rlstream.learner.publish import release_local
+
+        release_local(cfg.learner, comp.layout.run)
+    return ok
 
 
 async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,

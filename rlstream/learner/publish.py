@@ -118,10 +118,12 @@ def _write_chunked(directory: Path, data: bytes | bytearray, config_json: str, c
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True, mode=0o700)
+    # shared memory: only this user's processes on this machine (a mounted volume keeps the
+    # umask's modes: producers in other pods may run under another uid)
+    tmp.mkdir(parents=True, mode=0o777 if durable else 0o700)
     view = memoryview(data)
     n = -(-len(view) // chunk_size)
-    fd = os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if durable else 0o600)
     try:
         os.ftruncate(fd, len(view))
 
@@ -241,6 +243,13 @@ async def prune_versions(comp, lcfg, newest: int) -> list[str]:
             await delete_object(comp.js, comp.layout.weights_bucket, name)
             removed.append(name)
     return removed
+
+
+def release_local(lcfg, run: str) -> None:
+    """At the learner's clean exit: the run's versions in shared memory (``weights_transport:
+    local``) are removed, since they would hold RAM until the machine restarts."""
+    if lcfg.weights_transport == "local":
+        shutil.rmtree(Path(lcfg.local_path) / run, ignore_errors=True)
 
 
 class BackgroundPublisher:
