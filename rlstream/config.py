@@ -87,21 +87,6 @@ class AlgorithmTraits:
     once, here. Defaults are those of a supervised, offline objective.
     """
 
-    def _check_env(self) -> None:
-        mode = self.training_mode
-        if mode not in RL_MODES:
-            raise ValueError(f"env: episodes are sampled for RL modes ({', '.join(RL_MODES)}), not {mode}")
-        if self.producer.backend == "fake":
-            raise ValueError("env: producer.backend 'fake' has no tokenizer to render the environment's turns; use hf, vllm or openai")
-        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "gae":
-            raise ValueError("env.per_turn_rewards gives group-relative advantages per turn; RL_PPO's GAE already "
-                             "credits each token (set env.per_turn_rewards: false)")
-        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "rloo":
-            raise ValueError("env.per_turn_rewards normalises over the group's turns: use advantage_type "
-                             "group_relative or group_relative_no_std, not rloo")
-        if "reward_function" not in self.model_fields_set:
-            self.reward_function = RewardFunction(terms=[RewardTerm(rule="env")])
-
     @property
     def is_online(self) -> bool:
         """The learner's data is sampled by producers and streamed through the broker
@@ -986,6 +971,21 @@ class Config(Strict):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def _check_env(self) -> None:
+        mode = self.training_mode
+        if mode not in RL_MODES:
+            raise ValueError(f"env: episodes are sampled for RL modes ({', '.join(RL_MODES)}), not {mode}")
+        if self.producer.backend == "fake":
+            raise ValueError("env: producer.backend 'fake' has no tokenizer to render the environment's turns; use hf, vllm or openai")
+        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "gae":
+            raise ValueError("env.per_turn_rewards gives group-relative advantages per turn; RL_PPO's GAE already "
+                             "credits each token (set env.per_turn_rewards: false)")
+        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "rloo":
+            raise ValueError("env.per_turn_rewards normalises over the group's turns: use advantage_type "
+                             "group_relative or group_relative_no_std, not rloo")
+        if "reward_function" not in self.model_fields_set:
+            self.reward_function = RewardFunction(terms=[RewardTerm(rule="env")])
 
     @property
     def is_online(self) -> bool:
