@@ -286,7 +286,12 @@ def test_rollout_v4_episode_round_trip():
     assert back.sample_turns() == [[(0, 2, True), (2, 5, False), (5, 6, True)], [(0, 4, True)]]
     assert [r.tolist() for r in back.sample_turn_rewards()] == [[0.25, 0, 1], [0]]
     assert back.env_rewards.tolist() == [1, 0] and back.episode_messages[0][1] == {"role": "user", "content": "higher"}
+    assert back.episode_turns() == [
+        [{"kind": "model", "tokens": 2, "text": "5"}, {"kind": "env", "tokens": 3, "text": "user: higher"},
+         {"kind": "model", "tokens": 1, "text": "7"}],
+        [{"kind": "model", "tokens": 4, "text": "5"}]]
     single = make_group()
+    assert single.episode_turns()[1] == [{"kind": "model", "tokens": 6, "text": "text 1"}]
     assert not single.is_episode and single.sample_turn_rewards() is None
     assert single.sample_turns()[2] == [(0, 7, True)] and single.sample_masks()[0].tolist() == [1] * 5
 

@@ -206,6 +206,32 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
             out.append([(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(starts, ends.tolist()))])
         return out
 
+    def episode_turns(self) -> list[list[dict[str, Any]]]:
+        """Per sample, its turns for people to read: ``{"kind": "model" | "env", "tokens": n,
+        "text": ...}``, the model's turn as it said it, the environment's as ``role: content``
+        lines. Messages the environment sent with the end have a turn of 0 tokens. A single
+        completion is one model turn."""
+        spans_all = self.sample_turns()
+        convs = self.episode_messages or [None] * len(spans_all)
+        out = []
+        for spans, text, conv in zip(spans_all, self.texts, convs):
+            if conv is None:
+                out.append([{"kind": "model" if m else "env", "tokens": b - a, "text": text if m else ""} for a, b, m in spans])
+                continue
+            turns, k = [], 0
+            for a, b, is_model in spans:
+                taken = []
+                if is_model and k < len(conv) and conv[k]["role"] == "assistant":
+                    taken, k = [conv[k]], k + 1
+                while not is_model and k < len(conv) and conv[k]["role"] != "assistant":
+                    taken.append(conv[k])
+                    k += 1
+                turns.append(_turn("model" if is_model else "env", b - a, taken))
+            if k < len(conv):
+                turns.append(_turn("env", 0, conv[k:]))
+            out.append(turns)
+        return out
+
     def sample_turn_rewards(self) -> list[np.ndarray] | None:
         """Per sample, the reward of each turn ([turn_counts[i]]); None when none was recorded."""
         if not self.is_episode or len(self.turn_rewards) == 0:
@@ -280,6 +306,14 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
             e = ends.tolist()
             if e[-1] != n or e[0] < 0 or any(b < a for a, b in zip(e, e[1:])):
                 raise RecordError(f"{path}turn_ends", f"sample {i}: {e} must rise to its length {n}")
+
+
+def _turn(kind: str, tokens: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+    if kind == "model":
+        text = "".join(m["content"] for m in messages)
+    else:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return {"kind": kind, "tokens": tokens, "text": text}
 
 
 _SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts",
