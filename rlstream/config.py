@@ -565,7 +565,7 @@ class RewardTerm(Strict):
     """One named reward component and its weight in the total."""
 
     name: str | None = None
-    rule: Literal["exact_match", "math", "format", "length_penalty", "overlong", "reasoning_gym"] | None = None
+    rule: Literal["exact_match", "math", "format", "length_penalty", "overlong", "reasoning_gym", "env"] | None = None
     function: str | None = None
     """Import path ``package.module:function`` with TRL's signature."""
     weight: float = Field(1.0, ge=-1e6, le=1e6)
@@ -719,6 +719,39 @@ class ScorerConfig(Strict):
     """Batches in flight at once: the next batch is fetched and scored while the last one's
     publish is acknowledged. A plain (non-async) Python reward function may then run in two
     threads at once: set 1 if yours is not thread-safe."""
+
+
+class EnvConfig(Strict):
+    """``env:``: producers run multi-turn episodes of an environment instead of single completions.
+
+    Each model turn is sampled token by token and kept as sampled; what the environment answers
+    is rendered with the chat template and inserted with a zero loss mask (see
+    :mod:`rlstream.producers.episodes`). Without a ``reward_function`` section the reward is the
+    environment's (the ``env`` rule)."""
+
+    name: str
+    """A built-in environment (``rlstream.envs.ENVIRONMENTS``) or ``package.module:factory``; the
+    factory is called with ``kwargs`` and returns an ``rlstream.envs.Environment``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_turns: int = Field(4, ge=1, le=1024)
+    """Model turns per episode at most; an episode still going then ends with finish_reason ``length``."""
+    per_turn_rewards: bool = False
+    """Group-relative advantages per model turn from the discounted return to go of the
+    environment's turn rewards (``gamma``), instead of one advantage per episode."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of later turns' rewards in the per-turn return to go."""
+    step_timeout_s: float = Field(60.0, gt=0, le=DAY_S)
+    """An environment call (start or step) that takes longer aborts its episode."""
+    max_episode_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    """Prompt plus completion tokens an episode may reach; one that would pass it with its next
+    turn ends with finish_reason ``length`` (default: no bound beyond ``max_turns``)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not (re.fullmatch(r"[A-Za-z_][\w-]*", v) or re.fullmatch(r"[\w.]+:[\w.]+", v)):
+            raise ValueError(f"{v!r} is neither a built-in environment name nor 'package.module:factory'")
+        return v
 
 
 class ReferenceStageConfig(Strict):
@@ -951,6 +984,8 @@ class Config(Strict):
     """The reference stage (frozen reference log-probs computed once, outside the learner); None = off."""
     teacher: TeacherStageConfig | None = None
     """The teacher stage of ``training_mode: DISTILL``."""
+    env: EnvConfig | None = None
+    """Multi-turn episodes of an environment (RL modes); None = one completion per sample."""
     progress: ProgressConfig = Field(default_factory=ProgressConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     report_to: list[ReportSink] = Field(default_factory=list)
@@ -998,12 +1033,29 @@ class Config(Strict):
             raise ValueError(f"the teacher stage is for training_mode DISTILL, not {mode}; remove the teacher section")
         if self.reference is not None and mode not in RL_MODES:
             raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
+        if self.env is not None:
+            self._check_env()
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config(accumulation=self.accumulation_steps)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def _check_env(self) -> None:
+        mode = self.training_mode
+        if mode not in RL_MODES:
+            raise ValueError(f"env: episodes are sampled for RL modes ({', '.join(RL_MODES)}), not {mode}")
+        if self.producer.backend == "fake":
+            raise ValueError("env: producer.backend 'fake' has no tokenizer to render the environment's turns; use hf, vllm or openai")
+        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "gae":
+            raise ValueError("env.per_turn_rewards gives group-relative advantages per turn; RL_PPO's GAE already "
+                             "credits each token (set env.per_turn_rewards: false)")
+        if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "rloo":
+            raise ValueError("env.per_turn_rewards normalises over the group's turns: use advantage_type "
+                             "group_relative or group_relative_no_std, not rloo")
+        if "reward_function" not in self.model_fields_set:
+            self.reward_function = RewardFunction(terms=[RewardTerm(rule="env")])
 
     @property
     def is_online(self) -> bool:

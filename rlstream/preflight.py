@@ -12,6 +12,8 @@ when all is well):
   (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
   dataset column and the term's ``params``), and returns a reward list when called once on
   the first rows; every rule's parameters are valid and its answer column is there;
+- the environment (``env.name``) imports and builds, starts an episode from the first row, and
+  the chat template renders it turn by turn;
 - a DeepSpeed JSON file parses, and ``deepspeed`` is installed;
 - with ``endpoints=True``: the NATS URL, the sampling endpoint and the reward endpoint
   accept a TCP connection.
@@ -228,6 +230,34 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def check_env(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
+    """The environment builds from ``env.name`` and ``env.kwargs``, starts an episode from the
+    first row, and the tokenizer's chat template renders its opening turn by turn."""
+    from rlstream.envs import EnvError, load_environment
+
+    try:
+        env = load_environment(cfg.env.name, cfg.env.kwargs)
+    except (EnvError, ValueError) as exc:
+        return [str(exc) if str(exc).startswith("env") else f"env.name {cfg.env.name!r}: {exc}"]
+    if not rows:
+        return []
+    from transformers import AutoTokenizer
+
+    from rlstream.producers.feeder import check_rows
+    from rlstream.schemas import Prompt
+
+    try:
+        ((text, messages, columns),) = check_rows(rows[:1], cfg)
+        prompt = Prompt(id="preflight", text=text, messages=messages, columns=columns)
+        episode = asyncio.run(env.start(prompt))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
+        chat.EpisodeTemplate(tokenizer, episode.messages, getattr(episode, "tools", None))
+        asyncio.run(episode.close())
+    except Exception as exc:  # the environment's own failure, reported before any process starts
+        return [f"env: {cfg.env.name} on the first row: {_first_line(exc)}"]
+    return []
+
+
 def check_deepspeed(cfg: Config) -> list[str]:
     lc = cfg.learner
     problems = []
@@ -285,6 +315,8 @@ def preflight(cfg: Config, *, endpoints: bool = False) -> list[str]:
     problems += data_problems
     if cfg.is_rl or cfg.data_source.type == "on_policy":
         problems += check_rewards(cfg, rows)
+    if cfg.env is not None:
+        problems += check_env(cfg, rows)
     problems += check_deepspeed(cfg)
     if endpoints:
         problems += check_endpoints(cfg)

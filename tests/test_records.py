@@ -262,6 +262,68 @@ def test_scored_group_v1_still_decodes():
     assert back.rollout.group_size == 3
 
 
+def make_episode_group() -> RolloutGroup:
+    """Two episodes: sample 0 has 3 turns (model 2, env 3, model 1 tokens), sample 1 one model turn of 4."""
+    g = RolloutGroup.from_samples(
+        id="e1", prompt_id="p1", prompt_ids=np.array([5, 6], np.int32), policy_version=1,
+        samples=[Sample(np.array([10, 11, 20, 21, 22, 12], np.int32), np.array([-.5, -.25, 0, 0, 0, -1], np.float32), "stop", "7"),
+                 Sample(np.array([13, 14, 15, 16], np.int32), np.array([-.1, -.2, -.3, -.4], np.float32), "length", "5")],
+        loss_mask=np.array([1, 1, 0, 0, 0, 1, 1, 1, 1, 1], np.uint8),
+        turn_counts=np.array([3, 1], np.int32), turn_ends=np.array([2, 5, 6, 4], np.int32),
+        turn_rewards=np.array([0.25, 0, 1, 0], np.float32), env_rewards=np.array([1, 0], np.float32),
+        episode_messages=[[{"role": "assistant", "content": "5"}, {"role": "user", "content": "higher"},
+                           {"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "5"}]],
+    )
+    return g
+
+
+def test_rollout_v4_episode_round_trip():
+    g = make_episode_group()
+    data = g.encode()
+    back = RolloutGroup.decode(data)
+    assert back.v == 4 and back.is_episode and back.encode() == data
+    assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
+    assert back.sample_turns() == [[(0, 2, True), (2, 5, False), (5, 6, True)], [(0, 4, True)]]
+    assert [r.tolist() for r in back.sample_turn_rewards()] == [[0.25, 0, 1], [0]]
+    assert back.env_rewards.tolist() == [1, 0] and back.episode_messages[0][1] == {"role": "user", "content": "higher"}
+    assert back.episode_turns() == [
+        [{"kind": "model", "tokens": 2, "text": "5"}, {"kind": "env", "tokens": 3, "text": "user: higher"},
+         {"kind": "model", "tokens": 1, "text": "7"}],
+        [{"kind": "model", "tokens": 4, "text": "5"}]]
+    single = make_group()
+    assert single.episode_turns()[1] == [{"kind": "model", "tokens": 6, "text": "text 1"}]
+    assert not single.is_episode and single.sample_turn_rewards() is None
+    assert single.sample_turns()[2] == [(0, 7, True)] and single.sample_masks()[0].tolist() == [1] * 5
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda w: w.update(loss_mask=pack_array([1, 1, 0], np.dtype("u1"))), "loss_mask"),
+    (lambda w: w.update(loss_mask=pack_array([2] * 10, np.dtype("u1"))), "loss_mask"),
+    (lambda w: w.update(turn_ends=pack_array([2, 5, 7, 4], INT32)), "turn_ends"),
+    (lambda w: w.update(turn_ends=pack_array([5, 2, 6, 4], INT32)), "turn_ends"),
+    (lambda w: w.update(turn_counts=pack_array([3], INT32)), "turn_counts"),
+    (lambda w: w.update(turn_rewards=pack_array([1.0], FLOAT32)), "turn_rewards"),
+    (lambda w: w.update(env_rewards=pack_array([1.0, 2.0, 3.0], FLOAT32)), "env_rewards"),
+    (lambda w: w.update(episode_messages=[[{"role": "user"}], []]), "episode_messages"),
+])
+def test_rollout_v4_inconsistent_turns_are_refused_by_name(change, field):
+    wire = make_episode_group().to_wire()
+    change(wire)
+    with pytest.raises(RecordError, match=rf"^{field}"):
+        RolloutGroup.decode(msgpack.packb(wire))
+
+
+def test_rollout_v3_and_v2_payloads_still_decode_as_single_turn():
+    for version, dropped in ((3, ()), (2, ("prompt_messages",))):
+        wire = make_group().to_wire()
+        wire["v"] = version
+        for name in ("loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages", *dropped):
+            del wire[name]
+        back = RolloutGroup.decode(msgpack.packb(wire))
+        assert not back.is_episode and back.loss_mask.size == 0 and back.episode_messages is None
+        assert [m.tolist() for m in back.sample_masks()] == [[1] * 5, [1] * 6, [1] * 7]
+
+
 def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size():
     """WeightsAnnouncement v1 had no chunk_size, chunk_sha256 or host: they decode as 'not chunked'.
     v2: 10 bytes in chunks of 4 are 3 chunks (4 + 4 + 2), so 3 digests, no fewer."""

@@ -99,6 +99,9 @@ async def main(cfg, nats_url: str, component_id: str = "producer-0", **_: Any) -
             # running in a backend thread would hold the exit past the grace period.
             log.info("producer %s: drained; exiting without waiting for the abandoned generation", component_id)
             _exit_now(0)
+    except EnvConfigError as exc:
+        log.error("producer %s: %s", component_id, exc)
+        return 2
     except GenerationTimeout as exc:
         # The naks and the alert are flushed (leaving the Component does that). The hung
         # thread would block backend.close() and the interpreter's exit: leave at once.
@@ -181,6 +184,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         log.warning("producer %s: %s", comp.component_id, backend.reload_note)
     stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
     reporter.set("producer/policy_version", stats.policy_version)
+    env = _environment(cfg)
     gate = GenerationGate()
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     in_hand: dict[int, list] = {}  # fetched batches not yet acked (or failed), for the drain
@@ -249,7 +253,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                 await newest_weights()
             with phases.time("generate"):
                 async with gate.generation():
-                    groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
+                    groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version, env)
             if groups is None:
                 stats.failed_batches += 1
                 if stats.failed_batches >= MAX_FAILED_BATCHES:
@@ -299,9 +303,28 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     return stats
 
 
+def _environment(cfg):
+    """The configured environment (``env:``), built once per producer; None without one."""
+    if cfg.env is None:
+        return None
+    from rlstream.envs import EnvError, load_environment
+
+    try:
+        return load_environment(cfg.env.name, cfg.env.kwargs)
+    except (EnvError, ValueError) as exc:
+        raise EnvConfigError(str(exc)) from None
+
+
+class EnvConfigError(ProducerError):
+    """The ``env`` section names an environment that cannot be built (a config error: exit 2)."""
+
+
 async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
-                         sampling: dict[str, Any], version: int) -> list[RolloutGroup] | None:
-    """Tokenise and generate one batch into RolloutGroups. None when it failed (prompts nak'ed)."""
+                         sampling: dict[str, Any], version: int, env=None) -> list[RolloutGroup] | None:
+    """Tokenise and generate one batch into RolloutGroups (with an environment: play its
+    episodes, :mod:`rlstream.producers.episodes`). None when it failed (prompts nak'ed)."""
+    if env is not None:
+        return await generate_episodes(comp, backend, consumer, deliveries, spec, sampling, version, env)
     try:
         encoded = await asyncio.to_thread(lambda: [backend.encode_prompt(d.record) for d in deliveries])
     except ProducerError as exc:  # a prompt we cannot tokenise: nak, dead-letter after max_deliver
@@ -345,6 +368,44 @@ async def generate_batch(comp: Component, backend: GenerationBackend, consumer: 
     return groups
 
 
+async def generate_episodes(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries,
+                            spec: SamplingSpec, sampling: dict[str, Any], version: int, env) -> list[RolloutGroup] | None:
+    """One batch of prompts played as episodes. A prompt whose episodes could not start and that
+    cannot be tokenised is failed alone (dead-lettered after max_deliver); the rest are published."""
+    from rlstream.producers.episodes import run_batch
+
+    t0 = time.monotonic()
+    timeout_s = comp.cfg.producer.generation_timeout_s
+    sampling = {**sampling, "max_turns": comp.cfg.env.max_turns, "env": comp.cfg.env.name}
+    try:
+        results, aborts = await asyncio.wait_for(
+            run_batch(env, backend, [d.record for d in deliveries], spec, comp.cfg.env, policy_version=version,
+                      producer_id=comp.component_id, sampling=sampling, run=comp.layout.run), timeout_s)
+    except asyncio.TimeoutError:
+        reason = f"episodes timed out after {timeout_s:g}s (producer.generation_timeout_s): the {backend.name} backend is hung"
+        log.error("producer %s: %s; nak'ing %d prompts", comp.component_id, reason, len(deliveries))
+        comp.reporter.inc("alert/generation_timeouts")
+        for d in deliveries:
+            await consumer.fail(d, reason)
+        raise GenerationTimeout(reason) from None
+    except Exception as exc:  # the backend failed: nak with backoff, dead-letter after max_deliver
+        log.error("producer %s: episode generation failed: %s", comp.component_id, exc)
+        for d in deliveries:
+            await consumer.fail(d, format_exception(exc))
+        return None
+    generate_s = time.monotonic() - t0
+    if aborts:
+        comp.reporter.inc("producer/episode_aborts", aborts)
+    groups: list[RolloutGroup] = []
+    for d, result in zip(deliveries, results):
+        if isinstance(result, str):  # publish_batch acks only the prompts whose group it published
+            await consumer.fail(d, result)
+            continue
+        result.timings = {"generate": generate_s}
+        groups.append(result)
+    return groups
+
+
 async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries) -> None:
     """Publish the groups, wait for JetStream's acks, then ack the prompts. The prompts stay
     in progress until then; a failure (after the publisher's retries) leaves them unacked,
@@ -352,8 +413,10 @@ async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries)
     origin = {ORIGIN_HEADER: f"producer/{comp.component_id}"}
     out = [Outgoing(comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
     await comp.publisher.publish_many(out)
+    published = {g.id for g in groups}
     for d in deliveries:
-        await d.ack()
+        if d.record.id in published:  # a prompt failed on its own (episodes) was nak'ed instead
+            await d.ack()
 
 
 async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0) -> tuple[int, float]:

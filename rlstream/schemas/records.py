@@ -30,7 +30,9 @@ from rlstream.schemas.codec import (
     Counts,
     Floats,
     Limits,
+    UINT8,
     LogProbs,
+    Mask,
     MaybeFloats,
     Record,
     RecordError,
@@ -108,10 +110,27 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     v1: up to ``texts``. v2: + timings (seconds per phase, e.g. ``generate``).
     v3: + prompt_messages (the prompt's chat turns when it was conversational; reward
     functions get them as TRL's ``prompts``).
+    v4: multi-turn episodes (all empty for a single completion). A sample's completion is
+    then its turns back to back: model turns (the sampled ids, as sampled) and environment
+    turns (the chat template's rendering of what the environment said, log-prob 0.0):
+
+    - ``loss_mask`` [sum(lengths)] uint8, flat like ``completion_ids``: 1 on model tokens,
+      0 on environment tokens; empty = every token is the model's.
+    - ``turn_counts`` [G] turns of each sample, ``turn_ends`` [sum(turn_counts)] the end of
+      each turn, as an offset into its sample's completion (the last is the sample's length).
+      Turns alternate, model first: turn 0, 2, 4... are the model's, 1, 3... the environment's.
+    - ``turn_rewards`` [sum(turn_counts)] the reward the environment gave for each model turn
+      (0 where it gave none, and on environment turns); empty when none was recorded.
+    - ``env_rewards`` [G] each episode's reward (0 for an episode cut at ``max_turns`` or
+      aborted); the ``env`` reward rule reads it.
+    - ``episode_messages`` [G] each episode's conversation after the prompt, as chat turns
+      (the model's turns as ``assistant``, the environment's as ``user``/``tool``, including
+      any it sent with the end), for reward functions, tail and the dashboard.
+    For an episode, ``texts`` hold the last model turn (what text rules score).
     """
 
     SCHEMA: ClassVar[str] = "rollout_group"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
 
     v: int = VERSION
     id: str
@@ -131,6 +150,12 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     texts: capped(list[str])
     timings: capped(dict[str, float], MAX_NAMES) = msgspec.field(default_factory=dict)  # v2
     prompt_messages: capped(list[capped(dict[str, str], 4)], 4096) | None = None  # v3
+    loss_mask: Mask = msgspec.field(default_factory=lambda: np.zeros(0, UINT8))  # v4
+    turn_counts: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v4
+    turn_ends: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v4
+    turn_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
+    env_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
+    episode_messages: capped(list[capped(list[capped(dict[str, str], 8)], 4096)]) | None = None  # v4
 
     @classmethod
     def from_samples(cls, samples: Iterable[Sample], **fields: Any) -> "RolloutGroup":
@@ -153,6 +178,65 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     @property
     def group_size(self) -> int:
         return len(self.lengths)
+
+    @property
+    def is_episode(self) -> bool:
+        """True for a group of multi-turn episodes (v4 turn fields present)."""
+        return len(self.turn_counts) > 0
+
+    def _split(self, flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+        ends = list(itertools.accumulate(counts))
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+    def sample_masks(self) -> list[np.ndarray]:
+        """Per sample, its loss mask (uint8 [length]; all ones when the record has none)."""
+        lengths = self.lengths.tolist()
+        if len(self.loss_mask) == 0:
+            return [np.ones(n, UINT8) for n in lengths]
+        return self._split(self.loss_mask, lengths)
+
+    def sample_turns(self) -> list[list[tuple[int, int, bool]]]:
+        """Per sample, its turns as ``(start, end, is_model)`` offsets into its completion
+        (one model turn spanning the completion for a single-turn group)."""
+        if not self.is_episode:
+            return [[(0, n, True)] for n in self.lengths.tolist()]
+        out = []
+        for ends in self._split(self.turn_ends, self.turn_counts.tolist()):
+            starts = [0, *ends.tolist()[:-1]]
+            out.append([(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(starts, ends.tolist()))])
+        return out
+
+    def episode_turns(self) -> list[list[dict[str, Any]]]:
+        """Per sample, its turns for people to read: ``{"kind": "model" | "env", "tokens": n,
+        "text": ...}``, the model's turn as it said it, the environment's as ``role: content``
+        lines. Messages the environment sent with the end have a turn of 0 tokens. A single
+        completion is one model turn."""
+        spans_all = self.sample_turns()
+        convs = self.episode_messages or [None] * len(spans_all)
+        out = []
+        for spans, text, conv in zip(spans_all, self.texts, convs):
+            if conv is None:
+                out.append([{"kind": "model" if m else "env", "tokens": b - a, "text": text if m else ""} for a, b, m in spans])
+                continue
+            turns, k = [], 0
+            for a, b, is_model in spans:
+                taken = []
+                if is_model and k < len(conv) and conv[k]["role"] == "assistant":
+                    taken, k = [conv[k]], k + 1
+                while not is_model and k < len(conv) and conv[k]["role"] != "assistant":
+                    taken.append(conv[k])
+                    k += 1
+                turns.append(_turn("model" if is_model else "env", b - a, taken))
+            if k < len(conv):
+                turns.append(_turn("env", 0, conv[k:]))
+            out.append(turns)
+        return out
+
+    def sample_turn_rewards(self) -> list[np.ndarray] | None:
+        """Per sample, the reward of each turn ([turn_counts[i]]); None when none was recorded."""
+        if not self.is_episode or len(self.turn_rewards) == 0:
+            return None
+        return self._split(self.turn_rewards, self.turn_counts.tolist())
 
     def num_tokens(self) -> int:
         return len(self.completion_ids)
@@ -190,9 +274,50 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         if len(self.texts) != g:
             raise RecordError(f"{path}texts", f"has {len(self.texts)} entries, expected {g}")
         _min(self.policy_version, 0, f"{path}policy_version")
+        self._check_episode(lengths, total, path)
+
+    def _check_episode(self, lengths: list[int], total: int, path: str) -> None:
+        """The v4 fields: each empty, or of the length its docstring gives."""
+        g = len(lengths)
+        if len(self.loss_mask) not in (0, total):
+            raise RecordError(f"{path}loss_mask", f"has {len(self.loss_mask)} elements, expected 0 or {total}")
+        for name, n in (("turn_counts", g), ("env_rewards", g)):
+            if len(getattr(self, name)) not in (0, n):
+                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected 0 or {n}")
+        if self.episode_messages is not None:
+            if len(self.episode_messages) != g:
+                raise RecordError(f"{path}episode_messages", f"has {len(self.episode_messages)} entries, expected {g}")
+            for i, conv in enumerate(self.episode_messages):
+                for j, m in enumerate(conv):
+                    if not ("role" in m and "content" in m):
+                        raise RecordError(f"{path}episode_messages[{i}][{j}]", "expected {role: str, content: str}")
+        counts = self.turn_counts.tolist()
+        if not counts:
+            if len(self.turn_ends) or len(self.turn_rewards):
+                raise RecordError(f"{path}turn_ends", "turn ends without turn_counts")
+            return
+        if min(counts) < 1:
+            raise RecordError(f"{path}turn_counts", "a sample needs at least one turn")
+        if len(self.turn_ends) != sum(counts):
+            raise RecordError(f"{path}turn_ends", f"has {len(self.turn_ends)} elements, expected {sum(counts)}")
+        if len(self.turn_rewards) not in (0, sum(counts)):
+            raise RecordError(f"{path}turn_rewards", f"has {len(self.turn_rewards)} elements, expected 0 or {sum(counts)}")
+        for i, (ends, n) in enumerate(zip(self._split(self.turn_ends, counts), lengths)):
+            e = ends.tolist()
+            if e[-1] != n or e[0] < 0 or any(b < a for a, b in zip(e, e[1:])):
+                raise RecordError(f"{path}turn_ends", f"sample {i}: {e} must rise to its length {n}")
 
 
-_SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts"})
+def _turn(kind: str, tokens: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+    if kind == "model":
+        text = "".join(m["content"] for m in messages)
+    else:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return {"kind": kind, "tokens": tokens, "text": text}
+
+
+_SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts",
+                            "loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages"})
 
 
 class ScoredGroup(Record, tag="scored_group", kw_only=True):

@@ -84,8 +84,19 @@ class Flat:
 
     @property
     def trl_completions(self) -> list[Any]:
-        chat = [bool(g.prompt_messages) for g, n in zip(self.groups, self.sizes) for _ in range(n)]
-        return [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(self.completions, chat)]
+        """An episode's completion is its conversation after the prompt (TRL's multi-turn
+        form: the model's turns as ``assistant`` and the environment's in between)."""
+        out: list[Any] = []
+        i = 0
+        for g, n in zip(self.groups, self.sizes):
+            for j in range(n):
+                c = self.completions[i]
+                if g.episode_messages is not None:
+                    out.append([dict(m) for m in g.episode_messages[j]])
+                else:
+                    out.append([{"role": "assistant", "content": c}] if g.prompt_messages else c)
+                i += 1
+        return out
 
     @property
     def lengths(self) -> list[int]:
@@ -158,6 +169,17 @@ def _check_params(term: RewardTerm, allowed: set[str]) -> None:
     unknown = set(term.params) - allowed
     if unknown:
         raise RewardError(f"reward term {term.name!r} ({term.rule}): unknown params {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def env_rewards(flat: Flat) -> list[float]:
+    """The ``env`` rule: each episode's reward as its environment gave it (``RolloutGroup.env_rewards``)."""
+    out: list[float] = []
+    for g in flat.groups:
+        if len(g.env_rewards) != g.group_size:
+            raise RewardError(f"rollout {g.id} carries no environment reward: the env rule scores multi-turn "
+                              "episodes (is the producers' config missing its env section?)")
+        out.extend(float(r) for r in g.env_rewards.tolist())
+    return out
 
 
 class Scorer:
@@ -237,6 +259,9 @@ class Scorer:
                 if "reasoning_gym" not in flat.columns:
                     raise RewardError("rule reasoning_gym needs prompts from data_source.path 'reasoning_gym:<task>' (no 'reasoning_gym' column)")
                 return [score_reply(c, {"reasoning_gym": spec}) for c, spec in zip(flat.completions, flat.columns["reasoning_gym"])]
+        elif t.rule == "env":
+            _check_params(t, set())
+            rule = env_rewards
         else:  # pragma: no cover - the config's Literal lists the rules
             raise RewardError(f"unknown rule {t.rule!r}")
 

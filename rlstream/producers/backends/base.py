@@ -40,6 +40,8 @@ class SamplingSpec:
     """0 disables top-k."""
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample besides the model's EOS (a chat template's end of turn), kept as its last token."""
 
     @classmethod
     def from_config(cls, cfg) -> "SamplingSpec":
@@ -185,6 +187,10 @@ class Backend:
     engines that batch concurrent requests continuously (vLLM, an OpenAI-compatible server)."""
     can_reload: bool = True
     reload_note: str = ""
+    continuous: bool = False
+    """True where the engine batches concurrent requests itself (vLLM, an OpenAI-compatible server):
+    the episodes of a batch then send each turn as its own request; otherwise their concurrent
+    turns are gathered into one ``generate`` call."""
     tokenizer: Any = None
     vocab_size: int | None = None
     """The model's vocabulary, when known: prompts with token ids outside it are dead-lettered

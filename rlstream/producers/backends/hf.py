@@ -80,6 +80,7 @@ class HFBackend(Backend):
         input_ids = input_ids.repeat_interleave(spec.n, dim=0)
         attention = attention.repeat_interleave(spec.n, dim=0)
         sample = spec.temperature > 0
+        eos_ids = self.eos_ids | set(spec.stop_token_ids)
         gen = GenerationConfig(
             max_new_tokens=spec.max_new_tokens,
             do_sample=sample,
@@ -89,7 +90,7 @@ class HFBackend(Backend):
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids) or None,
+            eos_token_id=sorted(eos_ids) or None,
             stop_strings=list(spec.stop) or None,
         )
         with self._lock, torch.inference_mode():
@@ -103,14 +104,14 @@ class HFBackend(Backend):
                      for t, lg in enumerate(out.logits)]
             logprobs = torch.stack(steps, dim=1).cpu().numpy() if steps else np.zeros((new.shape[0], 0), np.float32)
         tokens = new.cpu().numpy().astype(np.int32)
-        rows = [self._completion(tokens[r], logprobs[r], spec) for r in range(tokens.shape[0])]
+        rows = [self._completion(tokens[r], logprobs[r], spec, eos_ids) for r in range(tokens.shape[0])]
         return [rows[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
 
-    def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, spec: SamplingSpec) -> Completion:
-        """Cut a generated row where it ended: after the first EOS, or after the token that
-        completed a stop string; otherwise it ran to max_new_tokens."""
+    def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, spec: SamplingSpec, eos_ids: set[int]) -> Completion:
+        """Cut a generated row where it ended: after the first EOS (or stop token id), or after
+        the token that completed a stop string; otherwise it ran to max_new_tokens."""
         length, reason = len(tokens), "length"
-        eos_at = np.flatnonzero(np.isin(tokens, list(self.eos_ids))) if self.eos_ids else []
+        eos_at = np.flatnonzero(np.isin(tokens, list(eos_ids))) if eos_ids else []
         if len(eos_at):
             length, reason = int(eos_at[0]) + 1, "stop"
         if spec.stop:

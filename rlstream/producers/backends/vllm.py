@@ -47,6 +47,7 @@ def _has_cuda() -> bool:
 class VLLMBackend(Backend):
     name = "vllm"
     concurrent_batches = 2
+    continuous = True
     """Batches the producer may keep in flight: the engine merges their requests."""
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
@@ -87,6 +88,7 @@ class VLLMBackend(Backend):
         params = SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0,
+            stop_token_ids=list(spec.stop_token_ids) or None,
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
             seed=None if spec.seed is None else spec.seed + self.batches,
             output_kind=RequestOutputKind.FINAL_ONLY,
