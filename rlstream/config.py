@@ -134,6 +134,12 @@ class AlgorithmTraits:
         """Token advantages come from the teacher stage's recorded log-probs (on-policy distillation)."""
         return False
 
+    @property
+    def trains_on_pairs(self) -> bool:
+        """The learner's offline records are preference pairs (chosen vs rejected completion of a
+        prompt), not single completions."""
+        return False
+
 
 class SFTParams(AlgorithmTraits, Strict):
     type: Literal["SFT"] = "SFT"
@@ -160,6 +166,10 @@ class DPOParams(AlgorithmTraits, Strict):
 
     @property
     def needs_reference(self) -> bool:
+        return True
+
+    @property
+    def trains_on_pairs(self) -> bool:
         return True
 
 

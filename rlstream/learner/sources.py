@@ -76,10 +76,6 @@ class BatchSource(Protocol):
 # ---- offline datasets ----------------------------------------------------------------------
 
 
-LOADERS = {"SFT": load_sft, "DPO": load_dpo}
-"""Dataset loader per offline training mode."""
-
-
 class OfflineSource:
     """An SFT or DPO dataset, batch after batch in epoch order (``data_source.epochs``)."""
 
@@ -90,7 +86,8 @@ class OfflineSource:
     @classmethod
     async def open(cls, learner: Learner) -> "OfflineSource":
         cfg = learner.cfg
-        examples = await asyncio.to_thread(LOADERS[cfg.training_mode], cfg.data_source, learner.tokenizer)
+        load = load_dpo if cfg.algorithm_params.trains_on_pairs else load_sft
+        examples = await asyncio.to_thread(load, cfg.data_source, learner.tokenizer)
         return cls(learner, examples)
 
     async def take(self, stop: asyncio.Event) -> Taken | None:
