@@ -254,7 +254,7 @@ def _reachable(url: str, default_port: int, timeout: float = 3.0) -> str | None:
 
 def check_endpoints(cfg: Config) -> list[str]:
     checks = [("nats.url", cfg.nats.url, 4222), ("data_source.sampling_endpoint", cfg.data_source.sampling_endpoint, 80),
-              ("producer.endpoint", cfg.producer.endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
+              ("producer.endpoint", cfg.producer.remote_endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
     problems = []
     for field, url, port in checks:
         if url:
