@@ -666,6 +666,11 @@ class ProducerConfig(Strict):
             return data
         backend = data.get("backend", "hf")
         renamed = {f"fake_{k}": k for k in FakeProducerConfig.model_fields if k != "backend" and k not in ProducerConfig.model_fields}
+        # a config resolved before the backends were split lists every backend's settings at
+        # their defaults (config.resolved.json of an older run, read by replay): those say nothing
+        defaults = _backend_defaults()
+        data = {k: v for k, v in data.items()
+                if k in cls.model_fields or renamed.get(k, k) not in defaults or v != defaults[renamed.get(k, k)]}
         old = [k for k in data if k in renamed]
         if old:
             raise PydanticCustomError("renamed", "producer.{old}: renamed producer.{new} (a setting of backend 'fake')",
@@ -739,6 +744,12 @@ class FakeProducerConfig(ProducerConfig):
 PRODUCER_BACKENDS = {"hf": HFProducerConfig, "vllm": VLLMProducerConfig, "openai": OpenAIProducerConfig, "fake": FakeProducerConfig}
 ProducerSettings = Annotated[Union[HFProducerConfig, VLLMProducerConfig, OpenAIProducerConfig, FakeProducerConfig],
                              Field(discriminator="backend")]
+
+
+def _backend_defaults() -> dict[str, Any]:
+    """Each backend-specific setting -> its default."""
+    return {key: info.get_default(call_default_factory=True) for model in PRODUCER_BACKENDS.values()
+            for key, info in model.model_fields.items() if key not in ProducerConfig.model_fields}
 
 
 def _backend_settings() -> dict[str, list[str]]:
@@ -1253,7 +1264,7 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "union_tag_invalid":
         where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
         where = "producer.backend" if loc == ["producer"] else where
-        return f"{where}: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
+        return f"{where}: {_short(ctx.get('tag'))} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return f"{field}: {_short(value)} must match {ctx.get('pattern')}"
     msg = err["msg"]
