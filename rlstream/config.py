@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL"]
 RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL")
@@ -134,6 +135,12 @@ class AlgorithmTraits:
         """Token advantages come from the teacher stage's recorded log-probs (on-policy distillation)."""
         return False
 
+    @property
+    def trains_on_pairs(self) -> bool:
+        """The learner's offline records are preference pairs (chosen vs rejected completion of a
+        prompt), not single completions."""
+        return False
+
 
 class SFTParams(AlgorithmTraits, Strict):
     type: Literal["SFT"] = "SFT"
@@ -160,6 +167,10 @@ class DPOParams(AlgorithmTraits, Strict):
 
     @property
     def needs_reference(self) -> bool:
+        return True
+
+    @property
+    def trains_on_pairs(self) -> bool:
         return True
 
 
@@ -644,9 +655,13 @@ class NatsConfig(Strict):
 
 
 class ProducerConfig(Strict):
+    """Settings every generation backend shares. ``producer.backend`` picks the class that adds
+    that backend's own settings (:data:`ProducerSettings`, a discriminated union): a setting of
+    another backend is refused with one line naming its backend."""
+
     backend: Literal["hf", "vllm", "openai", "fake"] = "hf"
     """hf: transformers generate; vllm: an in-process vLLM engine; openai: an OpenAI-compatible
-    completions server; fake: random tokens after ``fake_latency_s`` (tests and benchmarks only)."""
+    completions server; fake: random tokens after ``latency_s`` (tests and benchmarks only)."""
     count: int = Field(1, ge=0, le=256)
     batch_prompts: int = Field(8, ge=1, le=65536)
     """Prompts generated together (times group_size sequences)."""
@@ -656,18 +671,6 @@ class ProducerConfig(Strict):
     top_k: int = Field(0, ge=0, le=1 << 24)
     """0 disables top-k."""
     stop: list[str] = Field(default_factory=list)
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    vllm: dict[str, Any] = Field(default_factory=dict)
-    """Extra vllm.LLM / AsyncEngineArgs keyword arguments."""
-    endpoint: str | None = None
-    model_name: str | None = None
-    """Model name to request from an OpenAI-compatible server."""
-    request_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
-    request_retries: int = Field(3, ge=0, le=100)
-    """openai backend: retries of a failed request (with exponential backoff)."""
-    max_connections: int = Field(64, ge=1, le=65536)
-    """openai backend: pooled HTTP connections (concurrent requests)."""
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     """Sampling seed (hf: torch's generator; vllm/openai: per-request seed)."""
     pipeline_batches: int | None = Field(None, ge=1, le=8)
@@ -700,14 +703,108 @@ class ProducerConfig(Strict):
     finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
     producer takes them at once, and the producer exits. Keep it below the pod's
     ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
-    fake_latency_s: float = Field(0.0, ge=0, le=DAY_S)
-    """fake backend: seconds each batch takes."""
-    fake_vocab_size: int = Field(512, ge=2, le=1 << 24)
-    """fake backend: token ids are drawn from [0, fake_vocab_size)."""
-    fake_hang_file: str | None = None
-    """fake backend: when this file exists, the next batch removes it and blocks its thread
-    for ``fake_hang_s`` (a stuck engine; one hang per creation of the file)."""
-    fake_hang_s: float = Field(3600.0, gt=0, le=DAY_S)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_settings_only(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        backend = data.get("backend", "hf")
+        renamed = {f"fake_{k}": k for k in FakeProducerConfig.model_fields if k != "backend" and k not in ProducerConfig.model_fields}
+        # a config resolved before the backends were split lists every backend's settings at
+        # their defaults (config.resolved.json of an older run, read by replay): those say nothing
+        defaults = _backend_defaults()
+        data = {k: v for k, v in data.items()
+                if k in cls.model_fields or renamed.get(k, k) not in defaults or v != defaults[renamed.get(k, k)]}
+        old = [k for k in data if k in renamed]
+        if old:
+            raise PydanticCustomError("renamed", "producer.{old}: renamed producer.{new} (a setting of backend 'fake')",
+                                      {"old": old[0], "new": renamed[old[0]]})
+        owners = _backend_settings()
+        foreign = [k for k in data if k not in cls.model_fields and k in owners]
+        if foreign:
+            key = foreign[0]
+            raise PydanticCustomError("wrong_backend", "producer.{key}: a setting of backend {owners}, not of {backend}; "
+                                      "set producer.backend or remove it",
+                                      {"key": key, "owners": " or ".join(repr(b) for b in owners[key]), "backend": repr(backend)})
+        return data
+
+    @property
+    def remote_endpoint(self) -> str | None:
+        """The server this backend sends requests to (None: it generates in-process)."""
+        return None
+
+
+class HFProducerConfig(ProducerConfig):
+    """``backend: hf``: transformers ``generate`` in the producer's process."""
+
+    backend: Literal["hf"] = "hf"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class VLLMProducerConfig(ProducerConfig):
+    """``backend: vllm``: an in-process vLLM engine."""
+
+    backend: Literal["vllm"] = "vllm"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    """Extra vllm.LLM / AsyncEngineArgs keyword arguments."""
+
+
+class OpenAIProducerConfig(ProducerConfig):
+    """``backend: openai``: an OpenAI-compatible completions server (``endpoint``, else
+    ``data_source.sampling_endpoint``)."""
+
+    backend: Literal["openai"] = "openai"
+    endpoint: str | None = None
+    model_name: str | None = None
+    """Model name to request from an OpenAI-compatible server."""
+    request_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
+    request_retries: int = Field(3, ge=0, le=100)
+    """Retries of a failed request (with exponential backoff)."""
+    max_connections: int = Field(64, ge=1, le=65536)
+    """Pooled HTTP connections (concurrent requests)."""
+
+    @property
+    def remote_endpoint(self) -> str | None:
+        return self.endpoint
+
+
+class FakeProducerConfig(ProducerConfig):
+    """``backend: fake``: random tokens with their true uniform log-probs, no model (tests and
+    benchmarks of the plumbing)."""
+
+    backend: Literal["fake"] = "fake"
+    latency_s: float = Field(0.0, ge=0, le=DAY_S)
+    """Seconds each batch takes."""
+    vocab_size: int = Field(512, ge=2, le=1 << 24)
+    """Token ids are drawn from [0, vocab_size)."""
+    hang_file: str | None = None
+    """When this file exists, the next batch removes it and blocks its thread for ``hang_s``
+    (a stuck engine; one hang per creation of the file)."""
+    hang_s: float = Field(3600.0, gt=0, le=DAY_S)
+
+
+PRODUCER_BACKENDS = {"hf": HFProducerConfig, "vllm": VLLMProducerConfig, "openai": OpenAIProducerConfig, "fake": FakeProducerConfig}
+ProducerSettings = Annotated[Union[HFProducerConfig, VLLMProducerConfig, OpenAIProducerConfig, FakeProducerConfig],
+                             Field(discriminator="backend")]
+
+
+def _backend_defaults() -> dict[str, Any]:
+    """Each backend-specific setting -> its default."""
+    return {key: info.get_default(call_default_factory=True) for model in PRODUCER_BACKENDS.values()
+            for key, info in model.model_fields.items() if key not in ProducerConfig.model_fields}
+
+
+def _backend_settings() -> dict[str, list[str]]:
+    """Each backend-specific setting -> the backends that have it."""
+    out: dict[str, list[str]] = {}
+    for name, model in PRODUCER_BACKENDS.items():
+        for key in model.model_fields:
+            if key not in ProducerConfig.model_fields:
+                out.setdefault(key, []).append(name)
+    return out
 
 
 class ScorerConfig(Strict):
@@ -974,7 +1071,7 @@ class Config(Strict):
     reward_function: RewardFunction = Field(default_factory=RewardFunction)
     algorithm_params: AlgorithmParams
     nats: NatsConfig = Field(default_factory=NatsConfig)
-    producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    producer: ProducerSettings = Field(default_factory=HFProducerConfig)
     scorer: ScorerConfig = Field(default_factory=ScorerConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -1009,6 +1106,17 @@ class Config(Strict):
                 data = {**data, "algorithm_params": {**params, "type": data["training_mode"]}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _producer_backend(cls, data: Any) -> Any:
+        """An unset ``producer.backend`` is hf, or openai when ``data_source.sampling_endpoint``
+        names a server (an explicit backend is never changed; a conflict is an error below)."""
+        if isinstance(data, dict) and isinstance(data.get("producer", {}), dict) and "backend" not in data.get("producer", {}):
+            ds = data.get("data_source")
+            backend = "openai" if isinstance(ds, dict) and ds.get("sampling_endpoint") else "hf"
+            data = {**data, "producer": {**data.get("producer", {}), "backend": backend}}
+        return data
+
     @model_validator(mode="after")
     def _cross_field(self):
         mode = self.training_mode
@@ -1020,12 +1128,10 @@ class Config(Strict):
             raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
         if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
             raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
-        if self.data_source.sampling_endpoint and self.producer.backend != "openai":
-            if "backend" in self.producer.model_fields_set:
-                raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
-                                 "(served by the 'openai' backend); remove one of them or set producer.backend: openai")
-            self.producer.backend = "openai"
-        if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
+        if self.data_source.sampling_endpoint and not isinstance(self.producer, OpenAIProducerConfig):
+            raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
+                             "(served by the 'openai' backend); remove one of them or set producer.backend: openai")
+        if isinstance(self.producer, OpenAIProducerConfig) and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
         if mode == "DISTILL" and self.teacher is None:
             raise ValueError("training_mode DISTILL needs a teacher section (teacher.model_path or teacher.endpoint)")
@@ -1258,6 +1364,9 @@ def _describe(err: dict[str, Any]) -> str:
     # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
     if len(loc) >= 2 and loc[0] == "algorithm_params" and loc[1] in ("SFT", "DPO") + RL_MODES:
         loc = [loc[0]] + loc[2:]
+    # and the producer's backend tag (producer.hf.device -> producer.device)
+    if len(loc) >= 2 and loc[0] == "producer" and loc[1] in PRODUCER_BACKENDS:
+        loc = [loc[0]] + loc[2:]
     # and the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
     if len(loc) >= 3 and loc[1] in ("off_policy_correction", "policy_loss") and loc[2] in CORRECTIONS + POLICY_LOSSES:
         loc = loc[:2] + loc[3:]
@@ -1272,9 +1381,12 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{field}: required, missing"
     if kind == "literal_error":
         return f"{field}: {_short(value)} is not allowed; allowed: {ctx.get('expected')}"
+    if kind in ("wrong_backend", "renamed"):
+        return err["msg"]
     if kind == "union_tag_invalid":
         where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
-        return f"{where}: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
+        where = "producer.backend" if loc == ["producer"] else where
+        return f"{where}: {_short(ctx.get('tag'))} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return f"{field}: {_short(value)} must match {ctx.get('pattern')}"
     msg = err["msg"]

@@ -137,13 +137,13 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
             from rlstream.producers.feeder import check_rows
 
             check_rows(rows, cfg, where=str(ds.path))
-        elif cfg.training_mode == "SFT":
-            has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
-            require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
-        elif cfg.training_mode == "DPO":
+        elif cfg.algorithm_params.trains_on_pairs:
             # conversational pairs may leave the prompt implicit (their shared leading turns), as in TRL
             implicit = ds.prompt_column not in rows[0] and chat.is_conversational(rows[0].get(ds.chosen_column))
             require_columns(rows, ([] if implicit else [ds.prompt_column]) + [ds.chosen_column, ds.rejected_column], ds.path)
+        else:
+            has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
+            require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
     except DatasetError as exc:
         return [f"data_source: {exc}"], rows
     return [], rows
@@ -289,7 +289,7 @@ def _reachable(url: str, default_port: int, timeout: float = 3.0) -> str | None:
 
 def check_endpoints(cfg: Config) -> list[str]:
     checks = [("nats.url", cfg.nats.url, 4222), ("data_source.sampling_endpoint", cfg.data_source.sampling_endpoint, 80),
-              ("producer.endpoint", cfg.producer.endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
+              ("producer.endpoint", cfg.producer.remote_endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
     problems = []
     for field, url, port in checks:
         if url:

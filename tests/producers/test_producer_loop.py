@@ -177,9 +177,9 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
     hang = tmp_path / "p1-hang"
     sections = dict(data_source={"path": str(dataset(60))}, nats={"ack_wait_s": 3},
                     buffer={"max_groups": 1000}, learner={"batch_groups": 1000})
-    _, path = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3})
-    cfg, path1 = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3,
-                                              "fake_hang_file": str(hang)})
+    _, path = config(**sections, producer={"backend": "fake", "latency_s": 0.3, "batch_prompts": 3})
+    cfg, path1 = config(**sections, producer={"backend": "fake", "latency_s": 0.3, "batch_prompts": 3,
+                                              "hang_file": str(hang)})
     lay = await layout_for(js, run_id, ack_wait_s=3)
     await feed(js, lay, cfg, progress=False)
     procs = {"p1": producer_process(path1, nats_server.url, "p1"), "p2": producer_process(path, nats_server.url, "p2")}
@@ -224,7 +224,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
 
 @pytest.mark.slow
 async def test_sigterm_finishes_the_batch_in_hand(js, nats_server, run_id, config, dataset):
-    cfg, path = config(data_source={"path": str(dataset(3))}, producer={"backend": "fake", "fake_latency_s": 3.0, "batch_prompts": 3})
+    cfg, path = config(data_source={"path": str(dataset(3))}, producer={"backend": "fake", "latency_s": 3.0, "batch_prompts": 3})
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     proc = producer_process(path, nats_server.url, "p1")
@@ -343,7 +343,7 @@ async def test_prompt_ids_outside_the_models_vocabulary_are_dead_lettered_on_arr
     from rlstream.schemas import DeadLetter, Prompt
 
     cfg, _ = config(data_source={"path": str(dataset(3))},
-                    producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 3, "fake_vocab_size": 64})
+                    producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 3, "vocab_size": 64})
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     bad = Prompt(id="too-big", text="x", prompt_ids=np.array([5, 64], np.int32))  # 64 is outside [0, 64)
