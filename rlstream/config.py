@@ -663,6 +663,17 @@ class ProducerConfig(Strict):
     """fake backend: when this file exists, the next batch removes it and blocks its thread
     for ``fake_hang_s`` (a stuck engine; one hang per creation of the file)."""
     fake_hang_s: float = Field(3600.0, gt=0, le=DAY_S)
+    weight_update: Literal["between_batches", "in_flight"] = "in_flight"
+    """When new weights reach the generator. ``in_flight``: as soon as they are fetched, at a
+    token boundary, while requests keep running (vllm: the engine pauses, loads, resumes; hf:
+    between chunks of ``update_chunk_tokens``); every token records the version that sampled
+    it. ``between_batches``: only when no batch is generating, so a group has one version.
+    Backends that cannot (openai, fake) fall back to ``between_batches``."""
+    update_chunk_tokens: int = Field(16, ge=1, le=1 << 20)
+    """hf with ``weight_update: in_flight``: tokens generated between checks for new weights."""
+    weight_update_timeout_s: float = Field(120.0, gt=0, le=DAY_S)
+    """An in-flight weight update (fetch and load) that takes longer is abandoned: the producer
+    keeps generating on its current weights and raises ``alert/weight_update_failures``."""
 
 
 class ScorerConfig(Strict):
