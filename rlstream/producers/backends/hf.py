@@ -66,13 +66,17 @@ class HFBackend(Backend):
         self._pending_lock = threading.Lock()
         self._pending: tuple[dict, int, threading.Event] | None = None
         """Weights queued by update_in_flight: (state dict, version, set once loaded)."""
+        self.update_timeout_s = 600.0
+        """An update not loaded by then is withdrawn (producer.weight_update_timeout_s)."""
 
     @classmethod
     def from_config(cls, cfg) -> "HFBackend":
         p = cfg.producer
         chunk = p.update_chunk_tokens if p.weight_update == "in_flight" else None
-        return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, device=p.device, dtype=p.dtype, seed=p.seed,
-                   update_chunk_tokens=chunk)
+        backend = cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, device=p.device, dtype=p.dtype, seed=p.seed,
+                      update_chunk_tokens=chunk)
+        backend.update_timeout_s = p.weight_update_timeout_s
+        return backend
 
     # ---- generation ---------------------------------------------------------------------
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
@@ -272,8 +276,8 @@ class HFBackend(Backend):
         self.policy_version = version
 
     # ---- in-flight updates --------------------------------------------------------------
-    async def update_in_flight(self, source: WeightsSource, timeout_s: float = 600.0) -> None:
-        await asyncio.to_thread(self.update_in_flight_sync, source, timeout_s)
+    async def update_in_flight(self, source: WeightsSource, timeout_s: float | None = None) -> None:
+        await asyncio.to_thread(self.update_in_flight_sync, source, timeout_s or self.update_timeout_s)
 
     def queue_weights(self, source: WeightsSource) -> threading.Event:
         """Queue weights for the running generation's next chunk boundary (or the next
