@@ -43,6 +43,7 @@ class Row:
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_version: int = 0
+    """The version that sampled the completion (its oldest token's, with ``token_versions``)."""
     keep: bool = True
     """False: the row is in the batch but its loss is masked (e.g. overlong filtering)."""
     extra: dict = field(default_factory=dict)
@@ -50,6 +51,9 @@ class Row:
     """Frozen reference log-probs of the completion tokens [C], recorded by the reference stage."""
     teacher_logprobs: np.ndarray | None = None
     """Teacher log-probs of the completion tokens [C], recorded by the teacher stage (DISTILL)."""
+    token_versions: np.ndarray | None = None
+    """The version that sampled each completion token [C] (weights updated in flight); None:
+    every token at ``policy_version``."""
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None  # [R, L] long: positions restarting at 0 per document
     segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
     doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
-    policy_versions: torch.Tensor | None = None  # [B] long: the weights that sampled each row (RL)
+    policy_versions: torch.Tensor | None = None  # [B, T] long: the weights that sampled each token (RL; 0 where padded)
     ref_logprobs: torch.Tensor | None = None     # [B, T] float: recorded reference log-probs (when every row has them)
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float: recorded teacher log-probs (DISTILL)
 
@@ -127,7 +131,10 @@ def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> Toke
             old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    versions = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
+    versions = torch.zeros((B, T), dtype=torch.long)
+    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
+        versions[i, :c] = (torch.from_numpy(np.asarray(row.token_versions[:c], dtype=np.int64)) if row.token_versions is not None
+                           else row.policy_version)
     recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs")}
     return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
 
