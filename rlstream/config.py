@@ -671,6 +671,10 @@ class ProducerConfig(Strict):
     Backends that cannot (openai, fake) fall back to ``between_batches``."""
     update_chunk_tokens: int = Field(16, ge=1, le=1 << 20)
     """hf with ``weight_update: in_flight``: tokens generated between checks for new weights."""
+    in_flight_kv: Literal["recompute", "keep"] = "recompute"
+    """In-flight updates: ``recompute`` the running sequences' KV cache under the new weights
+    (exact: later tokens are sampled as the new version scores them; costs one prefill per
+    update), or ``keep`` the KV the old weights computed (PipelineRL's choice: no prefill)."""
     weight_update_timeout_s: float = Field(120.0, gt=0, le=DAY_S)
     """An in-flight weight update (fetch and load) that takes longer is abandoned: the producer
     keeps generating on its current weights and raises ``alert/weight_update_failures``."""

@@ -66,6 +66,8 @@ class HFBackend(Backend):
         self._pending_lock = threading.Lock()
         self._pending: tuple[dict, int, threading.Event] | None = None
         """Weights queued by update_in_flight: (state dict, version, set once loaded)."""
+        self.recompute_kv = True
+        """After an in-flight update, recompute the KV cache under the new weights (else keep the old KV)."""
         self.update_timeout_s = 600.0
         """An update not loaded by then is withdrawn (producer.weight_update_timeout_s)."""
 
@@ -76,6 +78,7 @@ class HFBackend(Backend):
         backend = cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, device=p.device, dtype=p.dtype, seed=p.seed,
                       update_chunk_tokens=chunk)
         backend.update_timeout_s = p.weight_update_timeout_s
+        backend.recompute_kv = p.in_flight_kv == "recompute"
         return backend
 
     # ---- generation ---------------------------------------------------------------------
@@ -126,16 +129,18 @@ class HFBackend(Backend):
         done = torch.zeros(rows, dtype=torch.bool)
         with self._lock, torch.inference_mode():
             logits, cache = self._prefill(seq, attn)
+            logits_version = self.policy_version  # the weights that computed ``logits``
             for t in range(spec.max_new_tokens):
-                if t and t % chunk == 0 and self._apply_pending():
+                if t and t % chunk == 0 and self._apply_pending() and self.recompute_kv:
                     logits, cache = self._prefill(seq, attn)  # the KV cache of the new version
+                    logits_version = self.policy_version
                 logits = logits.float()
                 scores = warpers(seq, logits) if len(warpers) else logits
                 nxt = (torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1) if sample
                        else scores.argmax(dim=-1))
                 tokens.append(nxt.cpu())
                 logps.append(torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1).cpu())
-                versions.append(self.policy_version)
+                versions.append(logits_version)
                 if not spec.ignore_eos:
                     done |= torch.isin(nxt.cpu(), eos)
                 if t and t % chunk == 0 and spec.stop and not spec.ignore_eos:
@@ -147,6 +152,7 @@ class HFBackend(Backend):
                 out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=(attn.sum(-1, keepdim=True) - 1),
                                  past_key_values=cache, use_cache=True)
                 logits, cache = out.logits[:, -1], out.past_key_values
+                logits_version = self.policy_version
             self._apply_pending()  # an update queued near the end is not left waiting
         token_arr = torch.stack(tokens, 1).numpy().astype(np.int32)
         logp_arr = torch.stack(logps, 1).numpy()
