@@ -377,7 +377,8 @@ async def test_in_flight_updates_stamp_each_token_and_a_failed_update_keeps_the_
     token boundary it lands), every token's log-prob is that of the version it records, and an
     announced v2 that does not fit the model raises the alert and leaves v1 generating."""
     cfg, _ = config(data_source={"path": str(dataset(4))},
-                    producer={"batch_prompts": 1, "max_new_tokens": 48, "weight_update": "in_flight", "update_chunk_tokens": 4})
+                    producer={"batch_prompts": 1, "max_new_tokens": 48, "weight_update": "in_flight", "update_chunk_tokens": 4,
+                              "in_flight_kv": "recompute"})
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     backend = make_backend(cfg)

