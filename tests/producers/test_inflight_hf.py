@@ -100,3 +100,17 @@ async def test_update_in_flight_during_a_generation_is_loaded_before_it_ends(tin
     for c in group:
         v = c.versions.tolist()
         assert v == sorted(v) and set(v) <= {0, 1} and len(v) == 64
+
+
+def test_keeping_the_kv_cache_labels_the_token_the_old_weights_sampled(tiny_model_dir, models):
+    """in_flight_kv: keep: the token at the boundary was drawn from logits the old weights
+    computed, so it is v0's; the next ones are the new weights' over the old KV."""
+    base, new = models
+    backend = HFBackend(str(tiny_model_dir), seed=8, update_chunk_tokens=8)
+    backend.recompute_kv = False
+    ids = backend.encode_prompt(Prompt(id="f", text="the answer"))[0]
+    backend.queue_weights(WeightsSource(version=1, data=safetensors.torch.save(new.state_dict())))
+    (group,) = backend.generate_chunked_sync([ids], SamplingSpec(n=1, max_new_tokens=20, ignore_eos=True), chunk=8)
+    c = group[0]
+    assert c.versions.tolist() == [0] * 9 + [1] * 11
+    np.testing.assert_allclose(c.logprobs[:9], teacher_forced(base, ids, c.token_ids)[:9], atol=1e-4)
