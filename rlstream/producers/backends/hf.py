@@ -20,6 +20,7 @@ new version would score it. Tokens record the version that sampled them.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 import time
 
@@ -33,6 +34,7 @@ from rlstream.producers.backends.base import (
     WeightsSource,
     clean_logprobs,
     safetensors_files,
+    safetensors_views,
 )
 
 
@@ -252,16 +254,21 @@ class HFBackend(Backend):
 
     @staticmethod
     def _read_state(source: WeightsSource) -> dict:
-        import safetensors.torch
-
+        # The tensors are views of the received bytes or of a private mapping of each file
+        # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
         if source.data is not None:
-            return safetensors.torch.load(source.data)
-        if source.path is not None:
-            state = {}
+            buffers = [source.data]
+        elif source.path is not None:
+            buffers = []
             for f in safetensors_files(source.path):
-                state.update(safetensors.torch.load_file(str(f)))
-            return state
-        raise ProducerError("weights source has neither bytes nor a path")
+                with open(f, "rb") as fh:
+                    buffers.append(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY))
+        else:
+            raise ProducerError("weights source has neither bytes nor a path")
+        state = {}
+        for buf in buffers:
+            state.update(safetensors_views(buf))
+        return state
 
     def load_weights_sync(self, source: WeightsSource) -> None:
         state = self._read_state(source)
