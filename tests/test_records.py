@@ -281,7 +281,7 @@ def test_rollout_v4_episode_round_trip():
     g = make_episode_group()
     data = g.encode()
     back = RolloutGroup.decode(data)
-    assert back.v == 4 and back.is_episode and back.encode() == data
+    assert back.v == RolloutGroup.VERSION and back.is_episode and back.encode() == data
     assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
     assert back.sample_turns() == [[(0, 2, True), (2, 5, False), (5, 6, True)], [(0, 4, True)]]
     assert [r.tolist() for r in back.sample_turn_rewards()] == [[0.25, 0, 1], [0]]
@@ -317,11 +317,74 @@ def test_rollout_v3_and_v2_payloads_still_decode_as_single_turn():
     for version, dropped in ((3, ()), (2, ("prompt_messages",))):
         wire = make_group().to_wire()
         wire["v"] = version
-        for name in ("loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages", *dropped):
+        for name in ("loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages",
+                     "version_runs", "run_lengths", "run_versions", *dropped):
             del wire[name]
         back = RolloutGroup.decode(msgpack.packb(wire))
         assert not back.is_episode and back.loss_mask.size == 0 and back.episode_messages is None
         assert [m.tolist() for m in back.sample_masks()] == [[1] * 5, [1] * 6, [1] * 7]
+
+
+def test_rollout_v4_episode_payload_still_decodes_without_version_runs():
+    wire = make_episode_group().to_wire()
+    wire["v"] = 4
+    for name in ("version_runs", "run_lengths", "run_versions"):
+        del wire[name]
+    back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert back.is_episode and back.version_runs.size == 0
+    assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
+
+
+def _inflight_group() -> RolloutGroup:
+    """Three samples of 5, 6, 7 tokens: v3 throughout; v3 x2 then v4 x4; v3 x1, v4 x3, v5 x3."""
+    g = make_group(version=3)
+    samples = g.samples
+    versions = [None, np.array([3, 3, 4, 4, 4, 4]), np.array([3, 4, 4, 4, 5, 5, 5])]
+    return g.with_samples([s._replace(versions=v) for s, v in zip(samples, versions)])
+
+
+def test_rollout_v5_run_length_encodes_per_token_versions():
+    g = _inflight_group()
+    # runs per sample: [5@3], [2@3, 4@4], [1@3, 3@4, 3@5] -> 1 + 2 + 3 runs
+    assert g.version_runs.tolist() == [1, 2, 3]
+    assert g.run_lengths.tolist() == [5, 2, 4, 1, 3, 3]
+    assert g.run_versions.tolist() == [3, 3, 4, 3, 4, 5]
+    assert g.policy_version == 3 and g.newest_version() == 5
+    back = RolloutGroup.decode(g.encode())
+    assert back.token_versions().tolist() == [3] * 5 + [3, 3, 4, 4, 4, 4] + [3, 4, 4, 4, 5, 5, 5]
+    assert back.samples[2].versions.tolist() == [3, 4, 4, 4, 5, 5, 5]
+    # the oldest token sets policy_version, even where the producer stamped a newer one
+    late = make_group(version=9).with_samples([s._replace(versions=np.full(len(s.completion_ids), 7)) for s in g.samples])
+    assert late.policy_version == 7 and late.version_runs.size == 0  # one version throughout: no runs needed
+
+
+def test_rollout_without_runs_has_every_token_at_policy_version():
+    g = make_group(version=2)
+    assert g.version_runs.size == 0 and g.token_versions().tolist() == [2] * 18
+    assert all(s.versions is None for s in g.samples)
+
+
+def test_rollout_v3_and_v4_still_decode_without_version_runs():
+    wire = make_group().to_wire()
+    wire["v"] = 3
+    for name in ("version_runs", "run_lengths", "run_versions"):
+        del wire[name]
+    back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert back.version_runs.size == 0 and back.token_versions().tolist() == [2] * 18
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"version_runs": np.array([1, 2], np.int32)}, "version_runs"),
+    ({"run_lengths": np.array([5, 2, 4, 1, 3, 2], np.int32)}, "run_lengths"),  # sample 2 covers 6 of 7 tokens
+    ({"run_lengths": np.array([5, 2, 4, 1, 3], np.int32)}, "run_lengths"),
+    ({"run_versions": np.array([3, 3, 4, 2, 4, 5], np.int32)}, "run_versions"),  # 2 < policy_version 3
+    ({"run_lengths": np.array([5, 6, 0, 1, 3, 3], np.int32)}, "run_lengths"),  # an empty run
+])
+def test_rollout_inconsistent_version_runs_are_rejected_by_name(change, field):
+    wire = _inflight_group().to_wire()
+    wire.update({k: pack_array(v, INT32) for k, v in change.items()})
+    with pytest.raises(RecordError, match=rf"^{field}"):
+        RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
 
 
 def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size():

@@ -44,6 +44,7 @@ class Row:
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_version: int = 0
+    """The version that sampled the completion (its oldest token's, with ``token_versions``)."""
     keep: bool = True
     """False: the row is in the batch but its loss is masked (e.g. overlong filtering)."""
     extra: dict = field(default_factory=dict)
@@ -56,6 +57,9 @@ class Row:
     tokens are 0); None = all of them."""
     token_advantages: np.ndarray | None = None
     """[C] a per-token advantage (per-turn rewards of an episode); None = ``advantage`` on every token."""
+    token_versions: np.ndarray | None = None
+    """The version that sampled each completion token [C] (weights updated in flight); None:
+    every token at ``policy_version``."""
 
 
 @dataclass(slots=True)
@@ -74,7 +78,7 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None  # [R, L] long: positions restarting at 0 per document
     segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
     doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
-    policy_versions: torch.Tensor | None = None  # [B] long: the weights that sampled each row (RL)
+    policy_versions: torch.Tensor | None = None  # [B, T] long: the weights that sampled each token (RL; 0 where padded)
     ref_logprobs: torch.Tensor | None = None     # [B, T] float: recorded reference log-probs (when every row has them)
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float: recorded teacher log-probs (DISTILL)
     token_advantages: torch.Tensor | None = None  # [B, T] float: per-token advantages (when every row has them)
@@ -133,7 +137,10 @@ def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> Toke
             old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    versions = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
+    versions = torch.zeros((B, T), dtype=torch.long)
+    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
+        versions[i, :c] = (torch.from_numpy(np.asarray(row.token_versions[:c], dtype=np.int64)) if row.token_versions is not None
+                           else row.policy_version)
     recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
     return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
 

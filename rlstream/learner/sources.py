@@ -170,6 +170,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             buf.mark_handled(d)
             continue
         state.groups_consumed += 1
+        # admitted by its oldest token (``policy_version`` is the oldest token's version)
         stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
         filtered = False
         if group_filter and not stale:

@@ -226,7 +226,7 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
                                              masks, token_adv):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
                             policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl,
-                            loss_mask=m, token_advantages=ta))
+                            loss_mask=m, token_advantages=ta, token_versions=s.versions))
     return rows, torch.cat(all_rewards) if all_rewards else torch.zeros(0)
 
 
@@ -359,7 +359,8 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
             break
     out = losses.finish_offpolicy_metrics(_merged(learner, acc, weights), drop_parts=True)
     out.pop("policy/tokens", None)
-    versions = torch.tensor([g.rollout.policy_version for g in groups])
+    # per token: a sample whose weights changed in flight is as stale as each of its tokens
+    versions = torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups else torch.zeros(0, dtype=torch.long)
     out.update(adv.staleness_stats(versions, learner.state.policy_version))
     out["reward/mean"] = float(rewards.mean()) if rewards.numel() else 0.0
     out["samples"] = float(len(rows))

@@ -99,6 +99,9 @@ class Sample(NamedTuple):
     logprobs: np.ndarray
     finish_reason: str = "stop"
     text: str = ""
+    versions: np.ndarray | None = None
+    """[T] int: the policy version that sampled each token; None = all at the group's
+    ``policy_version`` (weights updated in flight change it mid-sample)."""
 
 
 class RolloutGroup(Record, tag="rollout_group", kw_only=True):
@@ -127,10 +130,14 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
       (the model's turns as ``assistant``, the environment's as ``user``/``tool``, including
       any it sent with the end), for reward functions, tail and the dashboard.
     For an episode, ``texts`` hold the last model turn (what text rules score).
+    v5: + the policy version of every completion token, run-length encoded (weights updated
+    in flight switch versions inside a sample): ``version_runs`` [G] runs per sample,
+    ``run_lengths`` and ``run_versions`` [sum(version_runs)], in sample order. Empty = every
+    token at ``policy_version``. With runs, ``policy_version`` is the oldest token's version.
     """
 
     SCHEMA: ClassVar[str] = "rollout_group"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
 
     v: int = VERSION
     id: str
@@ -156,19 +163,45 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     turn_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
     env_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
     episode_messages: capped(list[capped(list[capped(dict[str, str], 8)], 4096)]) | None = None  # v4
+    version_runs: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
+    run_lengths: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
+    run_versions: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
 
     @classmethod
     def from_samples(cls, samples: Iterable[Sample], **fields: Any) -> "RolloutGroup":
-        """A group from per-sample arrays; ``fields`` are the other fields."""
+        """A group from per-sample arrays; ``fields`` are the other fields. Samples with
+        per-token ``versions`` are run-length encoded, and ``policy_version`` becomes the
+        oldest token's version (the given one stands for samples without versions)."""
         samples = list(samples)
         ids = [np.asarray(s.completion_ids, INT32) for s in samples]
         lps = [np.asarray(s.logprobs, FLOAT32) for s in samples]
+        if any(s.versions is not None for s in samples):
+            base = int(fields.get("policy_version", 0))
+            per = [np.full(len(a), base, np.int64) if s.versions is None else np.asarray(s.versions, np.int64)
+                   for s, a in zip(samples, ids)]
+            runs = [version_runs(v) for v in per]
+            tokens = np.concatenate(per) if per else np.zeros(0, np.int64)
+            fields["policy_version"] = int(tokens.min()) if tokens.size else base
+            if tokens.size and (tokens != fields["policy_version"]).any():
+                fields["version_runs"] = np.fromiter((len(r[0]) for r in runs), dtype=INT32, count=len(runs))
+                fields["run_lengths"] = np.concatenate([r[0] for r in runs]).astype(INT32)
+                fields["run_versions"] = np.concatenate([r[1] for r in runs]).astype(INT32)
         return cls(
             lengths=np.fromiter((len(a) for a in ids), dtype=INT32, count=len(ids)),
             completion_ids=np.concatenate(ids) if ids else np.zeros(0, INT32),
             logprobs=np.concatenate(lps) if lps else np.zeros(0, FLOAT32),
             finish_reasons=[s.finish_reason for s in samples], texts=[s.text for s in samples], **fields,
         )
+
+    def token_versions(self) -> np.ndarray:
+        """The policy version of every completion token, [sum(lengths)] int64, in flat order."""
+        if not len(self.version_runs):
+            return np.full(len(self.completion_ids), self.policy_version, np.int64)
+        return np.repeat(self.run_versions.astype(np.int64), self.run_lengths)
+
+    def newest_version(self) -> int:
+        """The newest version that sampled any token (``policy_version`` without runs)."""
+        return int(self.run_versions.max()) if len(self.run_versions) else self.policy_version
 
     def with_samples(self, samples: Iterable[Sample], **changes: Any) -> "RolloutGroup":
         """A copy of this group holding ``samples`` instead, with ``changes`` to its other fields."""
@@ -246,7 +279,8 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         """Per-sample views on the flat arrays (built on each access: keep the list if you reuse it)."""
         ends = list(itertools.accumulate(self.lengths.tolist()))
         ids, lps = self.completion_ids, self.logprobs
-        return [Sample(ids[a:b], lps[a:b], r, t)
+        versions = self.token_versions() if len(self.version_runs) else None
+        return [Sample(ids[a:b], lps[a:b], r, t, None if versions is None else versions[a:b])
                 for a, b, r, t in zip([0, *ends[:-1]], ends, self.finish_reasons, self.texts)]
 
     def check(self, limits: Limits, path: str) -> None:
@@ -275,6 +309,7 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
             raise RecordError(f"{path}texts", f"has {len(self.texts)} entries, expected {g}")
         _min(self.policy_version, 0, f"{path}policy_version")
         self._check_episode(lengths, total, path)
+        self._check_version_runs(lengths, path)
 
     def _check_episode(self, lengths: list[int], total: int, path: str) -> None:
         """The v4 fields: each empty, or of the length its docstring gives."""
@@ -307,6 +342,28 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
             if e[-1] != n or e[0] < 0 or any(b < a for a, b in zip(e, e[1:])):
                 raise RecordError(f"{path}turn_ends", f"sample {i}: {e} must rise to its length {n}")
 
+    def _check_version_runs(self, lengths: list[int], path: str) -> None:
+        runs, run_lengths, run_versions = self.version_runs, self.run_lengths, self.run_versions
+        if not (len(runs) or len(run_lengths) or len(run_versions)):
+            return
+        if len(runs) != len(lengths):
+            raise RecordError(f"{path}version_runs", f"has {len(runs)} entries, expected {len(lengths)} (or none)")
+        n = int(runs.sum()) if runs.min() >= 0 else -1
+        if n < 0:
+            raise RecordError(f"{path}version_runs", "negative run count")
+        for name, arr in (("run_lengths", run_lengths), ("run_versions", run_versions)):
+            if len(arr) != n:
+                raise RecordError(f"{path}{name}", f"has {len(arr)} elements, expected {n} (sum of version_runs)")
+        if n and run_lengths.min() < 1:
+            raise RecordError(f"{path}run_lengths", "a run must hold at least one token")
+        if n and run_versions.min() < self.policy_version:
+            raise RecordError(f"{path}run_versions", f"a version below policy_version {self.policy_version} (the oldest token's)")
+        per_sample = np.bincount(np.repeat(np.arange(len(runs)), runs), weights=run_lengths, minlength=len(runs)).astype(np.int64)
+        bad = np.flatnonzero(per_sample != np.asarray(lengths))
+        if len(bad):
+            i = int(bad[0])
+            raise RecordError(f"{path}run_lengths", f"sample {i}: runs cover {int(per_sample[i])} tokens, its length is {lengths[i]}")
+
 
 def _turn(kind: str, tokens: int, messages: list[dict[str, str]]) -> dict[str, Any]:
     if kind == "model":
@@ -317,7 +374,17 @@ def _turn(kind: str, tokens: int, messages: list[dict[str, str]]) -> dict[str, A
 
 
 _SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts",
-                            "loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages"})
+                            "loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages",
+                            "version_runs", "run_lengths", "run_versions"})
+
+
+def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Run-length encoding of per-token versions [T]: (run lengths, run versions)."""
+    v = np.asarray(versions, np.int64)
+    if not v.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    return np.diff(np.r_[starts, v.size]), v[starts]
 
 
 class ScoredGroup(Record, tag="scored_group", kw_only=True):

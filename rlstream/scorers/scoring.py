@@ -135,7 +135,7 @@ def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | No
         reasons.extend(why)
         for k in names:
             columns[k].extend([g.columns.get(k)] * n)
-    version = max((g.policy_version for g in groups), default=0)
+    version = max((g.newest_version() for g in groups), default=0)
     return Flat(prompts, completions, reasons, columns, ScorerState(global_step=version, policy_version=version), sizes, groups)
 
 

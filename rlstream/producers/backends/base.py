@@ -2,7 +2,9 @@
 
 A backend takes a batch of tokenised prompts and a :class:`SamplingSpec` and returns, per
 prompt, ``spec.n`` :class:`Completion` s (token ids, per-token behaviour log-probs, finish
-reason, text). It can load new weights between batches. ``generate`` is a coroutine: CPU-
+reason, text). It can load new weights between batches and, where ``in_flight`` is True, while
+requests run (:meth:`Backend.update_in_flight`): running requests then continue under the new
+version from a token boundary, and each completion records the version of each token. ``generate`` is a coroutine: CPU-
 or GPU-bound backends run their work in a thread so the event loop keeps acking and
 reporting; network backends await their requests.
 
@@ -42,6 +44,8 @@ class SamplingSpec:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a sample besides the model's EOS (a chat template's end of turn), kept as its last token."""
+    ignore_eos: bool = False
+    """Generate to ``max_new_tokens`` whatever is sampled (benchmarks with set lengths)."""
 
     @classmethod
     def from_config(cls, cfg) -> "SamplingSpec":
@@ -67,6 +71,9 @@ class Completion:
     finish_reason: str
     """stop (EOS or a stop string), length (max_new_tokens) or abort."""
     text: str = ""
+    versions: np.ndarray | None = None
+    """[T] int: the policy version that sampled each token (None: the backend's version when
+    the batch started, which is all there is without in-flight updates)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +177,15 @@ class GenerationBackend(Protocol):
         """True when the generator now uses ``source``; False when it cannot."""
         ...
 
+    in_flight: bool
+    """True where :meth:`update_in_flight` can swap weights under running requests."""
+    policy_version: int
+    """The version of the weights loaded now (what the next token is sampled with)."""
+
+    async def update_in_flight(self, source: WeightsSource) -> None:
+        """Load ``source`` while generations run; they continue under it from a token boundary."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -191,6 +207,10 @@ class Backend:
     """True where the engine batches concurrent requests itself (vLLM, an OpenAI-compatible server):
     the episodes of a batch then send each turn as its own request; otherwise their concurrent
     turns are gathered into one ``generate`` call."""
+    in_flight: bool = False
+    """True where :meth:`update_in_flight` is implemented (hf, vllm)."""
+    policy_version: int = 0
+    """The version of the weights loaded now; ``load_weights`` and ``update_in_flight`` set it."""
     tokenizer: Any = None
     vocab_size: int | None = None
     """The model's vocabulary, when known: prompts with token ids outside it are dead-lettered
@@ -219,6 +239,11 @@ class Backend:
         """Load new weights; True when the generator now uses them, False when it cannot
         (``can_reload`` is then False and ``reload_note`` says why)."""
         raise NotImplementedError
+
+    async def update_in_flight(self, source: WeightsSource) -> None:
+        """Load new weights without waiting for running generations: they continue under the
+        new version from the next token boundary. Raises on failure (the old weights stay)."""
+        raise ProducerError(f"the {self.name} backend cannot update weights in flight")
 
     async def close(self) -> None:
         return None
