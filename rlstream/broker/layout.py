@@ -7,8 +7,15 @@
 | rl.<run>.scored                  | RL_<run>_SCORED    | ScoredGroup       | scorers    | learner               | explicit, after the checkpoint holding it is durable |
 | rl.<run>.metrics.<comp>.<id>     | RL_<run>_METRICS   | MetricEvent       | everyone   | tail, status, dashboard | none (read from a time) |
 | rl.<run>.dlq.<stage>             | RL_<run>_DLQ       | DeadLetter        | any stage  | operators             | none |
+| rl.<run>.eval.prompts            | RL_<run>_EVAL      | Prompt (pinned policy_version) | learner | producers (``eval-producers``), ahead of training prompts | explicit, after the rollout publish is acked |
+| rl.<run>.eval.rollouts           | RL_<run>_EVAL      | RolloutGroup      | producers  | scorers (``eval-scorers``) | explicit, after the scored publish is acked |
+| rl.<run>.eval.scored             | RL_<run>_EVAL      | ScoredGroup       | scorers    | learner's evaluation (``eval-learner``), never trained | explicit, once its round is summed up |
 | KV rl_<run>_state                | KV_rl_<run>_state  | policy.version, learner.step, pacing.admit, heartbeat.<comp>.<id> |
 | objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
+
+Evaluation has a stream of its own, so nothing from it reaches the training subjects (the
+learner's consumer reads ``rl.<run>.scored`` only) or the pacing bound (the producers count
+``RL_<run>_ROLLOUTS``).
 
 Creating the layout twice is harmless: streams and consumers are created or updated.
 On a server with per-role permissions (deploy/nats/accounts.conf) the learner (or the
@@ -73,6 +80,18 @@ class Layout:
     def scored(self) -> str:
         return f"rl.{self.run}.scored"
 
+    @property
+    def eval_prompts(self) -> str:
+        return f"rl.{self.run}.eval.prompts"
+
+    @property
+    def eval_rollouts(self) -> str:
+        return f"rl.{self.run}.eval.rollouts"
+
+    @property
+    def eval_scored(self) -> str:
+        return f"rl.{self.run}.eval.scored"
+
     def metrics(self, component: str = "*", component_id: str = "*") -> str:
         return f"rl.{self.run}.metrics.{component}.{component_id}"
 
@@ -104,10 +123,17 @@ class Layout:
     def dlq_stream(self) -> str:
         return f"RL_{self.run}_DLQ"
 
+    @property
+    def eval_stream(self) -> str:
+        return f"RL_{self.run}_EVAL"
+
     # durable consumers
     PRODUCERS = "producers"
     SCORERS = "scorers"
     LEARNER = "learner"
+    EVAL_PRODUCERS = "eval-producers"
+    EVAL_SCORERS = "eval-scorers"
+    EVAL_LEARNER = "eval-learner"
 
     # KV and object store
     @property
@@ -126,6 +152,7 @@ class Layout:
             self.scored_stream: self.scored,
             self.metrics_stream: self.metrics_all,
             self.dlq_stream: f"rl.{self.run}.dlq.>",
+            self.eval_stream: f"rl.{self.run}.eval.>",
         }
 
     def consumers(self) -> dict[str, tuple[str, str]]:
@@ -134,6 +161,9 @@ class Layout:
             self.PRODUCERS: (self.prompts_stream, self.prompts),
             self.SCORERS: (self.rollouts_stream, self.rollouts),
             self.LEARNER: (self.scored_stream, self.scored),
+            self.EVAL_PRODUCERS: (self.eval_stream, self.eval_prompts),
+            self.EVAL_SCORERS: (self.eval_stream, self.eval_rollouts),
+            self.EVAL_LEARNER: (self.eval_stream, self.eval_scored),
         }
 
 
@@ -187,7 +217,7 @@ async def ensure_layout(
     ack_wait_s: float | None = None, durables: tuple[str, ...] | None = None,
 ) -> Layout:
     """Create (or update) the run's streams, KV bucket, object store and the durable
-    consumers ``durables`` (default: all three).
+    consumers ``durables`` (default: all of them).
 
     On a server with per-role permissions (deploy/nats/accounts.conf) only the learner and
     the operator may do this.
@@ -207,6 +237,9 @@ async def ensure_layout(
         max_age=retention_s, discard=DiscardPolicy.OLD, **common))
     await _ensure_stream(js, StreamConfig(
         name=lay.dlq_stream, subjects=[f"rl.{run}.dlq.>"], retention=RetentionPolicy.LIMITS, max_age=retention_s * 4, **common))
+    # evaluation: prompts, rollouts and scored groups of every round, kept like the rollouts
+    await _ensure_stream(js, StreamConfig(
+        name=lay.eval_stream, subjects=[f"rl.{run}.eval.>"], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
     for durable in (lay.consumers() if durables is None else durables):
         await ensure_consumer(js, lay, durable, cfg, ack_wait_s=ack_wait_s)
     try:

@@ -597,6 +597,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         stop = comp.stop if comp is not None else asyncio.Event()
         tasks_stop = asyncio.Event()
         buf, tasks = None, []
+        evaluator = None  # held-out evaluation rounds (rlstream.learner.evaluation); never trained
+        publish_deferred = False
         with signals_to(stop, comp is None):
             if not offline:
                 # token ids outside the model's vocabulary would crash the forward pass: such
@@ -608,6 +610,12 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
                 await comp.state.set_admit(_admit(cfg, state))
+                if cfg.eval is not None:
+                    from rlstream.learner.evaluation import Evaluator
+
+                    evaluator = await Evaluator(cfg, comp, metrics_path).start()
+                    if cfg.eval.at_start and latest is None:
+                        await evaluator.begin(state.policy_version, state.step)
             try:
                 if comp is not None:
                     await comp.state.put_int(LEARNER_STEP, state.step)
@@ -643,9 +651,18 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             for d in taken.deliveries:
                                 buf.mark_handled(d)
 
-                        # 3. maybe publish weights (never those of a skipped, nonfinite step)
+                        # 3. maybe publish weights (never those of a skipped, nonfinite step); an
+                        # eval round still generating holds the publish (the last step waits for it)
                         m["time/publish_s"] = 0.0
-                        if comp is not None and stepped and state.step % cfg.learner.publish_every == 0:
+                        last_step = state.step >= limit
+                        due = stepped and (state.step % cfg.learner.publish_every == 0 or publish_deferred
+                                           or (evaluator is not None and last_step))
+                        if evaluator is not None and due:
+                            if last_step:  # the final weights are published for their eval round
+                                await evaluator.wait_generated(stop)
+                            publish_deferred = await evaluator.holding()
+                            due = not publish_deferred
+                        if comp is not None and due:
                             state.policy_version += 1
                             full = await asyncio.to_thread(_full_state_dict)
                             pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step, config_json=config_json)
@@ -653,6 +670,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
                             if not offline:
                                 await comp.state.set_admit(_admit(cfg, state))
+                            if evaluator is not None:
+                                await evaluator.published(state.policy_version, state.step)
 
                         # 4. log
                         m.update({
@@ -677,6 +696,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             if await _checkpoint(learner, buf, comp) is not None:
                                 last_checkpoint_step = state.step
 
+                # the final weights' eval round (producers and scorers run until we exit)
+                if evaluator is not None and not stop.is_set():
+                    await evaluator.finish(state.policy_version, state.step, stop)
+
                 # clean exit: a final checkpoint holds everything handled, then it is acked
                 if state.step != last_checkpoint_step or (buf is not None and buf.handled):
                     if await _checkpoint(learner, buf, comp) is None:
@@ -689,6 +712,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 # cancellation of a pending fetch into a timeout, so only the event ends them
                 tasks_stop.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if evaluator is not None:
+                    await evaluator.close()
             if buf is not None:
                 await consumer.sub.unsubscribe()
 
@@ -699,6 +724,8 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         "groups_consumed": state.groups_consumed, "policy_version": state.policy_version,
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,
     }
+    if evaluator is not None:
+        summary["eval_rounds"] = len(evaluator.results)
     if offline:
         summary["dataset_size"] = len(examples)
         summary["epochs"] = epoch_summary(state, len(examples))
