@@ -9,9 +9,9 @@ its object store, and for each role its own durable consumer. Anything not liste
 | role     | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
 |----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
 | feeder   | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
-| producer | rollouts          | -                                                                     | producers on RL_<run>_PROMPTS     | heartbeat.producer.* |
-| scorer   | scored            | -                                                                     | scorers on RL_<run>_ROLLOUTS      | heartbeat.scorer.* |
-| learner  | weights (objects) | the run's streams, KV bucket, object store and three durable consumers | learner on RL_<run>_SCORED        | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| producer | rollouts, eval.rollouts | -                                                               | producers on RL_<run>_PROMPTS, eval-producers on RL_<run>_EVAL | heartbeat.producer.* |
+| scorer   | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL | heartbeat.scorer.* |
+| learner  | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on RL_<run>_SCORED, eval-learner on RL_<run>_EVAL | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
 
 ROLES = ("feeder", "producer", "scorer", "learner")
-RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
-DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval.rollouts"), "scorer": ("scored", "eval.scored"),
+           "learner": ("eval.prompts",)}
+DURABLES = {"producer": (Layout.PRODUCERS, Layout.EVAL_PRODUCERS), "scorer": (Layout.SCORERS, Layout.EVAL_SCORERS),
+            "learner": (Layout.LEARNER, Layout.EVAL_LEARNER)}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -50,9 +52,9 @@ class AccountLimits:
     max_mem: str = "1G"
     max_file: str = "200G"
     max_streams: int = 16
-    """The run has 7 (5 record streams, the KV bucket, the object store)."""
+    """The run has 8 (6 record streams, the KV bucket, the object store)."""
     max_consumers: int = 256
-    """3 durables, plus what operators' tools open (tail, dashboard, status)."""
+    """6 durables, plus what operators' tools open (tail, dashboard, status)."""
 
 
 def streams(lay: Layout) -> list[str]:
@@ -64,13 +66,12 @@ def permissions(role: str, run: str) -> list[str]:
     """The subjects ``role`` may publish to in ``run``."""
     lay = Layout(run)
     kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
-    allow = [f"rl.{run}.{RECORDS[role]}"] if role in RECORDS else []
+    allow = [f"rl.{run}.{record}" for record in RECORDS.get(role, ())]
     allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
     allow += [f"$JS.API.STREAM.INFO.{s}" for s in streams(lay)]
     for s in (kv, obj):
         allow += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
-    durable = DURABLES.get(role)
-    if durable is not None:
+    for durable in DURABLES.get(role, ()):
         stream, _subject = lay.consumers()[durable]
         allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
     if role == "learner":
