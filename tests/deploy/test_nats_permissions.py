@@ -31,8 +31,11 @@ ACCOUNTS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.c
 ROLES = ("feeder", "producer", "scorer", "learner", "operator", "sys")
 COMPONENTS = ("feeder", "producer", "scorer", "learner")
 OTHER_RUN = "other-run"
-OWN_DURABLE = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
-OWN_RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored"}
+OWN_DURABLE = {"producer": (Layout.PRODUCERS, Layout.EVAL_PRODUCERS), "scorer": (Layout.SCORERS, Layout.EVAL_SCORERS),
+               "learner": (Layout.LEARNER, Layout.EVAL_LEARNER)}
+OWN_RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval_rollouts"), "scorer": ("scored", "eval_scored"),
+               "learner": ("eval_prompts",)}
+RECORD_KINDS = ("prompts", "rollouts", "scored", "eval_prompts", "eval_rollouts", "eval_scored")
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -119,7 +122,7 @@ async def prepared(server, passwords, run: str) -> tuple:
     replies: dict[tuple[str, str], str] = {}
     for r in (run, OTHER_RUN):
         lay = await ensure_layout(ojs, r, cfg)
-        for subject in (lay.prompts, lay.rollouts, lay.scored):
+        for subject in (lay.prompts, lay.rollouts, lay.scored, lay.eval_prompts, lay.eval_rollouts, lay.eval_scored):
             for i in range(3):
                 await ojs.publish(subject, b"x", headers={"Nats-Msg-Id": f"{subject}-{i}"})
         state = await RunState.open(ojs, lay)
@@ -142,8 +145,8 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
         out.append((subject, payload, what))
 
     # other roles' records, and even its own kind in another run
-    for kind in ("prompts", "rollouts", "scored"):
-        if OWN_RECORDS.get(role) != kind:
+    for kind in RECORD_KINDS:
+        if kind not in OWN_RECORDS.get(role, ()):
             add(getattr(lay, kind), b"forged", f"publish {kind}")
         add(getattr(other, kind), b"forged", f"publish {kind} of another run")
     for comp in (*COMPONENTS, "operator"):
@@ -191,7 +194,7 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
                 add(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
             add(f"$JS.API.CONSUMER.CREATE.{stream}.evil.{subject}", b"{}", "a consumer of its own naming")
             add(f"$JS.API.CONSUMER.DELETE.{stream}.{durable}", b"", f"delete {durable}")
-            if r == run and OWN_DURABLE.get(role) == durable:
+            if r == run and durable in OWN_DURABLE.get(role, ()):
                 continue
             add(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", b'{"batch": 1}', f"pull from {durable}")
             for verb in (b"+ACK", b"-NAK", b"+TERM"):
