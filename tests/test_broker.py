@@ -175,6 +175,49 @@ async def test_rollout_records_cross_the_broker_intact(js, run_id):
     await d.ack()
 
 
+def rollout(i: int, g: int = 1, **fields) -> RolloutGroup:
+    samples = [Sample(np.array([3, 4], np.int32), np.array([-0.1, -2.0], np.float32))] * g
+    return RolloutGroup.from_samples(samples, id=f"g{i}", prompt_id="p", prompt_ids=np.array([1, 2], np.int32),
+                                     policy_version=1, **fields)
+
+
+async def test_oversized_and_too_deep_rollouts_go_to_dlq_with_their_reason(js, run_id):
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    deep: dict = {}
+    for _ in range(40):  # 40 levels, past the default max_depth of 32
+        deep = {"d": deep}
+    bad = [
+        rollout(1, columns=deep),
+        rollout(2, columns={"xs": [0] * 140_000}),  # past the default max_elements of 131,072
+        rollout(3, g=5000),  # past the default max_samples of 4,096
+    ]
+    for rec in [rollout(0), *bad, rollout(4)]:
+        await pub.publish(lay.rollouts, rec.encode(), rec.id)
+    consumer = await Consumer(js, lay, Layout.SCORERS, RolloutGroup, stage="scorer").start()
+
+    async def take(n: int) -> list[str]:
+        ids: list[str] = []
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(ids) < n and asyncio.get_running_loop().time() < deadline:
+            for d in await consumer.fetch(10, timeout=1):
+                ids.append(d.record.id)
+                await d.ack()
+        return ids
+
+    assert await take(2) == ["g0", "g4"]
+    assert consumer.dead_lettered == 3
+    dlq = await js.pull_subscribe(lay.dlq("scorer"), durable=None, stream=lay.dlq_stream)
+    letters = [DeadLetter.decode(m.data) for m in await dlq.fetch(3, timeout=5)]
+    assert [letter.data for letter in letters] == [rec.encode() for rec in bad]
+    assert "columns: nested deeper than the limit of 32" in letters[0].reason
+    assert "columns: holds more than 131072 elements" in letters[1].reason
+    assert "lengths: 5000 samples exceeds the limit of 4096" in letters[2].reason
+    # the consumer is still alive: a record published now arrives
+    await pub.publish(lay.rollouts, rollout(5).encode(), "g5")
+    assert await take(1) == ["g5"]
+
+
 async def test_wrong_address_gives_a_clear_error():
     from rlstream.broker import BrokerError, free_port
 

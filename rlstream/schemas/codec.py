@@ -10,10 +10,12 @@ its annotations once and derives from them everything the wire needs:
 - **encoding** is msgspec's, straight from the struct, fields in declaration order;
   a numpy array is written as an :class:`Array`.
 - **decoding** goes through a *wire twin* of the struct, built here, not written by hand:
-  the same fields and defaults, except that an array field is an :class:`Array` (its
-  bytes a zero-copy view of the payload) and a free-form field (``columns``,
-  ``sampling``) is kept as raw MessagePack until it has been measured. msgspec checks the
-  structure in C; the twin becomes the record; ``validate()`` checks the values.
+  a subclass with the same fields and defaults, except that an array field is an
+  :class:`Array` (its bytes a zero-copy view of the payload) and a free-form field
+  (``columns``, ``sampling``) is kept as raw MessagePack until it has been measured.
+  msgspec checks the structure in C; the decoded twin then becomes the record in place
+  (its fields take their final values, then its class is set: no copy, no second
+  ``__init__``); the record's rules and the array values are checked last.
 - **bounds**: a payload over ``Limits.max_bytes`` is refused before parsing; every typed
   list and map has a fixed ceiling that msgspec checks from its header, before building
   it; free-form values may hold at most ``Limits.max_elements`` elements, nested at most
@@ -27,6 +29,7 @@ Every failure is a :class:`RecordError` that names the field.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import struct
 import typing
@@ -80,7 +83,7 @@ def capped(kind: Any, n: int = MAX_LIST) -> Any:
     return Annotated[kind, msgspec.Meta(max_length=n)]
 
 
-class Array(msgspec.Struct):
+class Array(msgspec.Struct, gc=False):
     """The one array type on the wire: ``{dtype, shape, data}``, data as raw bytes."""
 
     dtype: str
@@ -153,18 +156,20 @@ def check_size(data: Any, limits: Limits) -> None:
 def view_array(spec: Array, kind: ArrayOf, name: str, limits: Limits) -> np.ndarray:
     """The checks every array gets, then a zero-copy 1-D view: dtype, shape, size limit and
     byte length."""
-    expected, itemsize, dtype = kind.wire_dtype, kind.itemsize, kind.dtype
+    shape, data = spec.shape, spec.data
+    if (spec.dtype == kind.wire_dtype and len(shape) == 1 and 0 <= shape[0] <= limits.max_tokens
+            and len(data) == shape[0] * kind.itemsize):
+        return np.frombuffer(data, kind.dtype)
+    # the same checks again, one by one, to say which failed
+    expected = kind.wire_dtype
     if spec.dtype != expected:
         raise RecordError(name, f"dtype {spec.dtype!r}, expected {expected!r}")
-    shape = spec.shape
     if len(shape) != 1 or shape[0] < 0:
         raise RecordError(name, f"shape {shape!r}, expected a 1-D shape [n]")
     n = shape[0]
     if n > limits.max_tokens:
         raise RecordError(name, f"{n} elements exceeds the limit of {limits.max_tokens}")
-    if len(spec.data) != n * itemsize:
-        raise RecordError(name, f"{len(spec.data)} bytes do not hold shape [{n}] of {expected}")
-    return np.frombuffer(spec.data, dtype)
+    raise RecordError(name, f"{len(data)} bytes do not hold shape [{n}] of {expected}")
 
 
 _MAX, _MIN = np.maximum.reduce, np.minimum.reduce  # without ndarray.max's Python wrapper
@@ -183,7 +188,7 @@ def check_token_ids(arr: np.ndarray, name: str, limits: Limits) -> None:
         raise RecordError(name, f"token id {int(arr.max())} is outside the vocabulary of {limits.vocab_size}")
 
 
-def check_logprobs(arr: np.ndarray, name: str) -> None:
+def check_logprobs(arr: np.ndarray, name: str, limits: Limits = DEFAULT_LIMITS) -> None:
     if arr.size == 0:
         return
     # the maximum propagates NaN and finds +inf, the minimum finds -inf
@@ -194,34 +199,25 @@ def check_logprobs(arr: np.ndarray, name: str) -> None:
         raise RecordError(name, f"log-prob {top} is positive")
 
 
-def check_finite(arr: np.ndarray, name: str) -> None:
+def check_finite(arr: np.ndarray, name: str, limits: Limits = DEFAULT_LIMITS) -> None:
     if arr.size and not np.isfinite(arr).all():
         raise RecordError(name, "contains NaN or infinite values")
 
 
-def check_values(arrays: list[tuple[str, np.ndarray, str]], limits: Limits, path: str = "") -> None:
-    """``(name, array, check)`` triples, as :meth:`Record.value_arrays` lists them."""
-    for name, arr, check in arrays:
-        if check == "tokens":
-            check_token_ids(arr, path + name, limits)
-        elif check == "logprobs":
-            check_logprobs(arr, path + name)
-        else:
-            check_finite(arr, path + name)
+CHECKS = {"tokens": check_token_ids, "logprobs": check_logprobs, "finite": check_finite}
 
 
-def values_ok(arrays: list[tuple[str, np.ndarray, str]], limits: Limits) -> bool:
-    """Whether all these arrays pass their checks, in one numpy pass per kind of check.
+def values_ok(by_check: dict[str, list[np.ndarray]], limits: Limits) -> bool:
+    """Whether all these arrays (grouped by their check) pass, in one numpy pass per check.
 
     Per-array reductions cost more in call overhead than in work (a group's arrays are a
     few KB), so a fetched batch is checked together; only when that fails are the records
     checked one by one, to name the bad ones.
     """
-    by_check: dict[str, list[np.ndarray]] = {}
-    for _, arr, check in arrays:
-        by_check.setdefault(check, []).append(arr)
     try:
-        check_values([("", np.concatenate(arrs), check) for check, arrs in by_check.items()], limits)
+        for check, arrays in by_check.items():
+            if arrays:
+                CHECKS[check](arrays[0] if len(arrays) == 1 else np.concatenate(arrays), "", limits)
     except RecordError:
         return False
     return True
@@ -296,6 +292,27 @@ def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple
     return elements, depth
 
 
+def decode_free_form(w: Any, names: list[str], limits: Limits, path: str) -> None:
+    """Measure, then decode in place, the raw free-form fields ``names`` of one decoded twin."""
+    raws = [getattr(w, n) for n in names]
+    total, small = 0, True
+    for raw in raws:
+        size = len(raw)
+        total += size
+        if size > limits.max_depth:  # a value of n bytes nests at most n deep
+            small = False
+    if not small or total > limits.max_elements:
+        check_free_form(list(zip(names, raws)), limits, path)
+    for n, raw in zip(names, raws):
+        if len(raw) == 1 and bytes(raw) == b"\x80":  # the usual empty map
+            setattr(w, n, {})
+            continue
+        try:
+            setattr(w, n, _map_decoder.decode(raw))
+        except (msgspec.DecodeError, RecursionError):
+            _decode_free(raw, path + n)  # raises the error that names what is wrong
+
+
 def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: str) -> None:
     """Refuse free-form values that hold too many elements or nest too deep, before decoding
     them. One byte holds at most one element and at most one container, so most values are
@@ -358,7 +375,7 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("kinds", "arrays", "checked", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -388,14 +405,30 @@ class _Plan:
         self.free = [n for n, k in self.kinds.items() if k[0] == _FREE]
         self.records = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _RECORD]
         _NESTED.update(n for n, _ in self.records)
+        self.checkers = [(n, CHECKS[check]) for n, check in self.checked]
+        # (type, dtype) of every array field, fetched in C; numpy's native dtypes are singletons,
+        # so comparing them with the expected ones is mostly an identity test
+        types = [f"{n}.{a}" for n, _ in self.arrays for a in ("__class__", "dtype")]  # two names or more: a tuple
+        self.array_types = operator.attrgetter(*types) if types else (lambda rec: ())
+        self.expected_types = tuple(t for _, spec in self.arrays for t in (np.ndarray, spec.dtype))
+        self.by_check: dict[str, list[str]] = {}
+        for n, check in self.checked:
+            self.by_check.setdefault(check, []).append(n)
         self.strings = [n for n in self.kinds if hints[n] is str]
         self.floats = [n for n in self.kinds if hints[n] is float]
-        self.wire = msgspec.defstruct(f"{cls.__name__}Wire", wire_fields, kw_only=True,
-                                      tag_field="schema", tag=cls.SCHEMA)
+        # The twin subclasses the record and adds no slot, only other annotations: once its
+        # fields hold the record's values, the decoded object becomes the record by a class
+        # assignment, with no copy of its fields and no second __init__.
+        self.wire = msgspec.defstruct(f"{cls.__name__}Wire", wire_fields, bases=(cls,), kw_only=True,
+                                      tag_field="schema", tag=cls.SCHEMA, namespace={"__post_init__": _wire_post_init})
         self.decoder = msgspec.msgpack.Decoder(self.wire)
 
 
 _PLANS: dict[type, _Plan] = {}
+
+
+def _wire_post_init(self: Any) -> None:
+    """A twin's fields hold wire values (Array, Raw): the record's __post_init__ must not see them."""
 
 
 def plan_of(cls: type) -> _Plan:
@@ -442,15 +475,22 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     def __post_init__(self) -> None:
         # arrays take their wire dtype here (a no-op for decoded ones), so encoding writes them as they are
-        plan = plan_of(type(self))
-        for n, spec in plan.arrays:
-            value = getattr(self, n)
-            if not (type(value) is np.ndarray and value.dtype == spec.dtype):
-                setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
+        plan = _PLANS.get(type(self)) or plan_of(type(self))
+        try:  # one C call clears the usual case, every array an ndarray of its dtype
+            ready = plan.array_types(self) == plan.expected_types
+        except AttributeError:  # a field that is no array at all
+            ready = False
+        if not ready:
+            for n, spec in plan.arrays:
+                value = getattr(self, n)
+                if type(value) is not np.ndarray or value.dtype != spec.dtype:
+                    setattr(self, n, np.ascontiguousarray(value, dtype=spec.dtype))
         for n, spec in plan.array_maps:
             value = getattr(self, n)
-            if not all(isinstance(a, np.ndarray) and a.dtype == spec.dtype for a in value.values()):
-                setattr(self, n, {k: np.ascontiguousarray(a, dtype=spec.dtype) for k, a in value.items()})
+            for a in value.values():
+                if type(a) is not np.ndarray or a.dtype != spec.dtype:
+                    setattr(self, n, {k: np.ascontiguousarray(a, dtype=spec.dtype) for k, a in value.items()})
+                    break
 
     # ---- encoding
 
@@ -481,9 +521,16 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         self._check_own(limits, path, strings=True)
 
     def _check_own(self, limits: Limits, path: str, strings: bool) -> None:
-        if not 1 <= self.v <= self.VERSION:
-            raise RecordError(f"{path}v", f"version {self.v} of {self.SCHEMA} is not known (1..{self.VERSION})")
-        plan = plan_of(type(self))
+        self._check_version(self.v, path)
+        self._check_fields(limits, path, strings)
+
+    @classmethod
+    def _check_version(cls, v: int, path: str) -> None:
+        if not 1 <= v <= cls.VERSION:
+            raise RecordError(f"{path}v", f"version {v} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+
+    def _check_fields(self, limits: Limits, path: str, strings: bool) -> None:
+        plan = _PLANS[type(self)]
         if strings:  # a decoded string is no longer than its payload: skipped when that is short enough
             for n in plan.strings:
                 if len(getattr(self, n)) > limits.max_string:
@@ -496,42 +543,61 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     def check(self, limits: Limits, path: str) -> None:
         """The record's own rules (lengths that must agree, bounds); arrays values are not checked here."""
 
+    def check_array_values(self, limits: Limits = DEFAULT_LIMITS, path: str = "") -> None:
+        """The value checks of :meth:`value_arrays`, run as they are listed."""
+        plan = _PLANS.get(type(self)) or plan_of(type(self))
+        for n, check in plan.checkers:
+            check(getattr(self, n), path + n, limits)
+        if plan.array_maps or plan.records:
+            for n, spec in plan.array_maps:
+                if spec.check:
+                    for k, a in getattr(self, n).items():
+                        CHECKS[spec.check](a, f"{path}{n}.{k}", limits)
+            for n, _ in plan.records:
+                getattr(self, n).check_array_values(limits, f"{path}{n}.")
+
     def validate(self, limits: Limits = DEFAULT_LIMITS) -> None:
         """Raise :class:`RecordError` naming the first field that breaks a rule."""
         self.check_structure(limits)
-        check_values(self.value_arrays(), limits)
+        self.check_array_values(limits)
 
     # ---- decoding
 
     @classmethod
     def _from_wire(cls, w: Any, limits: Limits, path: str, strings: bool) -> "Record":
-        plan = plan_of(cls)
-        kw = msgspec.structs.asdict(w)
+        """The decoded twin ``w``, turned in place into the record: its arrays viewed, its
+        free-form values measured and decoded, its nested records turned, its class set."""
+        plan = _PLANS[cls]
+        if not 1 <= w.v <= cls.VERSION:
+            cls._check_version(w.v, path)
+        w.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
         for n, spec in plan.arrays:
-            kw[n] = view_array(kw[n], spec, path + n, limits)
+            setattr(w, n, view_array(getattr(w, n), spec, path + n, limits))
         for n, spec in plan.array_maps:
-            kw[n] = {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in kw[n].items()}
+            setattr(w, n, {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in getattr(w, n).items()})
         if plan.free:
-            raws = [(n, kw[n]) for n in plan.free]
-            check_free_form(raws, limits, path)
-            for n, raw in raws:
-                kw[n] = _decode_free(raw, path + n)
+            decode_free_form(w, plan.free, limits, path)
         for n, sub in plan.records:
-            kw[n] = sub._from_wire(kw[n], limits, f"{path}{n}.", strings)
-        rec = cls(**kw)
-        rec._check_own(limits, path, strings)
-        rec.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
-        return rec
+            setattr(w, n, sub._from_wire(getattr(w, n), limits, f"{path}{n}.", strings))
+        w.__class__ = cls  # every field now holds what the record's annotation says
+        w._check_fields(limits, path, strings)
+        return w
 
     @classmethod
-    def _decode_structure(cls, data: Any, limits: Limits) -> "Record":
-        check_size(data, limits)
-        return cls._from_wire(_wire_decode(plan_of(cls).decoder, data), limits, "", len(data) > limits.max_string)
+    def _decode_structure(cls, data: Any, limits: Limits) -> Record:
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > limits.max_bytes:
+            check_size(data, limits)
+        plan = _PLANS.get(cls) or plan_of(cls)
+        try:
+            w = plan.decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise _decode_error(exc) from None
+        return cls._from_wire(w, limits, "", len(data) > limits.max_string)
 
     @classmethod
     def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
         rec = cls._decode_structure(data, limits)
-        check_values(rec.value_arrays(), limits)
+        rec.check_array_values(limits)
         return rec
 
     @classmethod
@@ -539,22 +605,34 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         """A fetched batch, each item the record or the :class:`RecordError` it raised: the
         structure of each record, then the array values of all of them in one pass."""
         out: list = []
-        pending: list[tuple[int, list]] = []
+        pending: list[int] = []
+        decode = cls._decode_structure
         for data in datas:
             try:
-                rec = cls._decode_structure(data, limits)
+                out.append(decode(data, limits))
             except RecordError as exc:
                 out.append(exc)
                 continue
-            pending.append((len(out), rec.value_arrays()))
-            out.append(rec)
-        if pending and not values_ok([a for _, arrays in pending for a in arrays], limits):
-            for i, arrays in pending:
+            pending.append(len(out) - 1)
+        if pending and not values_ok(cls._arrays_by_check([out[i] for i in pending]), limits):
+            for i in pending:
                 try:
-                    check_values(arrays, limits)
+                    out[i].check_array_values(limits)
                 except RecordError as exc:
                     out[i] = exc
         return out
+
+    @classmethod
+    def _arrays_by_check(cls, recs: list[Record]) -> dict[str, list[np.ndarray]]:
+        plan = plan_of(cls)
+        if plan.array_maps or plan.records:
+            by_check: dict[str, list[np.ndarray]] = {}
+            for rec in recs:
+                for _, arr, check in rec.value_arrays():
+                    by_check.setdefault(check, []).append(arr)
+            return by_check
+        # the common case, a record whose checked arrays are all its own fields: one getattr each
+        return {check: [getattr(rec, n) for rec in recs for n in names] for check, names in plan.by_check.items()}
 
     # ---- views
 
@@ -564,11 +642,10 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
 
 _any_decoder = msgspec.msgpack.Decoder()
+_map_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 
 
 def _decode_free(raw: msgspec.Raw, name: str) -> dict[str, Any]:
-    if len(raw) == 1 and bytes(raw) == b"\x80":  # the usual empty map
-        return {}
     try:
         value = _any_decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -584,15 +661,20 @@ def _decode_free(raw: msgspec.Raw, name: str) -> dict[str, Any]:
 def _wire_decode(decoder: msgspec.msgpack.Decoder, data: Any) -> Any:
     try:
         return decoder.decode(data)
-    except msgspec.ValidationError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _decode_error(exc) from None
+
+
+def _decode_error(exc: Exception) -> RecordError:
+    """A msgspec decode failure as the :class:`RecordError` that names its field."""
+    if isinstance(exc, msgspec.ValidationError):
         text = str(exc)
         if text.startswith("Expected `object`") and " - at " not in text:
-            raise RecordError("<payload>", "expected a map, got " + text.split("got ")[-1].strip("`")) from None
-        raise RecordError(_field(text, ""), _message(text)) from None
-    except RecursionError:  # msgspec parses no deeper than Python's recursion limit, even to skip
-        raise RecordError("<payload>", "nested too deep to decode") from None
-    except msgspec.DecodeError as exc:
-        raise RecordError("<payload>", f"not valid MessagePack ({exc})") from None
+            return RecordError("<payload>", "expected a map, got " + text.split("got ")[-1].strip("`"))
+        return RecordError(_field(text, ""), _message(text))
+    if isinstance(exc, RecursionError):  # msgspec parses no deeper than Python's recursion limit, even to skip
+        return RecordError("<payload>", "nested too deep to decode")
+    return RecordError("<payload>", f"not valid MessagePack ({exc})")
 
 
 def decoder_for(classes: list[type[Record]]) -> msgspec.msgpack.Decoder:
@@ -606,7 +688,7 @@ def decode_tagged(decoder: msgspec.msgpack.Decoder, by_wire: dict[type, type[Rec
     w = _wire_decode(decoder, data)
     cls = by_wire[type(w)]
     rec = cls._from_wire(w, limits, "", len(data) > limits.max_string)
-    check_values(rec.value_arrays(), limits)
+    rec.check_array_values(limits)
     return rec
 
 

@@ -175,9 +175,9 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         if min(lengths) < 0:
             raise RecordError(f"{path}lengths", "negative length")
         total = sum(lengths)
-        for name in ("completion_ids", "logprobs"):
-            if len(getattr(self, name)) != total:
-                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
+        if len(self.completion_ids) != total or len(self.logprobs) != total:
+            name = "completion_ids" if len(self.completion_ids) != total else "logprobs"
+            raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected {total}")
         reasons = self.finish_reasons
         if len(reasons) != g:
             raise RecordError(f"{path}finish_reasons", f"has {len(reasons)} entries, expected {g}")
