@@ -586,9 +586,10 @@ class EvalConfig(Strict):
     generated, at most ``hold_s``), scorers score them with the run's reward terms, and the
     learner sums the round up. Nothing from a round is trained."""
 
-    path: str
+    path: str | None = None
     """The held-out dataset, read like ``data_source.path`` (a file, a ``datasets`` directory
-    or a Hub id), with ``data_source``'s prompt and messages columns."""
+    or a Hub id), with ``data_source``'s prompt and messages columns. None: no evaluation
+    (the section's other settings wait for a path, e.g. ``--set eval.path=...``)."""
     name: str | None = None
     """Hub datasets: the configuration (subset) name."""
     split: str = "train"
@@ -679,6 +680,11 @@ class Config(Strict):
     @property
     def is_rl(self) -> bool:
         return self.training_mode in RL_MODES
+
+    @property
+    def evaluates(self) -> bool:
+        """An ``eval`` section with a dataset: evaluation rounds run (RL modes, during training)."""
+        return self.eval is not None and bool(self.eval.path)
 
     @property
     def group_size(self) -> int:

@@ -170,7 +170,7 @@ def cli(args, cfg: Config) -> int:
     import sys
     from pathlib import Path
 
-    if cfg.eval is None:
+    if not cfg.evaluates:
         print("error: eval: the config has no eval section (eval.path names the held-out dataset)", file=sys.stderr)
         return 2
     ckpt = Path(args.checkpoint)

@@ -610,7 +610,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                          asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
                 await comp.state.set_admit(_admit(cfg, state))
-                if cfg.eval is not None:
+                if cfg.evaluates:
                     from rlstream.learner.evaluation import Evaluator
 
                     evaluator = await Evaluator(cfg, comp, metrics_path).start()

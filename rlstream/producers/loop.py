@@ -182,7 +182,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     gate = GenerationGate()
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     evals = None
-    if cfg.eval is not None:
+    if cfg.evaluates:
         evals = await Consumer(comp.js, comp.layout, Layout.EVAL_PRODUCERS, Prompt, stage="producer",
                                max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
         eval_spec = SamplingSpec.for_eval(cfg)

@@ -100,7 +100,7 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
         consumer = Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
                             max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
         evals = None
-        if cfg.eval is not None:
+        if cfg.evaluates:
             evals = Consumer(comp.js, comp.layout, Layout.EVAL_SCORERS, RolloutGroup, stage="scorer",
                              max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
         try:
