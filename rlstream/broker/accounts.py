@@ -9,9 +9,9 @@ its object store, and for each role its own durable consumer. Anything not liste
 | role     | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
 |----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
 | feeder   | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
-| producer | rollouts, eval.rollouts | -                                                               | producers on RL_<run>_PROMPTS, eval-producers on RL_<run>_EVAL | heartbeat.producer.* |
-| scorer   | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL | heartbeat.scorer.* |
-| learner  | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on RL_<run>_SCORED, eval-learner on RL_<run>_EVAL | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| producer | rollouts, eval.rollouts | -                                                               | producers on RL_<run>_PROMPTS, eval-producers on RL_<run>_EVAL_PROMPTS | heartbeat.producer.* |
+| scorer   | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL_ROLLOUTS | heartbeat.scorer.* |
+| learner  | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on RL_<run>_SCORED, eval-learner on RL_<run>_EVAL_SCORED | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
@@ -52,7 +52,7 @@ class AccountLimits:
     max_mem: str = "1G"
     max_file: str = "200G"
     max_streams: int = 16
-    """The run has 8 (6 record streams, the KV bucket, the object store)."""
+    """The run has 10 (8 record streams, the KV bucket, the object store)."""
     max_consumers: int = 256
     """6 durables, plus what operators' tools open (tail, dashboard, status)."""
 

@@ -106,7 +106,7 @@ class Evaluator:
                         self.ecfg.hold_s)
             self._hold_since = None
             return False
-        info = await self.comp.js.consumer_info(self.comp.layout.eval_stream, Layout.EVAL_PRODUCERS)
+        info = await self.comp.js.consumer_info(self.comp.layout.eval_prompts_stream, Layout.EVAL_PRODUCERS)
         if info.num_pending or info.num_ack_pending:
             return True
         self._hold_since = None
