@@ -31,13 +31,20 @@ $(VENV)/.setup-chromium: | $(BIN)/python
 	  || echo "chromium not installed: the dashboard browser test will be skipped"; }
 	touch $@
 
+# Debian's prometheus package ships promtool, which evaluates deploy/prometheus/alerts.yaml.
+$(VENV)/.setup-promtool: | $(BIN)/python
+	@command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1)) \
+	  || echo "promtool not installed: the alert-rule test will be skipped"; }
+	touch $@
+
 setup: $(VENV)/.setup-base
 setup-full: $(VENV)/.setup-full
 
 demo: $(VENV)/.setup-base
 	$(BIN)/python -m examples.arithmetic.demo
 
-test: $(VENV)/.setup-full $(VENV)/.setup-chromium
+test: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: $(VENV)/.setup-base

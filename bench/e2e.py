@@ -3,9 +3,13 @@
 Same tiny model (the arithmetic demo's, after its SFT warm-up), same held-out prompts,
 group size, prompts per step, learning rate, completion length and number of steps:
 
-- rlstream async: ``max_staleness: 2`` (producers sample while the learner trains),
-- rlstream sync:  ``max_staleness: 0`` (generate, score, train, in turn),
-- TRL ``GRPOTrainer`` (``use_vllm=False``), installed in its own environment.
+- rlstream async: ``max_staleness: 2`` (producers sample while the learner trains; `rlstream
+  run` splits the cores between the producer and the learner, which run at once),
+- rlstream sync:  ``max_staleness: 0`` (generate, score, train, in turn), each process with
+  every core, since they take turns; also shown with the cores split as in the async run,
+- TRL ``GRPOTrainer`` (``use_vllm=False``), installed in its own environment with the
+  transformers, tokenizers and math-verify versions of this one, every core, and rlstream's
+  own math rule as its reward function.
 
 For each it reports samples/s (steady state) and the wall-clock time until the moving mean
 reward reaches a target, from launch and from the first learner step; the ratios use the
@@ -63,10 +67,17 @@ def prepare() -> tuple[Path, Path]:
     return ckpt, data["rl"]
 
 
-def rlstream_race(name: str, ckpt: Path, prompts: Path, steps: int, staleness: int) -> list[dict]:
+def rlstream_race(name: str, ckpt: Path, prompts: Path, steps: int, staleness: int, threads: int | None = None) -> list[dict]:
+    """``threads``: OMP_NUM_THREADS of every component (default: `rlstream run` splits the cores
+    between the torch processes, right when they run at once)."""
     run_dir = WORK / name
     subprocess.call(["rm", "-rf", str(run_dir)])
-    print(f"rlstream {name} (max_staleness {staleness}) ...", flush=True)
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    print(f"rlstream {name} (max_staleness {staleness}, torch threads per process: "
+          f"{threads or f'the cores split, {max(1, (os.cpu_count() or 1) // 2)}'}) ...", flush=True)
     sets = [f"model_checkpoint_path={ckpt}", f"data_source.path={prompts}", f"learner.max_steps={steps}",
             f"algorithm_params.max_staleness={staleness}", f"learner.lr={LR}", f"algorithm_params.group_size={GROUP}",
             f"learner.batch_groups={PROMPTS_PER_STEP}", f"producer.batch_prompts={PROMPTS_PER_STEP}",
@@ -74,7 +85,7 @@ def rlstream_race(name: str, ckpt: Path, prompts: Path, steps: int, staleness: i
     cmd = [sys.executable, "-m", "rlstream.cli", "run", "examples/arithmetic/grpo.yaml", "--run-dir", str(run_dir), "--no-live"]
     for s in sets:
         cmd += ["--set", s]
-    sh(cmd, WORK / f"{name}.log")
+    sh(cmd, WORK / f"{name}.log", env)
     points = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
     samples = GROUP * PROMPTS_PER_STEP
     return [{"step": p["step"], "elapsed_s": p["elapsed_s"], "reward": p.get("reward/mean", 0.0), "samples": p["step"] * samples} for p in points]
@@ -87,15 +98,23 @@ def trl_python() -> Path:
         subprocess.check_call([sys.executable, "-m", "venv", str(TRL_VENV)])
         pip = [str(TRL_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
         subprocess.check_call(pip + ["torch==2.13.0"])
-        subprocess.check_call(pip + ["trl==1.16.0", "datasets", "accelerate", "math-verify"])
+        subprocess.check_call(pip + ["trl==1.16.0", "datasets", "accelerate", *same_versions()])
     return py
+
+
+def same_versions() -> list[str]:
+    """The libraries both sides share, pinned to the versions rlstream runs with here."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in ("transformers", "tokenizers", "math-verify")]
 
 
 def trl_race(ckpt: Path, prompts: Path, steps: int) -> list[dict]:
     py = trl_python()
     out = WORK / "trl.jsonl"
     print("TRL GRPOTrainer ...", flush=True)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    # one process that generates and trains in turn: it gets every core
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(os.cpu_count() or 1))
     sh([str(py), "bench/trl_grpo.py", "--model", str(ckpt), "--data", str(prompts), "--out", str(out), "--steps", str(steps),
         "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS_PER_STEP), "--lr", str(LR), "--max-new-tokens", str(MAX_NEW)],
        WORK / "trl.log", env)
@@ -127,7 +146,7 @@ def picture(runs: dict[str, list[dict]], target: float, window: int, path: Path)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    colors = {"rlstream async": "#1f77b4", "rlstream sync": "#ff7f0e", "TRL GRPOTrainer": "#2ca02c"}
+    colors = {"rlstream async": "#1f77b4", "rlstream sync": "#ff7f0e", "rlstream sync (cores split)": "#ffbb78", "TRL GRPOTrainer": "#2ca02c"}
     for name, pts in runs.items():
         s = smooth(pts, window)
         ax.plot([t for t, _ in s], [r for _, r in s], label=name, color=colors.get(name), lw=2)
@@ -152,9 +171,13 @@ def main() -> None:
     steps = args.steps or (25 if args.quick else 120)
     window = 3 if args.quick else 10
     ckpt, prompts = prepare()
+    cores = os.cpu_count() or 1
     runs = {
         "rlstream async": rlstream_race("async", ckpt, prompts, steps, staleness=args.async_staleness),
-        "rlstream sync": rlstream_race("sync", ckpt, prompts, steps, staleness=0),
+        # sync: producer and learner take turns, so each may use every core while it runs; the
+        # split the async run needs is also shown, as the figure of earlier reports
+        "rlstream sync": rlstream_race("sync", ckpt, prompts, steps, staleness=0, threads=cores),
+        "rlstream sync (cores split)": rlstream_race("sync-split", ckpt, prompts, steps, staleness=0),
     }
     if not args.skip_trl:
         runs["TRL GRPOTrainer"] = trl_race(ckpt, prompts, steps)
@@ -179,6 +202,9 @@ def main() -> None:
     vs_sync = (s_ttt / a_ttt) if a_ttt and s_ttt else (float("inf") if a_ttt else 0.0)
     out = {"target_reward": target, "async_samples_per_s": a_sps, "sync_samples_per_s": s_sps,
            "async_s_to_target": a_ttt, "sync_s_to_target": s_ttt, "ratio_vs_sync": vs_sync, "samples_ratio_vs_sync": a_sps / s_sps}
+    split_sps, split_ttt = figures["rlstream sync (cores split)"]
+    out.update(sync_split_samples_per_s=split_sps, sync_split_s_to_target=split_ttt,
+               ratio_vs_sync_split=(split_ttt / a_ttt) if a_ttt and split_ttt else (float("inf") if a_ttt else 0.0))
     goal_ok = vs_sync >= 1.6
     if "TRL GRPOTrainer" in figures:
         t_sps, t_ttt = figures["TRL GRPOTrainer"]

@@ -6,7 +6,8 @@ embedded nats-server; one ``rlstream scorer`` process (``scorer.processes: 1`` f
 math-verify) pulls, decodes, scores, publishes ScoredGroups and acks. Its rate is taken
 between the first and the last scored group seen on the scored stream. Directly: the same
 rule over the same completions in one Python loop (math-verify in the main thread, with
-its timeouts, as a pool worker runs it), with no broker at all.
+its timeouts, as a pool worker runs it), with no broker at all, timed from the same event:
+the moment as many groups are done as the scorer had published when it was first seen.
 
 Two rules: ``exact_match`` (microseconds per group: the figure shows the broker's cost
 per group) and ``math`` (math-verify: the scoring dominates). Goal: ratio >= 0.9.
@@ -61,14 +62,18 @@ def make_groups(n: int, run: str) -> list[RolloutGroup]:
     return out
 
 
-def direct_rate(rule: str, groups: list[RolloutGroup]) -> float:
+def direct_rate(rule: str, groups: list[RolloutGroup], first: int) -> float:
+    """Groups/s of the direct loop, timed like the scorer: from the moment its first ``first``
+    groups are scored (the first batch the scorer was seen to publish) to its last."""
     _score_directly(rule, groups[:8])  # imports and first-call caches, as the scorer's warm-up does
-    t0 = time.perf_counter()
-    _score_directly(rule, groups)
-    return len(groups) / (time.perf_counter() - t0)
+    done = _score_directly(rule, groups)
+    k = min(max(first, 1), len(groups) - 1)
+    return (len(groups) - k) / (done[-1] - done[k - 1])
 
 
-def _score_directly(rule: str, groups: list[RolloutGroup]) -> None:
+def _score_directly(rule: str, groups: list[RolloutGroup]) -> list[float]:
+    """Score each group; the perf_counter time at which each was done."""
+    done = []
     for g in groups:
         texts = [s.text for s in g.samples]
         answer = g.columns["answer"]
@@ -76,6 +81,8 @@ def _score_directly(rule: str, groups: list[RolloutGroup]) -> None:
             rewards.math_scores(texts, [answer] * len(texts))
         else:
             [rewards.exact_match(t, answer) for t in texts]
+        done.append(time.perf_counter())
+    return done
 
 
 async def staged(server_url: str, groups: list[RolloutGroup], run: str):
@@ -89,7 +96,7 @@ async def staged(server_url: str, groups: list[RolloutGroup], run: str):
     return nc, js, lay
 
 
-async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], run: str, workdir: Path) -> float:
+async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], run: str, workdir: Path) -> tuple[float, int]:
     nc, js, lay = await staged(server_url, groups, run)
     cfg = workdir / f"{run}.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -136,7 +143,7 @@ async def raw_scorer(server_url: str, run: str, n: int) -> None:
     await nc.close()
 
 
-async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> float:
+async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> tuple[float, int]:
     """Groups/s of :func:`raw_scorer` in its own process, timed like the scorer."""
     nc, js, lay = await staged(server_url, groups, run)
     proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", server_url, run, str(len(groups))],
@@ -149,8 +156,9 @@ async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> flo
         await nc.close()
 
 
-async def _watch(js, lay, proc, n: int) -> float:
-    """Groups/s between the first and the last scored group seen on the scored stream."""
+async def _watch(js, lay, proc, n: int) -> tuple[float, int]:
+    """Groups/s between the first and the last scored group seen on the scored stream, and how
+    many were already scored at the first sighting (the direct loop's clock starts there too)."""
     first = last = None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -166,7 +174,7 @@ async def _watch(js, lay, proc, n: int) -> float:
         await asyncio.sleep(0.05)  # light polling: the scorer and the server share these cores
     if last is None or first is None or last[0] <= first[0]:
         raise RuntimeError("the scorer did not finish")
-    return (last[1] - first[1]) / (last[0] - first[0])
+    return (last[1] - first[1]) / (last[0] - first[0]), first[1]
 
 
 async def run(sizes: dict[str, int], rounds: int) -> dict[str, tuple[float, float]]:
@@ -176,10 +184,11 @@ async def run(sizes: dict[str, int], rounds: int) -> dict[str, tuple[float, floa
             ours, direct, raw = [], [], []
             for r in range(rounds):  # interleaved, best of each: drift on a shared machine hits both
                 groups = make_groups(n, f"b{rule}{r}")
-                direct.append(direct_rate(rule, groups))
-                ours.append(await scorer_rate(server.url, rule, groups, f"b{rule.replace('_', '')}{r}", Path(d)))
+                rate, first = await scorer_rate(server.url, rule, groups, f"b{rule.replace('_', '')}{r}", Path(d))
+                ours.append(rate)
+                direct.append(direct_rate(rule, groups, first))
                 if rule == "exact_match":
-                    raw.append(await raw_rate(server.url, groups, f"braw{r}"))
+                    raw.append((await raw_rate(server.url, groups, f"braw{r}"))[0])
             out[rule] = (max(ours), max(direct), max(raw) if raw else None)
     return out
 

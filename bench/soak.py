@@ -7,6 +7,10 @@ It reports throughput over the first and last fifth of the run (held = last/firs
 start and end of each long-lived process and over the second half of the run (flat = it levels
 off: under 10% over the second half; a leak keeps growing), the deepest buffer, and the run's own
 accounting (lost prompts, lost rollouts, groups trained twice: all must be 0).
+
+Every figure is labelled with the producers' backend: these are the pipeline's figures with the
+`fake` backend, not a model's generation; the producers' own cost with the HF backend is in
+``bench/producers.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
+
+BACKEND = "fake"
 
 from examples.arithmetic import task  # noqa: E402
 
@@ -44,7 +50,7 @@ def main() -> None:
     run_dir = WORK / "run"
     subprocess.call(["rm", "-rf", str(run_dir)])
     sets = [f"model_checkpoint_path={model}", f"data_source.path={data['rl']}", "data_source.epochs=1000",
-            "producer.backend=fake", "producer.fake_latency_s=0.02", "producer.fake_vocab_size=200", "producer.count=2",
+            f"producer.backend={BACKEND}", "producer.fake_latency_s=0.02", "producer.fake_vocab_size=200", "producer.count=2",
             "producer.batch_prompts=8", "scorer.count=2", "reward_function.terms=[{rule: exact_match}]",
             f"learner.batch_groups={batch_groups}", "learner.micro_batch_size=64", "checkpoint.interval=250",
             "algorithm_params.max_staleness=4", "run=soak"]
@@ -90,17 +96,18 @@ def main() -> None:
         growth, late = (end - start) / start, (end - middle) / middle
         worst_growth, worst_late = max(worst_growth, growth), max(worst_late, late)
         mem_rows.append((name, start, end, f"{growth * 100:.1f}", f"{late * 100:.1f}"))
-    table("RSS per process (MB)", mem_rows, ("process", "start", "end", "growth %", "second half %"))
+    table(f"RSS per process (MB); producers on the {BACKEND} backend", mem_rows, ("process", "start", "end", "growth %", "second half %"))
     depth = max(r.get("buffer/depth", 0) for r in rows)
     acc = summary["accounting"]
-    table(f"soak: {summary['groups_trained']:,} groups trained in {summary['wall_s']:.0f}s", [
+    table(f"soak, producers on the {BACKEND} backend (random tokens, no model): "
+          f"{summary['groups_trained']:,} groups trained in {summary['wall_s']:.0f}s", [
         ("groups/s, first fifth", first), ("groups/s, last fifth", last), ("throughput held (last/first)", last / first),
         ("deepest buffer (groups)", depth), ("buffer bound (buffer.max_groups)", 64),
         ("lost prompts", acc["lost_prompts"]), ("lost rollouts", acc["lost_rollouts"]),
         ("groups trained twice", summary["groups_trained_twice"]), ("DLQ", summary["dlq"]), ("redelivered", summary["redelivered"]),
     ], ("figure", "value"))
     nothing_lost = acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0 and summary["groups_trained_twice"] == 0
-    verdict("soak", groups_trained=summary["groups_trained"], groups_per_s_first=first, groups_per_s_last=last,
+    verdict("soak", producer_backend=BACKEND, groups_trained=summary["groups_trained"], groups_per_s_first=first, groups_per_s_last=last,
             worst_rss_growth=worst_growth, worst_rss_growth_second_half=worst_late, deepest_buffer=depth, lost_prompts=acc["lost_prompts"], lost_rollouts=acc["lost_rollouts"],
             trained_twice=summary["groups_trained_twice"], ratio=last / first, goal=0.8,
             # flat: memory levels off (under 10% over the second half); a leak keeps growing

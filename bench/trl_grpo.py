@@ -28,10 +28,24 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    import torch
+    import transformers
+    import trl
     from datasets import Dataset
-    from math_verify import parse, verify
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    # rlstream's own math rule, loaded from its file (this environment has TRL, not rlstream's
+    # dependencies), so both sides of the race score with the same code
+    spec = importlib.util.spec_from_file_location("rlstream_rewards", Path(__file__).resolve().parents[1] / "rlstream" / "scorers" / "rewards.py")
+    rewards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rewards)
+    print(f"TRL side: trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})", flush=True)
 
     rows = [json.loads(line) for line in open(args.data) if line.strip()]
     # repeat the prompts so the trainer never runs out within the steps
@@ -40,11 +54,7 @@ def main() -> None:
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     def correct(prompts, completions, answer, **kwargs):
-        out = []
-        for c, a in zip(completions, answer):
-            gold = parse(a)
-            out.append(1.0 if gold and verify(gold, parse(c)) else 0.0)
-        return out
+        return [rewards.math_reward(c, a) or 0.0 for c, a in zip(completions, answer)]
 
     wanted = dict(
         output_dir=args.out + ".trainer", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,

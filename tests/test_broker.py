@@ -9,18 +9,12 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers.broker import wait_until
 
 from rlstream.broker import Consumer, Layout, Outgoing, Publisher, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.layout import POLICY_VERSION
 from rlstream.config import NatsConfig
 from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, Sample
-
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="test")
-    yield nc.jetstream()
-    await nc.close()
 
 
 def prompt(i: int) -> Prompt:
@@ -72,9 +66,11 @@ async def test_malformed_record_goes_to_dlq_and_consumer_keeps_going(js, run_id)
     letters = [DeadLetter.decode(m.data) for m in await dlq.fetch(2, timeout=2)]
     assert letters[0].data == b"\x93not a record" and "<payload>: expected a map" in letters[0].reason
     assert letters[1].stage == "producer" and "epoch: expected int, got str" in letters[1].reason
-    # work queue is empty: bad records were removed, good ones acked
-    await asyncio.sleep(0.2)
-    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+    # work queue is empty: bad records were removed, good ones acked (acks land asynchronously)
+    async def queue_empty():
+        return (await js.stream_info(lay.prompts_stream)).state.messages == 0
+
+    assert await wait_until(queue_empty, 10)
 
 
 async def test_processing_failures_dead_letter_after_max_deliver(js, run_id):

@@ -102,6 +102,27 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
         load_config(p)
 
 
+def test_reference_and_teacher_stages_and_distill():
+    base = {"model_checkpoint_path": "m", "data_source": {"type": "on_policy"}}
+    cfg = parse_config({**base, "training_mode": "RL_GRPO", "reference": {}})
+    assert cfg.annotators == ("reference",) and cfg.reference.replicas == 1 and cfg.reference.model_path is None
+    assert parse_config({**base, "training_mode": "RL_GRPO"}).annotators == ()
+    distill = parse_config({**base, "training_mode": "DISTILL", "teacher": {"endpoint": "http://t:8000", "replicas": 2},
+                            "reference": {"replicas": 3}, "algorithm_params": {"distill_coefficient": 0.5}})
+    assert distill.annotators == ("reference", "teacher")  # chain order, whatever the key order
+    assert distill.algorithm_params.distill_coefficient == 0.5 and distill.algorithm_params.kl_coefficient == 0.0
+    assert distill.is_rl and distill.teacher.replicas == 2
+    for data, message in (
+        ({**base, "training_mode": "DISTILL"}, "DISTILL needs a teacher"),
+        ({**base, "training_mode": "RL_GRPO", "teacher": {"model_path": "t"}}, "teacher stage is for training_mode DISTILL"),
+        ({**base, "training_mode": "DISTILL", "teacher": {}}, "exactly one of model_path"),
+        ({**base, "training_mode": "DISTILL", "teacher": {"model_path": "t", "endpoint": "http://t"}}, "exactly one of model_path"),
+        ({"model_checkpoint_path": "m", "data_source": {"type": "off_policy"}, "training_mode": "SFT", "reference": {}},
+         "reference stage annotates streamed RL groups"),
+        ({**base, "training_mode": "RL_GRPO", "reference": {"replicas": 0}}, "reference.replicas"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(data)
 @pytest.mark.parametrize("section, key, ours", [
     ("algorithm_params", "num_generations", "algorithm_params.group_size"),
     ("learner", "learning_rate", "learner.lr"),
@@ -119,3 +140,20 @@ def test_unknown_keys_suggest_ours(section, key, ours):
 def test_help_shows_defaults():
     out = subprocess.run([sys.executable, "-m", "rlstream.cli", "broker", "--help"], capture_output=True, text=True, check=True).stdout
     assert "(default: 4222)" in out
+
+
+def test_webdataset_source_needs_urls_resolves_them_and_serves_every_mode(tmp_path):
+    base = {"model_checkpoint_path": "m"}
+    for mode in ("SFT", "DPO", "RL_GRPO"):
+        cfg = parse_config({**base, "training_mode": mode, "data_source": {"type": "webdataset", "urls": "s/t-{0..3}.tar"}})
+        assert cfg.learner_reads_dataset == (mode != "RL_GRPO")  # RL: the feeder reads the shards
+    with pytest.raises(ConfigError, match=r"needs data_source\.urls"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "webdataset"}})
+    with pytest.raises(ConfigError, match=r"data_source\.urls is for type 'webdataset'"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "off_policy", "urls": "s/t.tar"}})
+    with pytest.raises(ConfigError, match=r"part_index 2 must be below part_count 2"):
+        parse_config({**base, "training_mode": "SFT", "data_source": {"type": "webdataset", "urls": "a.tar", "part_index": 2, "part_count": 2}})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({**base, "training_mode": "SFT",
+                                    "data_source": {"type": "webdataset", "urls": ["shards/t-{000..009}.tar", "pipe:cat x.tar"]}}))
+    assert load_config(path).data_source.urls == [str(tmp_path / "shards/t-{000..009}.tar"), "pipe:cat x.tar"]

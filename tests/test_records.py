@@ -230,3 +230,33 @@ def test_a_large_but_reasonable_columns_map_still_decodes():
     wire["columns"] = {"answer": "2", "tests": [{"input": str(i), "output": str(i * i)} for i in range(10_000)]}
     back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
     assert back.columns["tests"][9_999] == {"input": "9999", "output": str(9_999 ** 2)}
+
+
+def test_scored_group_v2_carries_reference_and_teacher_logprobs():
+    """v2 adds per-token annotations in the rollout's flat token order (5 + 6 + 7 = 18 tokens)."""
+    g = make_group()
+    ref = -np.linspace(0.1, 1.8, 18).astype(np.float32)
+    sg = ScoredGroup(rollout=g, rewards=np.array([1, 0, 0.5], np.float32), ref_logprobs=ref,
+                     annotated_by={"reference": "reference-0"})
+    back = ScoredGroup.decode(sg.encode())
+    np.testing.assert_array_equal(back.ref_logprobs, ref)
+    assert back.teacher_logprobs.size == 0 and back.per_sample(back.teacher_logprobs) is None
+    parts = back.per_sample(back.ref_logprobs)
+    assert [len(p) for p in parts] == [5, 6, 7]
+    np.testing.assert_array_equal(parts[1], ref[5:11])
+    assert back.annotated_by == {"reference": "reference-0"}
+    # one entry per completion token, or none; log-probs <= 0
+    for bad, why in ((ref[:17], "expected 0 or 18"), (-ref, "positive")):
+        with pytest.raises(RecordError, match=why):
+            ScoredGroup.decode(ScoredGroup(rollout=g, rewards=np.zeros(3, np.float32), teacher_logprobs=bad).encode())
+
+
+def test_scored_group_v1_still_decodes():
+    """ScoredGroup v1 had no annotations: they decode empty."""
+    wire = ScoredGroup(rollout=make_group(), rewards=np.array([1, 0, 0.5], np.float32)).to_wire()
+    wire["v"] = 1
+    for name in ("ref_logprobs", "teacher_logprobs", "annotated_by"):
+        del wire[name]
+    back = ScoredGroup.decode(msgpack.packb(wire))
+    assert back.ref_logprobs.size == 0 and back.teacher_logprobs.size == 0 and back.annotated_by == {}
+    assert back.rollout.group_size == 3

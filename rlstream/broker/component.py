@@ -16,6 +16,7 @@ Besides :class:`Component`, the plumbing the stages share:
 - :func:`lanes`: ``n`` copies of a loop at once, sharing one fetch lock, all stopped when
   one fails;
 - :func:`kept_in_progress`: in-progress acks for records while slow work on them runs;
+- :class:`RecentIds`: the ids a stage handled recently, to ack redeliveries without redoing them;
 - :class:`ComponentMain`: the signature every component's ``main`` has.
 """
 
@@ -25,6 +26,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -36,7 +39,8 @@ from rlstream.broker.telemetry import Reporter, metrics_port
 
 log = logging.getLogger(__name__)
 
-ROLE_DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER}
+ROLE_DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "learner": Layout.LEARNER,
+                 "reference": "reference", "teacher": "teacher"}
 """The one durable consumer each role reads (and alone may pull from, ack and nak on)."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -77,22 +81,75 @@ def signals_to(stop: asyncio.Event, enabled: bool = True, *, who: str | None = N
                 loop.remove_signal_handler(sig)
 
 
-async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str) -> None:
+async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str, stop: asyncio.Event | None = None,
+                drain_s: float | None = None, give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
     """Run ``n`` copies of ``lane`` at once, as tasks named ``<name>-lane-<i>``, until all return.
 
     The lanes share one lock, handed to each: hold it around a pull on the shared
     subscription (one pull request at a time) and whatever must be decided with it. When
     one lane raises, the others are cancelled (what they hold comes back unacked) and the
     error propagates.
+
+    The drain (``stop`` and ``drain_s`` given): once ``stop`` is set, the lanes have
+    ``drain_s`` seconds to finish what they hold; lanes still running then are cancelled and
+    ``give_back(seconds since stop)`` runs (nak what they held), and this returns.
     """
     fetching = asyncio.Lock()
     tasks = [asyncio.create_task(lane(fetching), name=f"{name}-lane-{i}") for i in range(n)]
+
+    async def drain() -> None:
+        await stop.wait()
+        t0 = time.monotonic()
+        _, late = await asyncio.wait(tasks, timeout=drain_s)
+        if late:
+            for t in late:
+                t.cancel()
+            if give_back is not None:
+                await give_back(time.monotonic() - t0)
+
+    drainer = asyncio.create_task(drain(), name=f"{name}-drain") if stop is not None and drain_s is not None else None
     try:
-        await asyncio.gather(*tasks)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if drainer is not None:
+            if stop.is_set():
+                await drainer  # it may be giving back what the lanes held
+            else:
+                drainer.cancel()
+                await asyncio.gather(drainer, return_exceptions=True)
+
+
+RECENT_IDS = 65536
+"""How many recently handled record ids a stage remembers to skip redeliveries."""
+
+
+class RecentIds:
+    """A bounded set that forgets the oldest ids first (an LRU of record ids)."""
+
+    def __init__(self, capacity: int = RECENT_IDS):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, record_id: str) -> bool:
+        if record_id in self._ids:
+            self._ids.move_to_end(record_id)
+            return True
+        return False
+
+    def add(self, record_id: str) -> None:
+        self._ids[record_id] = None
+        self._ids.move_to_end(record_id)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 @contextlib.asynccontextmanager
@@ -162,11 +219,12 @@ class Component:
         """
         cfg = self.cfg
         nats_cfg = cfg.nats
+        stages = getattr(cfg, "annotators", ())  # reference / teacher links of the chain
         if not (nats_cfg.user or nats_cfg.token or nats_cfg.token_env or nats_cfg.creds_file):
-            return await ensure_layout(self.js, cfg.run, nats_cfg)
+            return await ensure_layout(self.js, cfg.run, nats_cfg, stages=stages)
         if self.component == "learner":
-            return await ensure_layout(self.js, cfg.run, nats_cfg)
-        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component))
+            return await ensure_layout(self.js, cfg.run, nats_cfg, stages=stages)
+        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component), stages=stages)
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self.stop.set()

@@ -129,6 +129,10 @@ class Delivery(Generic[R]):
     async def in_progress(self) -> None:
         await self.msg.in_progress()
 
+    async def nak(self) -> None:
+        """Give the record back for redelivery now (not a failure: no backoff)."""
+        await self.msg.nak()
+
 
 def _metadata(msg: Msg) -> tuple[int, int]:
     """(delivery count, stream sequence) from the ack subject.

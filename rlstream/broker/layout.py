@@ -4,7 +4,9 @@
 |----------------------------------|--------------------|-------------------|------------|-----------------------|------------|
 | rl.<run>.prompts                 | RL_<run>_PROMPTS   | Prompt            | feeder     | producers (work queue)| explicit, after the rollout publish is acked |
 | rl.<run>.rollouts                | RL_<run>_ROLLOUTS  | RolloutGroup      | producers  | scorers               | explicit, after the scored publish is acked |
-| rl.<run>.scored                  | RL_<run>_SCORED    | ScoredGroup       | scorers    | learner               | explicit, after the checkpoint holding it is durable |
+| rl.<run>.scored                  | RL_<run>_SCORED    | ScoredGroup       | scorers    | learner (or the first annotating stage) | explicit, after the checkpoint holding it is durable |
+| rl.<run>.reference               | RL_<run>_REFERENCE | ScoredGroup + ref_logprobs | reference stage | learner (or the teacher stage) | explicit, after the annotated publish is acked (stage); after the checkpoint (learner) |
+| rl.<run>.teacher                 | RL_<run>_TEACHER   | ScoredGroup + teacher_logprobs | teacher stage | learner | explicit, after the checkpoint holding it is durable |
 | rl.<run>.metrics.<comp>.<id>     | RL_<run>_METRICS   | MetricEvent       | everyone   | tail, status, dashboard | none (read from a time) |
 | rl.<run>.dlq.<stage>             | RL_<run>_DLQ       | DeadLetter        | any stage  | operators             | none |
 | rl.<run>.eval.prompts            | RL_<run>_EVAL_PROMPTS  | Prompt (pinned policy_version) | learner | producers (``eval-producers``, work queue), ahead of training prompts | explicit, after the rollout publish is acked |
@@ -14,9 +16,16 @@
 | objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
 
 Evaluation has streams of its own (one per stage, as training: a record keeps its id from
-stage to stage, and JetStream de-duplicates message ids per stream), so nothing from it reaches the training subjects (the
-learner's consumer reads ``rl.<run>.scored`` only) or the pacing bound (the producers count
+stage to stage, and JetStream de-duplicates message ids per stream), so nothing from it
+reaches the training subjects (the learner's consumer reads the last link of the chain only) or
+the pacing bound (the producers count
 ``RL_<run>_ROLLOUTS``).
+
+Annotating stages (``Layout.stages``, from ``Config.annotators``) form a chain between the
+scorers and the learner, in the order of :data:`ANNOTATORS`: each stage has a durable consumer
+named after it on the previous stage's subject and publishes to its own subject; the learner
+reads the last subject of the chain (``rl.<run>.scored`` when there is no stage). Every link is
+a limits-retention stream, so each is replayable.
 
 Creating the layout twice is harmless: streams and consumers are created or updated.
 On a server with per-role permissions (deploy/nats/accounts.conf) the learner (or the
@@ -64,9 +73,40 @@ before the last pause) and is stored within its ack timeout, so the window cover
 retry of a message id, with a margin for clock steps between the attempts' stores."""
 
 
+ANNOTATORS = ("reference", "teacher")
+"""The annotating stages, in chain order."""
+
+
 @dataclass(frozen=True)
 class Layout:
     run: str
+    stages: tuple[str, ...] = ()
+    """Annotating stages of this run (a subsequence of :data:`ANNOTATORS`)."""
+
+    def __post_init__(self):
+        unknown = [s for s in self.stages if s not in ANNOTATORS]
+        if unknown or list(self.stages) != [s for s in ANNOTATORS if s in self.stages]:
+            raise ValueError(f"stages {self.stages!r} must be a subsequence of {ANNOTATORS}")
+
+    def annotated(self, stage: str) -> str:
+        """The subject a stage publishes its annotated groups to."""
+        return f"rl.{self.run}.{stage}"
+
+    def annotated_stream(self, stage: str) -> str:
+        return f"RL_{self.run}_{stage.upper()}"
+
+    def stage_input(self, stage: str) -> tuple[str, str]:
+        """(stream, subject) a stage, or the learner (``"learner"``), consumes."""
+        chain = [*self.stages, self.LEARNER]
+        i = chain.index(stage)
+        if i == 0:
+            return self.scored_stream, self.scored
+        return self.annotated_stream(chain[i - 1]), self.annotated(chain[i - 1])
+
+    @property
+    def learner_input(self) -> tuple[str, str]:
+        """(stream, subject) the learner trains from: the last link of the chain."""
+        return self.stage_input(self.LEARNER)
 
     # subjects
     @property
@@ -159,6 +199,7 @@ class Layout:
             self.prompts_stream: self.prompts,
             self.rollouts_stream: self.rollouts,
             self.scored_stream: self.scored,
+            **{self.annotated_stream(st): self.annotated(st) for st in self.stages},
             self.metrics_stream: self.metrics_all,
             self.dlq_stream: f"rl.{self.run}.dlq.>",
             self.eval_prompts_stream: self.eval_prompts,
@@ -171,7 +212,8 @@ class Layout:
         return {
             self.PRODUCERS: (self.prompts_stream, self.prompts),
             self.SCORERS: (self.rollouts_stream, self.rollouts),
-            self.LEARNER: (self.scored_stream, self.scored),
+            **{st: self.stage_input(st) for st in self.stages},
+            self.LEARNER: self.learner_input,
             self.EVAL_PRODUCERS: (self.eval_prompts_stream, self.eval_prompts),
             self.EVAL_SCORERS: (self.eval_rollouts_stream, self.eval_rollouts),
             self.EVAL_LEARNER: (self.eval_scored_stream, self.eval_scored),
@@ -225,23 +267,25 @@ async def ensure_consumer(js: JetStreamContext, lay: Layout, durable: str, nats_
 
 async def ensure_layout(
     js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
-    ack_wait_s: float | None = None, durables: tuple[str, ...] | None = None,
+    ack_wait_s: float | None = None, durables: tuple[str, ...] | None = None, stages: tuple[str, ...] = (),
 ) -> Layout:
-    """Create (or update) the run's streams, KV bucket, object store and the durable
-    consumers ``durables`` (default: all of them).
+    """Create (or update) the run's streams (with those of the annotating ``stages``), KV
+    bucket, object store and the durable consumers ``durables`` (default: all of them).
 
     On a server with per-role permissions (deploy/nats/accounts.conf) only the learner and
     the operator may do this.
     """
     cfg = nats_cfg or NatsConfig()
-    lay = Layout(run)
+    lay = Layout(run, tuple(stages))
     replicas = cfg.replicas
     retention_s = cfg.retention_days * DAY_S
     max_msg = cfg.max_payload_mb * 1024 * 1024
     # JetStream refuses a de-duplication window longer than a stream's max age.
     common = dict(storage=StorageType.FILE, num_replicas=replicas, duplicate_window=min(DUPLICATE_WINDOW_S, retention_s), max_msg_size=max_msg)
     await _ensure_stream(js, StreamConfig(name=lay.prompts_stream, subjects=[lay.prompts], retention=RetentionPolicy.WORK_QUEUE, **common))
-    for name, subject in ((lay.rollouts_stream, lay.rollouts), (lay.scored_stream, lay.scored)):
+    replayable = [(lay.rollouts_stream, lay.rollouts), (lay.scored_stream, lay.scored),
+                  *((lay.annotated_stream(st), lay.annotated(st)) for st in lay.stages)]
+    for name, subject in replayable:
         await _ensure_stream(js, StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
     await _ensure_stream(js, StreamConfig(
         name=lay.metrics_stream, subjects=[lay.metrics_all], retention=RetentionPolicy.LIMITS,
@@ -267,7 +311,7 @@ async def ensure_layout(
 
 async def bind_layout(
     js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
-    durable: str | None, wait_s: float | None = None,
+    durable: str | None, wait_s: float | None = None, stages: tuple[str, ...] = (),
 ) -> Layout:
     """Wait until the run's layout exists (the learner or the operator creates it),
     including this role's own durable consumer ``durable`` (None: the feeder has none).
@@ -277,7 +321,7 @@ async def bind_layout(
     ``nats.layout_wait_s``).
     """
     cfg = nats_cfg or NatsConfig()
-    lay = Layout(run)
+    lay = Layout(run, tuple(stages))
     wait = cfg.layout_wait_s if wait_s is None else wait_s
     deadline = time.monotonic() + wait
     delay = 0.2

@@ -33,6 +33,13 @@ How each function relates to its paper:
   checkpoint, like a trained one: nothing is lost, nothing waits for a round trip.
 - :func:`staleness_keep` / :func:`staleness_histogram`: the off-policy filter of the
   asynchronous learner (samples older than ``max_staleness`` policy versions are dropped).
+- :func:`distill_advantages` (on-policy distillation: Agarwal et al. 2024, "On-Policy
+  Distillation of Language Models" (GKD); Thinking Machines 2025, "On-Policy Distillation"):
+  per token ``-c * (log pi_student(y_t) - log pi_teacher(y_t))``, the negative single-sample
+  estimate of the reverse KL, used as the token's advantage in the policy-gradient loss, so
+  minimising the loss minimises the per-token reverse KL to the teacher. Like the Thinking
+  Machines recipe, the student's log-probs are those it sampled with (the behaviour log-probs
+  of the record) and each token's advantage is its own (no discounted sum over later tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "distill_advantages",
     "group_relative",
     "rloo",
     "gae",
@@ -259,6 +267,24 @@ def staleness_keep(policy_versions: Tensor, current_version: int, max_staleness:
         bool ``[N]``: ``current_version - policy_versions <= max_staleness``.
     """
     return (current_version - policy_versions.long()) <= max_staleness
+
+
+def distill_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coefficient: float = 1.0) -> Tensor:
+    """Per-token reverse-KL advantages of on-policy distillation.
+
+    Args:
+        student_logprobs: ``[B, T]`` log-probs of the sampled tokens under the student.
+        teacher_logprobs: ``[B, T]`` log-probs of the same tokens under the teacher.
+        mask: ``[B, T]`` 1 on completion tokens.
+        coefficient: scale ``c`` of the advantage.
+
+    Returns:
+        ``[B, T]``: ``-c * (student - teacher)`` on masked-in tokens, 0 elsewhere (padding,
+        even -inf or NaN, never leaks in).
+    """
+    keep = mask.bool()
+    gap = torch.where(keep, student_logprobs.float(), 0.0) - torch.where(keep, teacher_logprobs.float(), 0.0)
+    return (-coefficient * gap).detach()
 
 
 def staleness_histogram(policy_versions: Tensor, current_version: int) -> dict[int, int]:

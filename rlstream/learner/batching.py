@@ -46,6 +46,10 @@ class Row:
     keep: bool = True
     """False: the row is in the batch but its loss is masked (e.g. overlong filtering)."""
     extra: dict = field(default_factory=dict)
+    ref_logprobs: np.ndarray | None = None
+    """Frozen reference log-probs of the completion tokens [C], recorded by the reference stage."""
+    teacher_logprobs: np.ndarray | None = None
+    """Teacher log-probs of the completion tokens [C], recorded by the teacher stage (DISTILL)."""
 
 
 @dataclass(slots=True)
@@ -65,6 +69,8 @@ class TokenBatch:
     segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
     doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
     policy_versions: torch.Tensor | None = None  # [B] long: the weights that sampled each row (RL)
+    ref_logprobs: torch.Tensor | None = None     # [B, T] float: recorded reference log-probs (when every row has them)
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] float: recorded teacher log-probs (DISTILL)
 
     @property
     def num_tokens(self) -> int:
@@ -94,11 +100,12 @@ def truncate(prompt: np.ndarray, completion: np.ndarray, max_len: int) -> tuple[
     return prompt, max(0, min(c, max_len - len(prompt)))
 
 
-def collate(rows: list[Row], pad_id: int, max_len: int) -> TokenBatch:
-    """Right-pad ``rows`` into a :class:`TokenBatch`."""
+def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> TokenBatch:
+    """Right-pad ``rows`` into a :class:`TokenBatch`; the length L is rounded up to a multiple
+    of ``pad_to`` (length bucketing for compiled models)."""
     fitted = [truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len) for r in rows]
     lengths = [len(p) + c for p, c in fitted]
-    B, L = len(rows), max(lengths)
+    B, L = len(rows), -(-max(lengths) // pad_to) * pad_to
     T = max(1, max(c for _, c in fitted))
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)
@@ -121,7 +128,18 @@ def collate(rows: list[Row], pad_id: int, max_len: int) -> TokenBatch:
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     versions = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
-    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions)
+    recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs")}
+    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
+
+
+def _per_token(rows: list[Row], fitted: list[tuple[np.ndarray, int]], name: str, T: int) -> torch.Tensor | None:
+    """A recorded per-token annotation as [B, T] (0 where padded), or None unless every row has it."""
+    if any(getattr(r, name) is None for r in rows):
+        return None
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
+        out[i, :c] = torch.tensor(np.asarray(getattr(row, name)[:c], dtype=np.float32))
+    return out
 
 
 def micro_batches(rows: list, size: int) -> list[list]:

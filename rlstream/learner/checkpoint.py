@@ -80,6 +80,8 @@ class LearnerState:
     epoch_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     """Offline datasets: epoch -> {example id -> times used}."""
     rng: dict[str, Any] = field(default_factory=dict)
+    data_cursor: dict[str, Any] = field(default_factory=dict)
+    """WebDataset sources: the reader's position (epoch, shard, sample, shuffle buffer)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}

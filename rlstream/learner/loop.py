@@ -111,11 +111,15 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     model.to(device).train()
     if mixed:
         autocast_forward(model, torch.bfloat16)
+    if lcfg.compile:
+        # in place: the module (and its parameter names) stay as they are, only forward is compiled
+        model.compile(mode=lcfg.compile_mode, dynamic=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     params = cfg.algorithm_params
     ref_model = None
-    if cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0:
+    # with the reference stage on, the reference log-probs arrive recorded in the groups
+    if (cfg.training_mode == "DPO" or getattr(params, "kl_coefficient", 0.0) > 0) and getattr(cfg, "reference", None) is None:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
         if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
@@ -234,9 +238,12 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
             advantages = adv.compute_advantages(params, rewards.unsqueeze(0))[0]
         reasons = [s.finish_reason for s in g.rollout.samples]
         keep = adv.overlong_mask(reasons) if getattr(params, "overlong_filtering", False) else torch.ones(len(reasons), dtype=torch.bool)
-        for s, r, a, k in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist()):
+        # per-token log-probs recorded by the reference / teacher stages (None when absent)
+        ref = g.per_sample(g.ref_logprobs) or [None] * len(reasons)
+        teacher = g.per_sample(g.teacher_logprobs) or [None] * len(reasons)
+        for s, r, a, k, rl, tl in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
-                            policy_version=g.rollout.policy_version, keep=bool(k)))
+                            policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl))
     return rows, torch.cat(all_rewards) if all_rewards else torch.zeros(0)
 
 
@@ -250,7 +257,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     lcfg = cfg.learner
     loss_fn = losses.policy_loss_fn(params)
     rows, rewards = group_rows(cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     module = learner.engine.module
     ppo = learner.value_head is not None
@@ -277,15 +284,23 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                 token_adv[i] = whole[start:start + b, :t]
                 start += b
 
+    if cfg.training_mode == "DISTILL":
+        token_adv = [distill_token_advantages(params, tb) for tb in tbs]
+    if learner.ref_model is None and getattr(params, "kl_coefficient", 0.0) > 0 and any(tb.ref_logprobs is None for tb in tbs):
+        raise LearnerError("kl_coefficient > 0 without an in-learner reference model: every group needs ref_logprobs "
+                           "(is the reference stage running, and does the learner read its subject?)")
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
     grad_norms = []
     for epoch in range(params.epochs_per_batch):
         def make_pass(i: int, tb: TokenBatch):
             def run(record: bool = True) -> torch.Tensor:
-                if learner.ref_model is not None and ref[i] is None:
-                    with torch.no_grad():
-                        ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
+                if ref[i] is None:
+                    if learner.ref_model is not None:
+                        with torch.no_grad():
+                            ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
+                    else:
+                        ref[i] = tb.ref_logprobs  # recorded by the reference stage (or None)
                 out = forward_logprobs(module, tb, keep_logits=True, hidden=ppo)
                 if prox[i] is None:
                     prox[i] = out.logprobs.detach()
@@ -293,12 +308,13 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
                     entropy = losses.entropy_from_logits(out.logits)
                 batch = losses.PolicyBatch(
                     logprobs=out.logprobs, old_logprobs=tb.old_logprobs,
-                    advantages=token_adv[i] if ppo else tb.advantages, mask=tb.mask,
+                    advantages=token_adv[i] if token_adv[i] is not None else tb.advantages, mask=tb.mask,
                     ref_logprobs=ref[i], prox_logprobs=prox[i], entropy=entropy,
                     values=learner.value_head(out.hidden.detach().float()).squeeze(-1) if ppo else None,
                     old_values=old_values[i], returns=returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
                     lag=learner.state.policy_version - tb.policy_versions,
+                    teacher_logprobs=tb.teacher_logprobs,
                 )
                 loss, metrics = loss_fn(batch, params)
                 if record and epoch == params.epochs_per_batch - 1:
@@ -320,6 +336,18 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     return _finish_step(learner, out, grad_norms[-1], stepped, len(rows), token_norm)
 
 
+def distill_token_advantages(params, tb: TokenBatch) -> torch.Tensor:
+    """DISTILL: the per-token reverse-KL advantage against the recorded teacher log-probs, plus
+    ``reward_weight`` times the group-relative reward advantage."""
+    if tb.teacher_logprobs is None:
+        raise LearnerError("training_mode DISTILL: a group arrived without teacher_logprobs "
+                           "(is the teacher stage running, and does the learner read its subject?)")
+    out = adv.distill_advantages(tb.old_logprobs, tb.teacher_logprobs, tb.mask, coefficient=params.distill_coefficient)
+    if params.reward_weight > 0:
+        out = out + params.reward_weight * tb.advantages.unsqueeze(-1) * tb.mask
+    return out
+
+
 def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
     cfg = learner.cfg
     lcfg = cfg.learner
@@ -328,7 +356,7 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
         # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
         tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
     else:
-        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -362,7 +390,7 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
     chunks = []
     for chunk in micro_batches(pairs, lcfg.micro_batch_size):
         rows = [Row(p.prompt_ids, p.chosen_ids) for p in chunk] + [Row(p.prompt_ids, p.rejected_ids) for p in chunk]
-        tb = collate(rows, learner.pad_id, lcfg.max_seq_len).to(learner.device)
+        tb = collate(rows, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device)
         total_tokens += float(tb.mask.sum())
         chunks.append((len(chunk), tb))
 
@@ -546,10 +574,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     from rlstream.broker.io import Consumer
     from rlstream.broker.layout import LEARNER_STEP
     from rlstream.learner.buffer import GroupBuffer, fill, hold
-    from rlstream.learner.offline import epoch_summary, load_dpo, load_sft, next_offline_batch
+    from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
     from rlstream.learner.publish import publish_weights
 
-    offline = cfg.data_source.type == "off_policy"
+    offline = cfg.learner_reads_dataset
     if not offline and nats_url is None:
         raise LearnerError(f"training_mode {cfg.training_mode} streams scored groups: it needs a NATS URL")
     run_dir = Path(run_dir or default_run_dir(cfg.run))
@@ -575,7 +603,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     elif metrics_path.exists():
         metrics_path.unlink()
     examples: list = []
-    if offline:
+    shards: ShardBatches | None = None
+    if offline and cfg.data_source.type == "webdataset":
+        shards = await asyncio.to_thread(ShardBatches, cfg, learner.tokenizer, state.data_cursor)
+    elif offline:
         examples = await asyncio.to_thread(load_sft if cfg.training_mode == "SFT" else load_dpo, cfg.data_source, learner.tokenizer)
     config_json = learner.model.config.to_json_string()
     last_checkpoint_step = state.step if latest is not None else -1
@@ -625,7 +656,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         # 1. a batch
                         t_wait = time.perf_counter()
                         if offline:
-                            batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
+                            if shards is not None:
+                                batch = await asyncio.to_thread(shards.next_batch, state, cfg.learner.batch_groups)
+                            else:
+                                batch = next_offline_batch(examples, state, cfg.learner.batch_groups, cfg.data_source.epochs, cfg.data_source.shuffle_seed)
                             if batch is None:
                                 break
                             taken = StreamBatch([])
@@ -727,8 +761,9 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     if evaluator is not None:
         summary["eval_rounds"] = len(evaluator.results)
     if offline:
-        summary["dataset_size"] = len(examples)
-        summary["epochs"] = epoch_summary(state, len(examples))
+        size = len(examples) if shards is None else None  # shards: not known without reading them all
+        summary["dataset_size"] = size
+        summary["epochs"] = epoch_summary(state, size)
     if final_checkpoint_failed:
         # what was trained since the last durable checkpoint is unacked: it is redelivered to
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)

@@ -126,6 +126,7 @@ __all__ = [
     "grpo_loss",
     "dapo_loss",
     "gspo_loss",
+    "distill_loss",
     "policy_loss_fn",
     "value_loss",
     "sft_loss",
@@ -455,6 +456,8 @@ class PolicyBatch:
     """Constant length for ``seq-mean-token-sum-norm`` (Dr.GRPO); None: this batch's T."""
     lag: Tensor | None = None
     """[B] or [B, T] policy versions between the learner and the weights that sampled each token (diagnostics)."""
+    teacher_logprobs: Tensor | None = None
+    """[B, T] the distillation teacher's log-probs of the sampled tokens (DISTILL; diagnostics)."""
 
 
 def _mean(values: Tensor, mask: Tensor) -> float:
@@ -645,7 +648,21 @@ def gspo_loss(batch: PolicyBatch, params: Any) -> tuple[Tensor, dict[str, float]
     return _policy_objective(batch, params, params.clip_low, params.clip_high, sequence_ratio=True)
 
 
+def distill_loss(batch: PolicyBatch, params: Any) -> tuple[Tensor, dict[str, float]]:
+    """On-policy distillation: the clipped surrogate (``clip_range``) on the per-token reverse-KL
+    advantages ``batch.advantages [B, T]`` (``advantages.distill_advantages``), with the
+    off-policy correction and KL of every RL loss. Adds ``distill/reverse_kl``: the mean over
+    tokens of ``logprobs - teacher_logprobs`` under the current student (a single-sample
+    reverse-KL estimate per token; it falls as the student approaches the teacher)."""
+    loss, metrics = _policy_objective(batch, params, params.clip_range, params.clip_range)
+    if batch.teacher_logprobs is not None:
+        mask = batch.mask
+        metrics["distill/reverse_kl"] = _mean(_clean(batch.logprobs, mask).detach() - _clean(batch.teacher_logprobs, mask), mask)
+    return loss, metrics
+
+
 _POLICY_LOSSES: dict[str, Callable[[PolicyBatch, Any], tuple[Tensor, dict[str, float]]]] = {
+    "DISTILL": distill_loss,
     "RL_PPO": ppo_loss,
     "RL_GRPO": grpo_loss,
     "RL_DAPO": dapo_loss,

@@ -37,45 +37,84 @@ def _digest(path: str) -> str:
     return hashlib.sha1(str(path).encode()).hexdigest()[:8]
 
 
+def sft_example(row: dict[str, Any], example_id: str, ds, tokenizer, use_messages: bool, where: str = "dataset") -> SFTExample:
+    if use_messages:
+        msgs = row[ds.messages_column]
+        if not msgs or msgs[-1].get("role") != "assistant":
+            raise DatasetError(f"{where}: {example_id} {ds.messages_column!r} must end with an assistant turn")
+        prompt_text = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        completion_text = " " + msgs[-1]["content"]
+    else:
+        prompt_text, completion_text = str(row[ds.prompt_column]), str(row[ds.completion_column])
+    completion = _ids(tokenizer, completion_text)
+    if tokenizer.eos_token_id is not None:
+        completion = np.append(completion, np.int32(tokenizer.eos_token_id))
+    return SFTExample(id=example_id, prompt_ids=_ids(tokenizer, prompt_text), completion_ids=completion,
+                      prompt_text=prompt_text, completion_text=completion_text)
+
+
+def dpo_pair(row: dict[str, Any], example_id: str, ds, tokenizer) -> PreferencePair:
+    eos = tokenizer.eos_token_id
+    prompt = _content(row[ds.prompt_column])
+    chosen, rejected = _content(row[ds.chosen_column]), _content(row[ds.rejected_column])
+    c, r = _ids(tokenizer, chosen), _ids(tokenizer, rejected)
+    if eos is not None:
+        c, r = np.append(c, np.int32(eos)), np.append(r, np.int32(eos))
+    return PreferencePair(id=example_id, prompt_ids=_ids(tokenizer, prompt), chosen_ids=c, rejected_ids=r,
+                          prompt_text=prompt, chosen_text=chosen, rejected_text=rejected)
+
+
 def load_sft(ds, tokenizer) -> list[SFTExample]:
     rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
-    eos = tokenizer.eos_token_id
     tag = _digest(ds.path)
-    out = []
     use_messages = ds.messages_column in rows[0]
     require_columns(rows, [ds.messages_column] if use_messages else [ds.prompt_column, ds.completion_column], ds.path)
-    for i, row in enumerate(rows):
-        if use_messages:
-            msgs = row[ds.messages_column]
-            if not msgs or msgs[-1].get("role") != "assistant":
-                raise DatasetError(f"{ds.path}: row {i} {ds.messages_column!r} must end with an assistant turn")
-            prompt_text = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
-            completion_text = " " + msgs[-1]["content"]
-        else:
-            prompt_text, completion_text = str(row[ds.prompt_column]), str(row[ds.completion_column])
-        completion = _ids(tokenizer, completion_text)
-        if eos is not None:
-            completion = np.append(completion, np.int32(eos))
-        out.append(SFTExample(id=f"{tag}-{i}", prompt_ids=_ids(tokenizer, prompt_text), completion_ids=completion,
-                              prompt_text=prompt_text, completion_text=completion_text))
-    return out
+    return [sft_example(row, f"{tag}-{i}", ds, tokenizer, use_messages, ds.path) for i, row in enumerate(rows)]
 
 
 def load_dpo(ds, tokenizer) -> list[PreferencePair]:
     rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     require_columns(rows, [ds.prompt_column, ds.chosen_column, ds.rejected_column], ds.path)
-    eos = tokenizer.eos_token_id
     tag = _digest(ds.path)
-    out = []
-    for i, row in enumerate(rows):
-        prompt = _content(row[ds.prompt_column])
-        chosen, rejected = _content(row[ds.chosen_column]), _content(row[ds.rejected_column])
-        c, r = _ids(tokenizer, chosen), _ids(tokenizer, rejected)
-        if eos is not None:
-            c, r = np.append(c, np.int32(eos)), np.append(r, np.int32(eos))
-        out.append(PreferencePair(id=f"{tag}-{i}", prompt_ids=_ids(tokenizer, prompt), chosen_ids=c, rejected_ids=r,
-                                  prompt_text=prompt, chosen_text=chosen, rejected_text=rejected))
-    return out
+    return [dpo_pair(row, f"{tag}-{i}", ds, tokenizer) for i, row in enumerate(rows)]
+
+
+class ShardBatches:
+    """SFT examples or DPO pairs from WebDataset shards (``data_source.type: webdataset``),
+    resumable: the reader's position is kept in ``state.data_cursor``, per-epoch use in
+    ``state.epoch_usage``. Example ids are ``<shard list digest>-<sample key>``."""
+
+    def __init__(self, cfg, tokenizer, cursor: dict[str, Any] | None = None):
+        from rlstream.webdata import source_tag, stream_for
+
+        self.ds = cfg.data_source
+        self.dpo = cfg.training_mode == "DPO"
+        self.tokenizer = tokenizer
+        self.stream = stream_for(self.ds, cursor or None)
+        self.tag = source_tag(self.ds.urls)
+
+    def _example(self, row: dict[str, Any], example_id: str):
+        ds = self.ds
+        if self.dpo:
+            require_columns([row], [ds.prompt_column, ds.chosen_column, ds.rejected_column], example_id)
+            return dpo_pair(row, example_id, ds, self.tokenizer)
+        use_messages = ds.messages_column in row
+        require_columns([row], [ds.messages_column] if use_messages else [ds.prompt_column, ds.completion_column], example_id)
+        return sft_example(row, example_id, ds, self.tokenizer, use_messages, example_id)
+
+    def next_batch(self, state, batch: int) -> list | None:
+        """The next ``batch`` examples (fewer at the very end), None when every epoch is done."""
+        picked = []
+        for sample in self.stream:
+            example = self._example(sample.row, f"{self.tag}-{sample.key}")
+            usage = state.epoch_usage.setdefault(str(sample.epoch), {})
+            usage[example.id] = usage.get(example.id, 0) + 1
+            picked.append(example)
+            if len(picked) == batch:
+                break
+        state.data_cursor = self.stream.state()
+        state.epoch = self.stream.epoch
+        return picked or None
 
 
 def epoch_order(n: int, epoch: int, seed: int | None) -> list[int]:
@@ -102,7 +141,7 @@ def next_offline_batch(examples: list, state, batch: int, epochs: int, seed: int
     return picked
 
 
-def epoch_summary(state, dataset_size: int) -> list[dict[str, int]]:
+def epoch_summary(state, dataset_size: int | None) -> list[dict[str, int]]:
     """Per epoch: examples used, distinct ids, ids used more than once, dataset size."""
     out = []
     for epoch, usage in sorted(state.epoch_usage.items(), key=lambda kv: int(kv[0])):

@@ -83,17 +83,20 @@ def same(recorded: Any, replayed: float | None, rtol: float, atol: float) -> boo
     return math.isclose(float(recorded), float(replayed), rel_tol=rtol, abs_tol=atol)
 
 
-async def fetch_groups(url: str, run: str, seqs: list[int]) -> dict[int, ScoredGroup]:
-    layout = Layout(run)
+async def fetch_groups(url: str, run: str, seqs: list[int], stages: tuple[str, ...] = ()) -> dict[int, ScoredGroup]:
+    """The groups the learner trained, by sequence in the stream it reads: ``rl.<run>.scored``,
+    or the last annotating stage's (whose groups carry the recorded reference / teacher
+    log-probs, so replay reuses them instead of recomputing)."""
+    stream, _ = Layout(run, stages).learner_input
     nc = await open_connection(url, "rlstream-replay")
     try:
         js = nc.jetstream(timeout=10.0)
         out = {}
         for seq in seqs:
             try:
-                raw = await js.get_msg(layout.scored_stream, seq)
+                raw = await js.get_msg(stream, seq)
             except Exception as exc:  # name the missing record instead of a bare API error
-                raise ObserveError(f"scored stream {layout.scored_stream} has no message {seq} ({type(exc).__name__}: {exc}); "
+                raise ObserveError(f"stream {stream} has no message {seq} ({type(exc).__name__}: {exc}); "
                                    "was it removed by retention?") from None
             out[seq] = ScoredGroup.decode(raw.data)
         return out
@@ -124,7 +127,7 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
     if not url:
         raise ObserveError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
     seqs = [q for s in wanted for q in metrics[s]["scored_seqs"]]
-    groups = asyncio.run(fetch_groups(url, cfg.run, seqs))
+    groups = asyncio.run(fetch_groups(url, cfg.run, seqs, cfg.annotators))
 
     rows = []
     first_diff = None

@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 from rich.console import Console
 from rich.table import Table
 
-from rlstream.broker.layout import PACING_ADMIT, Layout
+from rlstream.broker.layout import ANNOTATORS, PACING_ADMIT, Layout
 from rlstream.broker.state import RunState
 from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.schemas import MetricEvent, RecordError
@@ -75,8 +75,12 @@ async def _last_metrics(js, layout: Layout, component: str, component_id: str) -
 
 async def gather(js, run: str) -> dict[str, Any]:
     """Everything status shows, as one JSON-friendly dict."""
-    layout = Layout(run)
-    names = dict(zip(STREAM_KINDS, (layout.prompts_stream, layout.rollouts_stream, layout.scored_stream, layout.metrics_stream, layout.dlq_stream)))
+    # the annotating stages this run has (reference, teacher) are those whose stream exists
+    stages = tuple([st for st in ANNOTATORS if await _stream(js, Layout(run).annotated_stream(st)) is not None])
+    layout = Layout(run, stages)
+    names = dict(zip(STREAM_KINDS[:3], (layout.prompts_stream, layout.rollouts_stream, layout.scored_stream)))
+    names.update({st: layout.annotated_stream(st) for st in stages})
+    names.update(zip(STREAM_KINDS[3:], (layout.metrics_stream, layout.dlq_stream)))
     streams = {kind: await _stream(js, name, f"rl.{run}.dlq.>" if kind == "dlq" else None) for kind, name in names.items()}
     if all(s is None for s in streams.values()):
         raise ObserveError(f"run {run!r} has no streams on this server (is the run id right?)")

@@ -7,6 +7,11 @@ chat template), carries every other column along in ``Prompt.columns`` (reward f
 read e.g. ``answer`` there), and publishes ``data_source.epochs`` passes, each shuffled
 with ``shuffle_seed + epoch`` (no shuffling when the seed is null).
 
+With ``data_source.type: webdataset`` the rows come from tar shards instead
+(:mod:`rlstream.webdata`): this feeder's part of ``data_source.urls``
+(``part_index::part_count``, so several feeders split the shards), epoch after epoch
+through a seeded shuffle buffer, ids ``p<shard list hash>-<epoch>-<sample key>``.
+
 Prompt ids are deterministic, ``p<dataset hash>-<epoch>-<row>``, and each prompt is
 published with its id as the JetStream message id, so feeding the same dataset twice
 within the duplicate window adds nothing. A row with neither column, or an empty prompt,
@@ -39,7 +44,7 @@ def dataset_key(path: str | Path, split: str) -> str:
     return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]
 
 
-def prompt_id(key: str, epoch: int, index: int) -> str:
+def prompt_id(key: str, epoch: int, index: int | str) -> str:
     return f"p{key}-{epoch}-{index}"
 
 
@@ -104,16 +109,34 @@ def iter_prompts(base: list[Row], cfg, *, key: str = "data", run: str = ""):
                          run=run, messages=messages)
 
 
+def iter_shard_prompts(cfg, *, run: str = ""):
+    """The prompts of this feeder's part of the WebDataset shards, every epoch, in publish
+    order; each row is checked as it is read."""
+    from rlstream.webdata import source_tag, stream_for
+
+    ds = cfg.data_source
+    tag = source_tag(ds.urls)
+    for n, sample in enumerate(stream_for(ds)):
+        ((text, messages, columns),) = check_rows([sample.row], cfg, where=f"sample {sample.key}")
+        index = int(sample.key) if sample.key.isdigit() else n
+        yield Prompt(id=prompt_id(tag, sample.epoch, sample.key), text=text, columns=columns, epoch=sample.epoch,
+                     index=index, run=run, messages=messages)
+
+
 async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
     """Publish the configured dataset's prompts; returns how many were published (or
     were already there: duplicates within the window are acknowledged, not stored)."""
     ds = cfg.data_source
-    if not ds.path:
-        raise DatasetError("data_source.path is not set: nothing to feed")
-    rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
-    base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
-    total = len(base) * ds.epochs
-    prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
+    if ds.type == "webdataset":
+        total, rows, source = None, None, str(ds.urls)
+        prompts = iter_shard_prompts(cfg, run=layout.run)
+    else:
+        if not ds.path:
+            raise DatasetError("data_source.path is not set: nothing to feed")
+        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+        base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
+        total, source = len(base) * ds.epochs, Path(ds.path).name
+        prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
     publisher = Publisher(js)
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
@@ -122,20 +145,22 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None) -> int:
 
         bar = Progress(transient=False)
         bar.start()
-        task = bar.add_task(f"feeding {Path(ds.path).name}", total=total)
+        task = bar.add_task(f"feeding {source}", total=total)
     duplicates = 0
+    fed = 0
     try:
         while chunk := list(itertools.islice(prompts, CHUNK)):
             acks = await publisher.publish_many([Outgoing(layout.prompts, p.encode(), p.id) for p in chunk])
             duplicates += sum(1 for a in acks if getattr(a, "duplicate", False))
+            fed += len(chunk)
             if bar is not None:
                 bar.update(task, advance=len(chunk))
     finally:
         if bar is not None:
             bar.stop()
-    log.info("fed %d prompts (%d epochs of %d rows; %d were already there) to %s",
-             total, ds.epochs, len(rows), duplicates, layout.prompts)
-    return total
+    log.info("fed %d prompts (%d epochs of %s rows; %d were already there) to %s",
+             fed, ds.epochs, len(rows) if rows is not None else "the shards'", duplicates, layout.prompts)
+    return fed
 
 
 async def main(cfg, nats_url: str, component_id: str = "feeder", **_: Any) -> int:

@@ -78,7 +78,7 @@ def main(args) -> int:
     accounting: dict[str, Any] = {}
     try:
         outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
-        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run)))
+        accounting = asyncio.run(broker_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
     finally:
         if server is not None:
             server.stop()

@@ -128,6 +128,7 @@ def child_env(cfg: Config) -> dict[str, str]:
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     # torch processes share the cores instead of each taking all of them
     torch_procs = 1 + (cfg.producer.count if streaming(cfg) else 0)
+    torch_procs += sum(getattr(cfg, stage).replicas for stage in cfg.annotators)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, torch_procs))))
     return env
 
@@ -144,6 +145,10 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
         for i in range(cfg.scorer.count):
             cid = f"scorer-{i}"
             children.append(Child(cid, "scorer", base + ["scorer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
+        for stage in cfg.annotators:  # reference, teacher: between the scorers and the learner
+            for i in range(getattr(cfg, stage).replicas):
+                cid = f"{stage}-{i}"
+                children.append(Child(cid, stage, base + [stage, config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
         for i in range(cfg.producer.count):
             cid = f"producer-{i}"
             children.append(Child(cid, "producer", base + ["producer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
@@ -161,7 +166,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     env = child_env(cfg)
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
-    layout = await ensure_layout(js, cfg.run, cfg.nats)
+    layout = await ensure_layout(js, cfg.run, cfg.nats, stages=cfg.annotators)
     state = await RunState.open(js, layout)
     figures = LiveFigures()
     sub = await watch_metrics(nc, layout, figures)

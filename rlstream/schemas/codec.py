@@ -375,11 +375,12 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("array_defaults", "kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
         self.kinds: dict[str, tuple] = {}
+        self.array_defaults: dict[str, Any] = {}
         wire_fields = []
         for f in msgspec.structs.fields(cls):
             hint = hints[f.name]
@@ -387,7 +388,11 @@ class _Plan:
             self.kinds[f.name] = kind
             default: Any = f.default if f.default is not msgspec.NODEFAULT else msgspec.NODEFAULT
             factory = f.default_factory
-            if f.name in ("v", "id") or kind[0] == _ARRAY:
+            if kind[0] == _ARRAY and f.name not in ("v", "id") and (default is not msgspec.NODEFAULT or factory is not msgspec.NODEFAULT):
+                # an array a later version appended (with a default): absent from older payloads
+                self.array_defaults[f.name] = factory if factory is not msgspec.NODEFAULT else (lambda d=default: d)
+                wire_type, default, factory = wire_type | None, None, msgspec.NODEFAULT
+            elif f.name in ("v", "id") or kind[0] == _ARRAY:
                 default, factory = msgspec.NODEFAULT, msgspec.NODEFAULT  # required on the wire
             elif f.name == "ts":
                 default, factory = 0.0, msgspec.NODEFAULT
@@ -572,7 +577,11 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
             cls._check_version(w.v, path)
         w.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
         for n, spec in plan.arrays:
-            setattr(w, n, view_array(getattr(w, n), spec, path + n, limits))
+            value = getattr(w, n)
+            if value is None:  # an array a later version appended: absent from older payloads, the record's default
+                setattr(w, n, plan.array_defaults[n]())
+                continue
+            setattr(w, n, view_array(value, spec, path + n, limits))
         for n, spec in plan.array_maps:
             setattr(w, n, {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in getattr(w, n).items()})
         if plan.free:

@@ -198,10 +198,13 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     ``rewards`` [G] is the weighted sum of ``components`` (name -> [G]). ``id`` is the
     rollout's id (filled in from it when not given).
     v1: id, run, ts, rollout, rewards, components, scorer_id, score_s.
+    v2: + ``ref_logprobs`` and ``teacher_logprobs``, per completion token in the rollout's
+    flat order ([sum(lengths)], log-probs <= 0), added by the ``reference`` and ``teacher``
+    stages; empty when the stage is not in the run. + ``annotated_by`` (stage -> component id).
     """
 
     SCHEMA: ClassVar[str] = "scored_group"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     v: int = VERSION
     id: str = ""
@@ -212,11 +215,21 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     components: capped(dict[str, MaybeFloats], MAX_NAMES) = msgspec.field(default_factory=dict)
     scorer_id: str = ""
     score_s: float = 0.0
+    ref_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
+    teacher_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
+    annotated_by: capped(dict[str, str], MAX_NAMES) = msgspec.field(default_factory=dict)  # v2
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.id:
             self.id = self.rollout.id
+
+    def per_sample(self, flat: np.ndarray) -> list[np.ndarray] | None:
+        """A flat per-token annotation split by sample ([G] arrays); None when absent."""
+        if flat.size == 0 and self.rollout.num_tokens() > 0:
+            return None
+        ends = list(itertools.accumulate(self.rollout.lengths.tolist()))
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
     def check(self, limits: Limits, path: str) -> None:
         g = self.rollout.group_size
@@ -227,6 +240,10 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
                 raise RecordError(f"{path}components.{name}", f"has {len(values)} elements, expected {g}")
         if self.id != self.rollout.id:
             raise RecordError(f"{path}id", f"{self.id!r} differs from rollout.id {self.rollout.id!r}")
+        n = self.rollout.num_tokens()
+        for name in ("ref_logprobs", "teacher_logprobs"):
+            if len(getattr(self, name)) not in (0, n):
+                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected 0 or {n} (one per completion token)")
 
 
 class PreferencePair(Record, tag="preference_pair", kw_only=True):

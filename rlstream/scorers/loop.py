@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
-from rlstream.broker.component import kept_in_progress, lanes
+from rlstream.broker.component import RecentIds, kept_in_progress, lanes
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers.functions import RewardError
@@ -44,33 +43,6 @@ from rlstream.scorers.http import EndpointError
 from rlstream.scorers.scoring import RewardStats, Scorer
 
 log = logging.getLogger(__name__)
-
-RECENT_IDS = 65536
-"""How many recently scored group ids a scorer remembers to skip redeliveries."""
-
-
-class RecentIds:
-    """A bounded set that forgets the oldest ids first (an LRU of record ids)."""
-
-    def __init__(self, capacity: int = RECENT_IDS):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, record_id: str) -> bool:
-        if record_id in self._ids:
-            self._ids.move_to_end(record_id)
-            return True
-        return False
-
-    def add(self, record_id: str) -> None:
-        self._ids[record_id] = None
-        self._ids.move_to_end(record_id)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
 
 def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
     """Decode completion ids for groups that carry no text (the tokenizer loads on first use)."""

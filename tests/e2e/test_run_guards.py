@@ -9,8 +9,7 @@ import subprocess
 import time
 
 import pytest
-
-from e2e_helpers import ROOT, run_cmd, write_data
+from helpers.runs import ROOT, run_cmd, write_data
 
 RAISING = '''
 def conversational_only(completions, **kwargs):

@@ -6,8 +6,7 @@ import signal
 import subprocess
 
 import pytest
-
-from e2e_helpers import run_cmd, wait_for_step, write_data
+from helpers.runs import run_cmd, wait_for_step, write_data
 
 
 @pytest.mark.e2e

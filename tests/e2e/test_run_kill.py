@@ -6,8 +6,7 @@ import signal
 import subprocess
 
 import pytest
-
-from e2e_helpers import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
+from helpers.runs import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
 
 
 @pytest.mark.e2e
@@ -32,7 +31,7 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
     summary = finished_summary(run_dir, steps)
-    assert set(summary["restarts"]) == {"producer-0", "scorer-0", "learner"}, summary["restarts"]
+    assert summary["restarts"] == {"producer-0": 1, "scorer-0": 1, "learner": 1}  # each killed once, restarted once
     acc = summary["accounting"]
     assert acc["prompts_fed"] == acc["prompts_pending"] + acc["rollouts_published"]
     # the learner resumed from its checkpoint: the steps after it were trained again, once

@@ -1,16 +1,20 @@
 """Prometheus /metrics of every component, scraped during a real `rlstream run`.
 
 Each component binds a free port (``metrics.prometheus_port: 0``) and announces it in its
-heartbeat; the test finds the ports in the run's KV bucket and scrapes each one."""
+heartbeat; the test finds the ports in the run's KV bucket and scrapes each one. What they
+serve is then what the Grafana dashboard and the alert rules in deploy/ must query."""
 
 import asyncio
+import json
+import re
 import subprocess
 import time
 import urllib.request
 
 import pytest
+import yaml
+from helpers.runs import ROOT, run_cmd, wait_for_step, write_data
 
-from e2e_helpers import run_cmd, wait_for_step, write_data
 from rlstream.broker import EmbeddedServer, Layout, RunState, connect
 
 WANT = {
@@ -41,7 +45,8 @@ def test_every_component_serves_its_figures(tiny_model_dir, tmp_path):
     run = f"metrics{int(time.time()) % 100000}"
     run_dir = tmp_path / "run"
     cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], 400,
-                  [f"nats.url={server.url}", "metrics.prometheus_port=0", "metrics.interval_s=0.5", f"run={run}"])
+                  [f"nats.url={server.url}", "metrics.prometheus_port=0", "metrics.interval_s=0.5", f"run={run}",
+                   "algorithm_params.kl_coefficient=0.01"])  # with a reference, so policy/kl is served
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_step(run_dir, 3, proc)
@@ -67,3 +72,29 @@ def test_every_component_serves_its_figures(tiny_model_dir, tmp_path):
         missing = [n for n in names + EVERYONE if f"rlstream_{n}{{" not in text]
         assert not missing, f"{kind} lacks {missing}"
         assert f'run="{run}"' in text and f'component="{kind}"' in text
+    check_deploy_queries_served(kinds)
+
+
+def _queried(expr: str) -> set[tuple[str, str | None]]:
+    """(metric, component the selector pins or None) for each series an expression reads."""
+    out = set()
+    for name, labels in re.findall(r"\b(rlstream_[a-zA-Z0-9_]+)\s*(?:\{([^}]*)\})?", expr):
+        pinned = re.search(r'component\s*=\s*"([^"]*)"', labels or "")
+        out.add((name, pinned.group(1) if pinned else None))
+    return out
+
+
+def check_deploy_queries_served(kinds: dict[str, str]) -> None:
+    """Every series the dashboard or an alert rule reads is served, by the component its
+    selector names (any component when it names none)."""
+    served = {(name, kind) for kind, text in kinds.items() for name in re.findall(r"^(rlstream_[a-zA-Z0-9_]+)\{", text, re.M)}
+    dash = json.loads((ROOT / "deploy" / "grafana" / "rlstream.json").read_text())
+    alerts = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    exprs = [("dashboard " + p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [("alert " + r["alert"], r["expr"]) for g in alerts["groups"] for r in g["rules"]]
+    missing = []
+    for where, expr in exprs:
+        for name, kind in _queried(expr):
+            if not any(n == name and (kind is None or k == kind) for n, k in served):
+                missing.append(f"{where}: {name}" + (f" from {kind}" if kind else ""))
+    assert not missing, "queried but served by no component of a real run:\n" + "\n".join(sorted(missing))

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.groups import publish_groups, sample_groups
 
 from rlstream.broker import Layout, connect
 from rlstream.schemas import MetricEvent
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
-from test_loop_groups import publish_groups, sample_groups  # noqa: E402
 
 resource = pytest.importorskip("resource")
 if not hasattr(resource, "prlimit") or not hasattr(resource, "RLIMIT_FSIZE"):
@@ -107,9 +105,17 @@ async def test_checkpoint_disk_full_holds_records_keeps_training_and_recovers(na
     try:
         # phase 1, disk full: 6 groups -> steps 1-6, checkpoints at 2, 4, 6 all fail
         await wait(lambda: len(failures()) >= 3, 180)
-        await asyncio.sleep(cfg.nats.ack_wait_s * 2)  # past ack_wait twice: only in-progress acks keep them
-        assert proc.poll() is None  # the learner stays up
-        held = await js.consumer_info(lay.scored_stream, Layout.LEARNER)
+        # Watch the held records for twice the ack wait after the last delivery: only in-progress
+        # acks keep them, so a lapse shows as a redelivery, seen the moment it happens.
+        quiet_until = time.monotonic() + cfg.nats.ack_wait_s * 2
+        while True:
+            held = await js.consumer_info(lay.scored_stream, Layout.LEARNER)
+            assert held.num_redelivered == 0, held  # none came back
+            assert proc.poll() is None, "".join(lines[-60:])  # the learner stays up
+            if time.monotonic() > quiet_until and held.num_ack_pending == 6:
+                break
+            assert time.monotonic() < quiet_until + 60, held  # the six trained groups are held
+            await asyncio.sleep(0.2)
         ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").exists() else []
         assert ckpts == []  # no checkpoint, and no partial step_N.tmp left behind
         first = failures()[0]

@@ -28,6 +28,8 @@ import msgpack
 import numpy as np
 import pytest
 import yaml
+from helpers.groups import sample_groups
+from helpers.runs import read_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
@@ -36,12 +38,6 @@ from rlstream.broker import Layout, connect, ensure_layout
 from rlstream.config import NatsConfig
 from rlstream.schemas import DeadLetter, Limits, Prompt, RecordError, RolloutGroup, Sample, ScoredGroup
 from rlstream.schemas.codec import FLOAT32, INT32, pack_array
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
-from test_loop_groups import sample_groups  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import read_jsonl  # noqa: E402
 
 EXAMPLES = 30
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,

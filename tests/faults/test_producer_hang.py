@@ -7,54 +7,19 @@ the first time the file is seen; the test creates it once.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import yaml
+from helpers.broker import read_rollouts, wait_until
+from helpers.producers import start_producer, write_config
 
 from rlstream.broker import connect, ensure_layout
-from rlstream.config import NatsConfig, parse_config
+from rlstream.config import NatsConfig
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import EXIT_GENERATION_TIMEOUT
 from rlstream.schemas import MetricEvent
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "producers"))
-from producer_helpers import read_rollouts, wait_until  # noqa: E402
-
-
-
-def write_config(tmp_path: Path, run: str, model_dir: Path, n_prompts: int, hang_file: Path) -> tuple[object, Path]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Q: What is {i} + {i}? A:", "answer": str(2 * i)}) + "\n" for i in range(n_prompts)))
-    raw = {
-        "run": run,
-        "training_mode": "RL_GRPO",
-        "model_checkpoint_path": str(model_dir),
-        "data_source": {"path": str(data), "shuffle_seed": None},
-        "algorithm_params": {"group_size": 2},
-        "producer": {"backend": "fake", "batch_prompts": 3, "max_new_tokens": 4, "fake_latency_s": 0.2,
-                     "generation_timeout_s": 2.0, "fake_hang_file": str(hang_file), "fake_hang_s": 600},
-        "buffer": {"max_groups": 1000},
-        "learner": {"batch_groups": 1000},
-        "nats": {"ack_wait_s": 30},
-    }
-    path = tmp_path / "producer.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return parse_config(raw), path
-
-
-def start_producer(cfg_path: Path, url: str, cid: str, log_path: Path) -> subprocess.Popen:
-    out = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "producer", str(cfg_path), "--nats", url, "--id", cid],
-                            stdout=out, stderr=subprocess.STDOUT)
-    out.close()
-    return proc
 
 
 @pytest.mark.slow
@@ -104,11 +69,14 @@ async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_r
         assert procs[other].poll() is None
         restarted = start_producer(path, nats_server.url, hung, logs[hung])
 
+        async def restart_connected():  # up, with its signal handlers: a SIGTERM now drains it
+            return logs[hung].read_text().count(" connected to ") == 2
+
         async def all_produced():
             return (await js.stream_info(lay.rollouts_stream)).state.messages == n
 
         assert await wait_until(all_produced, 90), (await js.stream_info(lay.rollouts_stream)).state
-        await asyncio.sleep(1.0)  # anything produced twice would land by now (and be refused by id)
+        assert await wait_until(restart_connected, 60), logs[hung].read_text()[-3000:]
         groups = await read_rollouts(js, lay)
         info = await js.consumer_info(lay.prompts_stream, "producers")
         prompts_left = (await js.stream_info(lay.prompts_stream)).state.messages
@@ -123,7 +91,14 @@ async def test_a_hung_backend_times_out_gives_its_prompts_back_and_exits_for_a_r
                 p.wait(30)
         await nc.close()
     ids = [g.id for g in groups]
-    assert len(ids) == n and len(set(ids)) == n  # every prompt exactly once
+    assert len(ids) == n and len(set(ids)) == n  # every prompt is in the stream ...
+    # ... and was produced once: by the producers' own counts (the stream refuses a second copy
+    # by id, so it cannot show one). A producer logs its count when it stops; the hung one exits
+    # without one, having produced nothing before its first batch hung, and its restart logs one
+    # unless it was stopped before it began to consume.
+    counts = {cid: [int(c) for c in re.findall(r"stopped after (\d+) groups", logs[cid].read_text())] for cid in logs}
+    assert len(counts[other]) == 1 and len(counts[hung]) <= 1, counts
+    assert sum(counts[other] + counts[hung]) == n, counts
     assert set(naked) <= set(ids)  # the hung batch's prompts were produced after all ...
     by_id = {g.id: g for g in groups}
     assert all(by_id[i].producer_id in (other, hung) for i in naked)

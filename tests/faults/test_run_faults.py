@@ -4,20 +4,15 @@ backend that hangs."""
 
 import asyncio
 import json
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
+from helpers.runs import finished_summary, run_cmd, wait_for_step, write_data
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import finished_summary, run_cmd, wait_for_step, write_data  # noqa: E402
-
-from rlstream.broker import EmbeddedServer, Layout, connect, ensure_layout  # noqa: E402
-from rlstream.schemas import DeadLetter, Prompt  # noqa: E402
+from rlstream.broker import EmbeddedServer, Layout, connect, ensure_layout
+from rlstream.schemas import DeadLetter, Prompt
 
 
 @pytest.mark.e2e

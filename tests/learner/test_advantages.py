@@ -11,6 +11,7 @@ from rlstream.config import DAPOParams, GRPOParams, GSPOParams, PPOParams
 from rlstream.learner.advantages import (
     admission_window,
     compute_advantages,
+    distill_advantages,
     dynamic_sampling_mask,
     gae,
     group_relative,
@@ -233,3 +234,19 @@ def test_admission_window_by_hand():
     assert admission_window(8, 2, 64, 0.0) == 64
     # synchronous: staleness 0, batch 2 -> 2 (the pacing the loop test reads back as admit - consumed)
     assert admission_window(2, 0, 64) == 2
+
+
+# ---- on-policy distillation ----------------------------------------------------------------------
+
+
+def test_distill_advantages_by_hand():
+    # token 0: -(-1.0 - (-1.5)) = -0.5 (the student over-rates it); token 1: -(-2.0 - (-1.0)) = +1.0
+    # (the teacher prefers it); token 2 is padding (NaN / -inf there) -> exactly 0. Coefficient 2 doubles.
+    student = torch.tensor([[-1.0, -2.0, float("nan")]])
+    teacher = torch.tensor([[-1.5, -1.0, float("-inf")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    close(distill_advantages(student, teacher, mask), [[-0.5, 1.0, 0.0]])
+    close(distill_advantages(student, teacher, mask, coefficient=2.0), [[-1.0, 2.0, 0.0]])
+    # the same model as teacher: no signal
+    close(distill_advantages(teacher.nan_to_num(), teacher.nan_to_num(), mask), [[0.0, 0.0, 0.0]])
+    assert not distill_advantages(student.requires_grad_(), teacher, mask).requires_grad

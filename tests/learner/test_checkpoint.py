@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
+from helpers.groups import make_cfg, sample_groups
 from safetensors.torch import load_file
 
 from rlstream.learner.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
 from rlstream.learner.loop import build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.groups import kv_int, make_cfg, publish_groups, sample_groups
 from safetensors.torch import load_file
 
 from rlstream.learner.distributed import Message, schedule
 from rlstream.learner.loop import main
-from test_loop_groups import make_cfg, publish_groups, sample_groups
-from learner_helpers import kv_int
 
 
 def _env() -> dict[str, str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.groups import make_cfg, sample_groups
 
 from rlstream.config import LearnerConfig
 from rlstream.learner.engines import lr_at
 from rlstream.learner.loop import build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
 
 
 def test_lr_schedule_by_hand():

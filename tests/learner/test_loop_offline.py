@@ -7,11 +7,10 @@ import json
 import random
 
 import pytest
-import torch
+from helpers.groups import make_cfg
 from safetensors.torch import load as st_load
 
 from rlstream.learner.loop import main
-from test_loop_groups import make_cfg
 
 
 def _arith(n: int, seed: int = 0):

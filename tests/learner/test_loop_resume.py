@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.groups import make_cfg, publish_groups_sync, sample_groups
 from safetensors.torch import load_file
-
-from test_loop_groups import make_cfg, publish_groups_sync, sample_groups
 
 STEPS = 6
 KILL_AFTER = 2

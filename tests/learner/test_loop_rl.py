@@ -15,10 +15,9 @@ from msgspec.structs import replace
 
 import numpy as np
 import pytest
+from helpers.groups import advantage_logprob_gap, kv_int, make_cfg, publish_groups, sample_groups
 
 from rlstream.learner.loop import main
-from test_loop_groups import advantage_logprob_gap, make_cfg, publish_groups, sample_groups
-from learner_helpers import kv_int
 
 
 @pytest.fixture(scope="module")

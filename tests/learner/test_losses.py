@@ -8,13 +8,14 @@ import typing
 import pytest
 import torch
 
-from rlstream.config import (DAPOParams, DPOParams, GeometricMask, GRPOParams, GSPOParams, IcePop, LossAggregation, NoCorrection,
+from rlstream.config import (DAPOParams, DistillParams, DPOParams, GeometricMask, GRPOParams, GSPOParams, IcePop, LossAggregation, NoCorrection,
                              PPOParams, SequenceMIS, SequenceTIS, TokenMask, TokenMIS, TokenTIS)
 from rlstream.learner.losses import (
     AGGREGATIONS,
     PolicyBatch,
     clipped_surrogate,
     dapo_loss,
+    distill_loss,
     dpo_loss,
     entropy_from_logits,
     gspo_loss,
@@ -428,6 +429,7 @@ def test_policy_loss_fn_maps_configs():
     assert policy_loss_fn(GRPOParams()) is grpo_loss
     assert policy_loss_fn(DAPOParams()) is dapo_loss
     assert policy_loss_fn(GSPOParams()) is gspo_loss
+    assert policy_loss_fn(DistillParams()) is distill_loss
     with pytest.raises(ValueError, match="no policy loss"):
         policy_loss_fn(DPOParams())
 
@@ -874,3 +876,24 @@ def test_every_correction_is_the_on_policy_loss_when_behaviour_is_current(fn, ma
         expected = -(adv.unsqueeze(-1) * mask).sum() / tokens
         assert loss == pytest.approx(expected.item(), abs=1e-6)
         close(grad, -(adv.unsqueeze(-1) * mask) / tokens, tol=1e-7)
+
+
+# ---- on-policy distillation ----------------------------------------------------------------------
+
+
+def test_distill_loss_by_hand():
+    # One sequence, two tokens, on-policy (logp = old): pi = [1/2, 1/4], teacher = [1/4, 1/4].
+    # advantages -(logp - teacher) = [-ln 2, 0] (advantages.distill_advantages). ratio 1:
+    # per-token loss -A * r = [ln 2, 0], token-mean = ln 2 / 2 = 0.346574.
+    # d loss / d logp_t = -A_t * r_t / 2 = [ln 2 / 2, 0]: the step lowers the token the student over-rates.
+    # distill/reverse_kl = mean(logp - teacher) = (ln 2 + 0) / 2.
+    logp = lp([[math.log(0.5), math.log(0.25)]])
+    teacher = torch.full((1, 2), math.log(0.25))
+    advantages = torch.tensor([[-LN2, 0.0]])
+    batch = PolicyBatch(logp, logp.detach().clone(), advantages, torch.ones(1, 2), teacher_logprobs=teacher)
+    loss, m = distill_loss(batch, DistillParams(off_policy_correction="none"))
+    loss.backward()
+    assert loss.item() == pytest.approx(LN2 / 2, abs=1e-6)
+    close(logp.grad, [[LN2 / 2, 0.0]])
+    assert m["distill/reverse_kl"] == pytest.approx(LN2 / 2, abs=1e-6)
+    assert m["loss/total"] == pytest.approx(LN2 / 2, abs=1e-6) and "loss/kl" not in m

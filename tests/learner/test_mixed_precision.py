@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.groups import make_cfg
 
 from rlstream.learner.loop import build_learner, sft_step
 from rlstream.schemas import SFTExample
-from test_loop_groups import make_cfg
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -10,11 +10,19 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.groups import make_cfg
 
 from rlstream.learner import losses
-from rlstream.learner.batching import (Row, block_causal_mask, collate, forward_logprobs, pack, pack_layout, pad_fraction,
-                                       packed_attention_mask)
-from test_loop_groups import make_cfg
+from rlstream.learner.batching import (
+    Row,
+    block_causal_mask,
+    collate,
+    forward_logprobs,
+    pack,
+    pack_layout,
+    packed_attention_mask,
+    pad_fraction,
+)
 
 
 def _row(prompt, completion) -> Row:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers.groups import make_cfg, sample_groups
 from safetensors import safe_open
 
 from rlstream.learner.checkpoint import load_checkpoint, save_checkpoint
 from rlstream.learner.loop import build_learner, train_step
-from test_loop_groups import make_cfg, sample_groups
 
 pytestmark = pytest.mark.deepspeed
 

@@ -7,18 +7,11 @@ import struct
 
 import msgpack
 import pytest
-
 from observe_helpers import rollout, run_cli, scored
-from rlstream.broker import Publisher, connect, dead_letter, ensure_layout
+
+from rlstream.broker import Publisher, dead_letter, ensure_layout
 from rlstream.observe.export import read_export
 from rlstream.schemas import ScoredGroup
-
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="test-export")
-    yield nc.jetstream()
-    await nc.close()
 
 
 async def _all(js, stream: str) -> list:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
+import shutil
+import subprocess
 
 import aiohttp
 import pytest
 import yaml
-
 from observe_helpers import REPO, make_cfg
+
 from rlstream.broker import Component, connect, dead_letter
 from rlstream.broker.telemetry import prometheus_name
 from rlstream.schemas import MetricEvent
@@ -75,7 +76,11 @@ async def test_components_serve_metrics_and_publish_the_same_figures(nats_server
             assert _sample(ltext, "rlstream_policy_kl", component="learner", id="learner", **run) == 0.01
             assert _sample(ltext, "rlstream_time_wait_data_s", component="learner", id="learner", **run) == 1.5
             assert _sample(ltext, "rlstream_producer_tokens_per_s") is None  # figures stay with their component
-            await asyncio.sleep(0.5)
+
+            async def published():  # the periodic event after the DLQ count was read
+                return any(e.component == "producer" and e.values.get("dlq/count") == 1.0 for e in events)
+
+            await _until(published)
     finally:
         await sub.unsubscribe()
         await nc.close()
@@ -135,9 +140,83 @@ def test_alert_rules_parse_and_name_emitted_metrics():
                 assert key in ("run", "component", "id"), f"{rule['alert']}: label {key} is not one the reporter sets"
 
 
-def test_alert_names_cover_the_requested_metrics():
-    text = ALERTS.read_text()
-    for name in ("rlstream_reward_mean", "rlstream_policy_kl", "rlstream_producer_tokens_per_s", "rlstream_time_wait_data_s",
-                 "rlstream_dlq_count", "rlstream_buffer_staleness_max"):
-        assert name in text
-    assert Path(ALERTS).suffix == ".yaml"
+def _series(name: str, run: str, component: str, values: str, id_: str | None = None) -> dict:
+    """One input series, labelled as a component's Reporter labels it (run, component, id)."""
+    ident = id_ or {"learner": "learner", "producer": "p0", "scorer": "s0"}[component]
+    return {"series": f'{name}{{run="{run}",component="{component}",id="{ident}"}}', "values": values}
+
+
+# Per alert: a minute when its condition already holds but not yet for the rule's `for` (no
+# alert), a minute when it fires, and series sampled each minute for a run that must set it
+# off ("hot") and one that must not ("calm"). "a+bxN" is promtool's a, a+b, ... (N more samples).
+ALERT_CASES = {
+    # 0.8 for an hour then 0.5: at 85 min the last 30 min average 0.5 against 0.8 before,
+    # and has been over 0.1 lower for more than the rule's 15 min
+    "RlstreamRewardFalling": (70, 85, {}, [
+        _series("rlstream_reward_mean", "hot", "learner", "0.8+0x59 0.5+0x40"),
+        _series("rlstream_reward_mean", "calm", "learner", "0.8+0x100"),
+    ]),
+    "RlstreamKLOutOfBand": (9, 20, {}, [
+        _series("rlstream_policy_kl", "hot", "learner", "0.5+0x30"),
+        _series("rlstream_policy_kl", "cold", "learner", "-0.05+0x30"),  # below the band
+        _series("rlstream_policy_kl", "calm", "learner", "0.05+0x30"),
+    ]),
+    "RlstreamStalenessTooHigh": (9, 20, {}, [
+        _series("rlstream_buffer_staleness_max", "hot", "learner", "6+0x30"),
+        _series("rlstream_buffer_staleness_max", "calm", "learner", "2+0x30"),
+    ]),
+    # two producers sampling nothing, and not held back by pacing; the calm run's producers
+    # sample nothing either, but because pacing holds them
+    "RlstreamSamplingStalled": (4, 10, {}, [
+        _series("rlstream_producer_tokens_per_s", "hot", "producer", "0+0x30", "p0"),
+        _series("rlstream_producer_tokens_per_s", "hot", "producer", "0+0x30", "p1"),
+        _series("rlstream_producer_pacing_wait_s", "hot", "producer", "0+0x30", "p0"),
+        _series("rlstream_producer_pacing_wait_s", "hot", "producer", "0+0x30", "p1"),
+        _series("rlstream_producer_tokens_per_s", "calm", "producer", "0+0x30"),
+        _series("rlstream_producer_pacing_wait_s", "calm", "producer", "30+0x30"),
+    ]),
+    "RlstreamLearnerStarved": (9, 20, {}, [
+        _series("rlstream_time_wait_data_s", "hot", "learner", "120+0x30"),
+        _series("rlstream_time_wait_data_s", "calm", "learner", "10+0x30"),
+    ]),
+    # the hot run's DLQ grows by one a minute from minute 10; the calm one holds at 3
+    "RlstreamDLQGrowing": (13, 20, {}, [
+        _series("rlstream_dlq_count", "hot", "producer", "0+0x9 1+1x20"),
+        _series("rlstream_dlq_count", "calm", "producer", "3+0x30"),
+    ]),
+    "RlstreamEventLoopLag": (4, 10, {"component": "scorer", "id": "s0"}, [
+        _series("rlstream_process_event_loop_lag_s", "hot", "scorer", "2+0x30"),
+        _series("rlstream_process_event_loop_lag_s", "calm", "scorer", "0.1+0x30"),
+    ]),
+}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) is not installed")
+def test_alert_rules_fire_on_the_series_the_components_serve(tmp_path):
+    """``promtool test rules``: each rule, as deployed (expression and ``for``), fires for the
+    run whose series cross its threshold, and only then: not for the calm run, and not before
+    ``for`` has passed. Annotations are dropped from the copy under test (promtool compares
+    them verbatim); ``promtool check rules`` checks their templates on the original."""
+    check = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    doc = yaml.safe_load(ALERTS.read_text())
+    rules = {r["alert"]: r for g in doc["groups"] for r in g["rules"]}
+    assert set(ALERT_CASES) == set(rules), "every rule has a case here"
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(doc))
+    tests = []
+    for alert, (pending, firing, extra, series) in ALERT_CASES.items():
+        labels = {"run": "hot", "severity": rules[alert]["labels"]["severity"], **extra}
+        hot = [{"exp_labels": labels}]
+        if alert == "RlstreamKLOutOfBand":
+            hot.append({"exp_labels": {**labels, "run": "cold"}})
+        tests.append({"interval": "1m", "input_series": series, "alert_rule_test": [
+            {"eval_time": f"{pending}m", "alertname": alert, "exp_alerts": []},
+            {"eval_time": f"{firing}m", "alertname": alert, "exp_alerts": hot},
+        ]})
+    unit = tmp_path / "alerts_test.yaml"
+    unit.write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}))
+    result = subprocess.run(["promtool", "test", "rules", str(unit)], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

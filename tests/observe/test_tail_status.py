@@ -6,18 +6,11 @@ import asyncio
 import json
 import time
 
-import pytest
-
+from helpers.broker import wait_until
 from observe_helpers import make_cfg, rollout, run_cli, scored, start_cli, wait_stderr_line
-from rlstream.broker import Component, Publisher, RunState, connect, dead_letter, ensure_layout
+
+from rlstream.broker import Component, Publisher, RunState, dead_letter, ensure_layout
 from rlstream.broker.layout import heartbeat_key
-
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="test-observe")
-    yield nc.jetstream()
-    await nc.close()
 
 
 async def test_tail_json_from_seq_bad_payload_and_where(js, nats_server, run_id):
@@ -113,10 +106,17 @@ async def test_status_text_and_json(js, nats_server, run_id):
     async with Component(cfg, nats_server.url, "producer", "p0", handle_signals=False) as comp:
         comp.reporter.set("producer/tokens_per_s", 250.0)
         comp.reporter.set("producer/policy_version", 1)
-        await asyncio.sleep(0.6)  # a few 0.2 s intervals: the heartbeat carries the rates
-        rc, out, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url, "--json")
-        assert rc == 0, err
-        status = json.loads(out)
+        # the heartbeat carries the rates from the next 0.2 s interval on: ask until it shows them
+        async def status_with_rates():
+            rc, out, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url, "--json")
+            assert rc == 0, err
+            status = json.loads(out)
+            p0 = next((c for c in status["components"] if (c["component"], c["id"]) == ("producer", "p0")), {})
+            seen = p0.get("rates", {}).get("producer/tokens_per_s"), p0.get("info", {}).get("producer/policy_version")
+            return status if seen == (250.0, 1) else None
+
+        status = await wait_until(status_with_rates, 60, every=0.2)
+        assert status, "the producer's heartbeat never carried its rates"
         rc, text, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url)
         assert rc == 0, err
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlstream.broker import connect
 from rlstream.config import parse_config
 
 
@@ -51,9 +50,3 @@ def dataset(tmp_path):
 
     return write
 
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="producer-tests")
-    yield nc.jetstream()
-    await nc.close()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.broker import layout_for
 
 from rlstream.broker import Consumer, Layout
 from rlstream.data import DatasetError
 from rlstream.producers.feeder import build_prompts, feed
 from rlstream.schemas import Prompt
-
-from producer_helpers import layout_for
 
 
 async def drain(js, lay, expect: int) -> list[Prompt]:
@@ -77,3 +76,67 @@ async def test_feed_command_exits_2_on_a_bad_dataset(nats_server, config, tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "row 1 has no column 'prompt'" in proc.stderr
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"prompt": f"Q: What is {i} + {i}? A:", "answer": str(2 * i)} for i in range(n)]
+
+
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _datasets_dir(path, rows, split: str | None = "train"):
+    from datasets import Dataset, DatasetDict
+
+    ds = Dataset.from_list(rows)
+    (DatasetDict({split: ds}) if split else ds).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["parquet", "datasets-dict", "datasets-plain"])
+async def test_feed_reads_parquet_and_datasets_directories(js, run_id, config, tmp_path, kind):
+    rows = _rows(6)
+    path = {"parquet": lambda: _parquet(tmp_path / "prompts.parquet", rows),
+            "datasets-dict": lambda: _datasets_dir(tmp_path / "ds", rows, split="train"),
+            "datasets-plain": lambda: _datasets_dir(tmp_path / "ds", rows, split=None)}[kind]()
+    cfg, _ = config(data_source={"path": str(path)})
+    lay = await layout_for(js, run_id)
+    assert await feed(js, lay, cfg) == 6
+    prompts = sorted(await drain(js, lay, 6), key=lambda p: p.index)
+    assert [(p.text, p.columns) for p in prompts] == [(r["prompt"], {"answer": r["answer"]}) for r in rows]
+
+
+async def test_feed_command_names_a_missing_split(nats_server, config, tmp_path):
+    import subprocess
+    import sys
+
+    path = _datasets_dir(tmp_path / "ds", _rows(3), split="test")
+    _, cfg_path = config(data_source={"path": str(path)})
+    proc = subprocess.run([sys.executable, "-m", "rlstream.cli", "feed", str(cfg_path), "--nats", nats_server.url],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "has no split 'train' (has ['test'])" in proc.stderr
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "cut off', "line 2: not valid JSON"),
+    ('["a", "list"]', "line 2: expected a JSON object, got list"),
+])
+async def test_feed_command_names_the_bad_json_line_and_publishes_nothing(js, nats_server, run_id, config, tmp_path, line, message):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_rows(1)[0]) + "\n" + line + "\n" + json.dumps(_rows(2)[1]) + "\n")
+    _, path = config(data_source={"path": str(bad)})
+    lay = await layout_for(js, run_id)
+    proc = subprocess.run([sys.executable, "-m", "rlstream.cli", "feed", str(path), "--nats", nats_server.url],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{bad} {message}" in proc.stderr
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # not half a dataset

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from helpers.broker import layout_for, read_rollouts, wait_until
 from transformers import AutoModelForCausalLM
 
-from producer_helpers import layout_for, read_rollouts, wait_until
 from rlstream.broker import Component, RunState, put_object
 from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.producers.backends import make_backend
@@ -148,21 +149,40 @@ def producer_process(cfg_path, url, cid) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def produced_count(proc: subprocess.Popen) -> int:
+    """The groups a producer says it generated and published (its own count, from its last log
+    line), after it was stopped with SIGTERM: the rollouts stream de-duplicates by id, so only
+    this shows a prompt produced twice."""
+    err = proc.stderr.read()
+    m = re.findall(r"stopped after (\d+) groups", err)
+    assert m, err[-3000:]
+    return int(m[-1])
+
+
 @pytest.mark.slow
-async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_server, run_id, config, dataset):
-    # 60 prompts: one producer alone would need 20 s, so both are surely at work when p1 dies
-    cfg, path = config(data_source={"path": str(dataset(60))}, nats={"ack_wait_s": 3},
-                       producer={"backend": "fake", "fake_latency_s": 1.0, "batch_prompts": 3},
-                       buffer={"max_groups": 1000}, learner={"batch_groups": 1000})
+async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_server, run_id, config, dataset, tmp_path):
+    # 60 prompts at 3 per 0.3 s batch. p1 alone has a hang file: once it exists, p1's next batch
+    # takes it and blocks, so p1 is surely mid-batch, prompts in hand, when it is killed.
+    hang = tmp_path / "p1-hang"
+    sections = dict(data_source={"path": str(dataset(60))}, nats={"ack_wait_s": 3},
+                    buffer={"max_groups": 1000}, learner={"batch_groups": 1000})
+    _, path = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3})
+    cfg, path1 = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3,
+                                              "fake_hang_file": str(hang)})
     lay = await layout_for(js, run_id, ack_wait_s=3)
     await feed(js, lay, cfg, progress=False)
-    procs = {cid: producer_process(path, nats_server.url, cid) for cid in ("p1", "p2")}
+    procs = {"p1": producer_process(path1, nats_server.url, "p1"), "p2": producer_process(path, nats_server.url, "p2")}
     try:
         async def both_producing():
             return {g.producer_id for g in await read_rollouts(js, lay)} == {"p1", "p2"}
 
         assert await wait_until(both_producing, 60, every=0.05)
-        # each is now inside its next 1 s batch: kill p1 with its prompts in hand
+        hang.write_text("hold")
+
+        async def p1_holds_a_batch():
+            return not hang.exists()
+
+        assert await wait_until(p1_holds_a_batch, 30, every=0.05)
         assert (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending > 0
         os.kill(procs["p1"].pid, signal.SIGKILL)
         procs["p1"].wait()
@@ -175,7 +195,6 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
             return await rollout_count(js, lay) == 60
 
         assert await wait_until(all_done, 90, every=0.05)
-        await asyncio.sleep(1.0)
         groups = await read_rollouts(js, lay)
     finally:
         for p in procs.values():
@@ -183,10 +202,11 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
                 p.send_signal(signal.SIGTERM)
         for p in procs.values():
             p.wait(30)
-    assert len(groups) == 60 and len({g.id for g in groups}) == 60  # every prompt exactly once
+    assert len(groups) == 60 and len({g.id for g in groups}) == 60  # every prompt is in the stream ...
     assert {g.id for g in groups if g.producer_id == "p1"} == before  # p1 produced nothing after death
     assert redelivered >= 1  # p1's in-hand prompts came back ...
     assert len([g for g in groups if g.producer_id == "p2"]) == 60 - len(before)  # ... and p2 made them
+    assert produced_count(procs["p2"]) == 60 - len(before)  # ... each once, by p2's own count
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
     assert procs["p2"].returncode == 0
 

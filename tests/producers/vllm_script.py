@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+
 async def main(model_dir: str, weights: str, out: str) -> None:
     import psutil
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from rlstream.broker import connect
 from rlstream.broker.server import free_port
 
 
@@ -76,9 +75,3 @@ def direct_scores(tiny_reward_model_dir):
 
     return score
 
-
-@pytest.fixture
-async def js(nats_server):
-    nc = await connect(url=nats_server.url, name="scorer-tests")
-    yield nc.jetstream()
-    await nc.close()

@@ -1,5 +1,5 @@
-"""Helpers for the learner tests (no tests here): configs, scored groups sampled from the tiny
-model with HF generate and a rule reward, and publishing them to a real nats-server."""
+"""Learner-side helpers shared by the tests: configs, scored groups sampled from the tiny model
+with HF generate and a rule reward, publishing them to a real nats-server, reading the state KV."""
 
 from __future__ import annotations
 
@@ -90,17 +90,19 @@ def publish_groups_sync(url: str, cfg, groups: list[ScoredGroup]) -> None:
     asyncio.run(publish_groups(url, cfg, groups))
 
 
-def advantage_logprob_gap(model_dir: Path, groups: list[ScoredGroup]) -> float:
-    """Mean token log-prob of above-group-mean completions minus below-mean ones, under a model
-    loaded with ``from_pretrained`` (a checkpoint or the initial model)."""
+def advantage_logprob_gap(model_dir: Path, groups: list[ScoredGroup], baseline: str = "group") -> float:
+    """Mean token log-prob of above-mean completions minus below-mean ones, under a model loaded
+    with ``from_pretrained`` (a checkpoint or the initial model). The mean is the group's
+    (``baseline="group"``) or the whole batch's (``"batch"``: PPO, whose groups are single samples)."""
     from transformers import AutoModelForCausalLM
 
     from rlstream.learner.batching import Row, collate, forward_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     good, bad = [], []
+    batch_mean = float(np.mean(np.concatenate([np.asarray(g.rewards) for g in groups])))
     for g in groups:
-        mean = float(np.mean(g.rewards))
+        mean = float(np.mean(g.rewards)) if baseline == "group" else batch_mean
         for s, r in zip(g.rollout.samples, g.rewards):
             if r != mean:
                 (good if r > mean else bad).append(Row(g.rollout.prompt_ids, s.completion_ids))
@@ -112,3 +114,15 @@ def advantage_logprob_gap(model_dir: Path, groups: list[ScoredGroup]) -> float:
         return float((lp * tb.mask).sum() / tb.mask.sum())
 
     return mean_lp(good) - mean_lp(bad)
+
+async def kv_int(url, cfg, key: str) -> int:
+    """An integer value of the run's state bucket (``policy.version``, ``learner.step``...)."""
+    from rlstream.broker import connect
+    from rlstream.broker.layout import Layout
+
+    nc = await connect(cfg.nats, url)
+    try:
+        kv = await nc.jetstream().key_value(Layout(cfg.run).state_bucket)
+        return int((await kv.get(key)).value)
+    finally:
+        await nc.close()

@@ -1,0 +1,1 @@
+"""Plain helpers shared across the test directories (no tests here; ``tests`` is on the path)."""
