@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from e2e_helpers import ROOT, EXAMPLES, finished_summary, read_jsonl, run_cmd, write_data
+from helpers.runs import ROOT, EXAMPLES, finished_summary, read_jsonl, run_cmd, write_data
 from rlstream.broker import EmbeddedServer, Layout, connect
 from rlstream.schemas import RolloutGroup, ScoredGroup
 
