@@ -22,17 +22,21 @@ if TYPE_CHECKING:
 
 
 def _setup_logging(verbose: bool = False) -> None:
+    from rlstream.config import SecretMaskingFormatter
+
     level = logging.DEBUG if verbose else getattr(logging, os.environ.get("RLSTREAM_LOG", "INFO").upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SecretMaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("nats", "asyncio", "httpx", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
 def _load(args: argparse.Namespace):
-    from rlstream.config import ConfigError, load_config
+    from rlstream.config import ConfigError, env_overrides, load_config
 
-    try:
-        return load_config(args.config, getattr(args, "set", None) or [])
+    try:  # overrides from `rlstream run` (in the environment) first, then this command's own --set
+        return load_config(args.config, env_overrides() + (getattr(args, "set", None) or []))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -72,6 +76,27 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def _secret(env_var: str | None, file: str | None, what: str) -> str | None:
+    """A secret from an environment variable or a file, so it never sits on a command line."""
+    if file:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as exc:
+            print(f"error: {what} file {file}: {exc.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
+    elif env_var:
+        value = os.environ.get(env_var, "")
+        if not value:
+            print(f"error: {what}: the environment variable {env_var} is not set", file=sys.stderr)
+            raise SystemExit(2)
+    else:
+        return None
+    if not value:
+        print(f"error: {what}: empty", file=sys.stderr)
+        raise SystemExit(2)
+    return value
+
+
 def cmd_export_model(args) -> int:
     return _call("rlstream.learner.export_model", "cli")(args)
 
@@ -82,9 +107,26 @@ def cmd_eval(args) -> int:
 
 
 def cmd_broker(args) -> int:
+    from rlstream.broker.errors import BrokerError
     from rlstream.broker.server import run_foreground
 
-    return run_foreground(args.port, args.store, args.host)
+    token = _secret(args.token_env, args.token_file, "--token")
+    password = _secret(args.password_env, args.password_file, "--password")
+    if password and not args.user:
+        print("error: a password needs --user", file=sys.stderr)
+        return 2
+    if args.user and not password:
+        print("error: --user needs --password-env or --password-file", file=sys.stderr)
+        return 2
+    if token and password:
+        print("error: give a token or a user/password, not both", file=sys.stderr)
+        return 2
+    auth = {"token": token} if token else ({"user": args.user, "password": password} if password else None)
+    try:
+        return run_foreground(args.port, args.store, args.host, authorization=auth, config_file=args.config)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _component(module: str, default_id: str, **fixed):
@@ -173,7 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config value")
 
     def with_nats(sp):
-        sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL)")
+        sp.add_argument("--nats", help="NATS URL (default: nats.url from the config, or $RLSTREAM_NATS_URL); "
+                        "credentials go in the options below, not in the URL")
+
+    def with_nats_credentials(sp):
+        g = sp.add_argument_group("NATS credentials (or $RLSTREAM_NATS_USER/_PASSWORD/_TOKEN/_CREDS)")
+        g.add_argument("--nats-user", help="user name")
+        g.add_argument("--nats-password-env", metavar="VAR", help="read the password from the environment variable VAR")
+        g.add_argument("--nats-token-env", metavar="VAR", help="read the token from the environment variable VAR")
+        g.add_argument("--nats-creds", metavar="FILE", help="a NATS credentials file")
+        g.add_argument("--nats-ca", metavar="FILE", help="CA certificate for a TLS server")
 
     sp = sub.add_parser("validate", help="check a config, and that its model, data and rewards load; exit 0 or name each problem")
     with_config(sp)
@@ -211,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=4222, help="client port")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--store", default="nats-store", help="JetStream store directory")
+    sp.add_argument("--token-env", metavar="VAR", help="require this token, read from the environment variable VAR")
+    sp.add_argument("--token-file", help="require the token in this file")
+    sp.add_argument("--user", help="require this user (with --password-env or --password-file)")
+    sp.add_argument("--password-env", metavar="VAR", help="the user's password, from the environment variable VAR")
+    sp.add_argument("--password-file", help="the user's password, from this file")
+    sp.add_argument("--config", help="a nats-server config file of your own (accounts, TLS); credentials come from it")
     sp.set_defaults(fn=cmd_broker)
 
     components = {
@@ -237,14 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True, help="Hugging Face model directory")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8000, help="HTTP port")
-    sp.add_argument("--token", help="bearer token (required when not bound to loopback)")
+    sp.add_argument("--token", help="bearer token (required when not bound to loopback); prefer $RLSTREAM_REWARD_TOKEN "
+                    "or --token-file, which keep it off the command line")
+    sp.add_argument("--token-file", help="read the bearer token from this file (e.g. a mounted Secret)")
     sp.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass")
+    sp.add_argument("--max-texts", type=int, default=4096, help="texts one request may hold (413 beyond)")
+    sp.add_argument("--max-body-mb", type=int, default=16, help="largest request body (413 beyond)")
     sp.set_defaults(fn=cmd_reward_server)
 
     sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")
     sp.add_argument("subject")
     sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its broker (started on its store if none runs)")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--json", action="store_true", help="one JSON object per line")
     sp.add_argument("--from-seq", type=int, help="start at this stream sequence")
     sp.add_argument("--since", help="start at this time (ISO 8601, or seconds ago like 300s)")
@@ -258,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
     sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_observe("status"))
 
@@ -266,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     sp.add_argument("--stream", required=True, choices=["prompts", "rollouts", "scored", "metrics", "dlq"])
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--out", required=True)
     sp.add_argument("--from-seq", type=int)
     sp.add_argument("--to-seq", type=int)
@@ -278,12 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run-dir", help="a run directory: its run id and broker (started on its store if none runs)")
     sp.add_argument("--run", help="run id (default: the run of --run-dir)")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
 
     sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups; compare losses")
     sp.add_argument("run_dir")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--from-step", type=int, required=True, help="checkpoint step to start from")
     sp.add_argument("--steps", type=int, default=4, help="learner steps to re-run")
     sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
@@ -296,9 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory: its run id and broker (started on its store if none runs)")
     sp.add_argument("--run", help="run id (default: the run of RUN_DIR)")
     with_nats(sp)
+    with_nats_credentials(sp)
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8265, help="0: any free port")
     sp.add_argument("--backfill", type=int, default=5000, help="metric events of history each page loads first")
+    sp.add_argument("--max-viewers", type=int, default=64, help="open /events connections at most (503 beyond)")
+    sp.add_argument("--token-file", help="the token viewers must give (default $RLSTREAM_DASHBOARD_TOKEN); needed off loopback")
     sp.set_defaults(fn=cmd_observe("dashboard"))
 
     from rlstream.backup import add_parsers as add_backup_parsers

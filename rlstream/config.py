@@ -10,7 +10,11 @@ the value and what is allowed.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import reprlib
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -27,8 +31,48 @@ class ConfigError(ValueError):
     """A config that cannot be used. The message names the field, the value and what is allowed."""
 
 
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\",\[\]]+@")
+
+
+def mask_secrets(text: str) -> str:
+    """Mask the userinfo of every URL in ``text`` (``nats://user:pw@host`` -> ``nats://***@host``),
+    for anything printed: errors, logs, config.resolved.json, status lines."""
+    return _USERINFO.sub(r"\1***@", text) if "@" in text else text
+
+
+mask_url = mask_secrets
+
+
+OVERRIDES_ENV = "RLSTREAM_RUN_OVERRIDES"
+"""``rlstream run`` hands its ``--set`` overrides to its components in this variable (a JSON
+list), so a secret given with ``--set`` never reaches a command line."""
+
+
+class SecretMaskingFormatter(logging.Formatter):
+    """A log format that masks URL userinfo in every line, whoever logged it (nats-py included)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_secrets(super().format(record))
+
+
+def secret_from_env(var: str, field: str) -> str:
+    value = os.environ.get(var)
+    if not value:
+        raise ConfigError(f"{field} names the environment variable {var}, which is not set")
+    return value
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: .inf/.nan are refused everywhere; each number also has a sane upper bound
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file, or a DeepSpeed JSON it names, larger than this is refused before parsing."""
+MAX_CONFIG_VALUES = 100_000
+"""Values a config may hold once YAML aliases are expanded (an alias bomb is refused)."""
+MAX_CONFIG_DEPTH = 64
+DAY_S = 86400.0
 
 
 # ---- algorithms ------------------------------------------------------------------------
@@ -193,7 +237,7 @@ class RLParams(Strict):
 
     group_size: int = Field(8, ge=1, le=1024)
     """Samples generated per prompt."""
-    kl_coefficient: float = Field(0.0, ge=0)
+    kl_coefficient: float = Field(0.0, ge=0, le=1000)
     """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """Most policy versions a sample may lag the learner; older samples are dropped. 0 = synchronous."""
@@ -244,11 +288,11 @@ class PPOParams(RLParams):
     group_size: int = Field(1, ge=1, le=1024)
     advantage_type: Literal["gae"] = "gae"
     clip_range: float = Field(0.2, gt=0, lt=1)
-    value_clip_range: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.5, ge=0)
+    value_clip_range: float = Field(0.2, gt=0, le=1e6)
+    vf_coef: float = Field(0.5, ge=0, le=1000)
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    value_lr: float | None = Field(None, gt=0)
+    value_lr: float | None = Field(None, gt=0, le=10)
     """Learning rate of the value head; defaults to the learner's."""
 
 
@@ -256,23 +300,23 @@ class GRPOParams(RLParams):
     type: Literal["RL_GRPO"] = "RL_GRPO"
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
     clip_range: float = Field(0.2, gt=0, lt=1)
-    kl_coefficient: float = Field(0.04, ge=0)
+    kl_coefficient: float = Field(0.04, ge=0, le=1000)
 
 
 class DAPOParams(RLParams):
     type: Literal["RL_DAPO"] = "RL_DAPO"
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
     clip_low: float = Field(0.2, gt=0, lt=1)
-    clip_high: float = Field(0.28, gt=0)
+    clip_high: float = Field(0.28, gt=0, le=1000)
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal (zero advantage) and keep filling the batch."""
     overlong_filtering: bool = False
     """Mask the loss of truncated samples (finish_reason == 'length')."""
-    overlong_max_length: int | None = Field(None, ge=1)
+    overlong_max_length: int | None = Field(None, ge=1, le=1 << 24)
     """Overlong reward shaping: length with the full penalty (default: the producer's max_new_tokens)."""
-    overlong_buffer: int | None = Field(None, ge=0)
+    overlong_buffer: int | None = Field(None, ge=0, le=1 << 24)
     """Overlong reward shaping: soft-penalty window before max length (default: max length / 5)."""
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+    overlong_penalty_factor: float = Field(1.0, ge=0, le=1e6)
     loss_aggregation: LossAggregation = "token-mean"
 
     @model_validator(mode="after")
@@ -286,7 +330,7 @@ class GSPOParams(RLParams):
     type: Literal["RL_GSPO"] = "RL_GSPO"
     advantage_type: Literal["group_relative", "group_relative_no_std", "rloo"] = "group_relative"
     clip_low: float = Field(3e-4, gt=0, lt=1)
-    clip_high: float = Field(4e-4, gt=0)
+    clip_high: float = Field(4e-4, gt=0, le=1000)
     loss_aggregation: LossAggregation = "seq-mean-token-mean"
     policy_loss: PolicyLoss = Field(default_factory=GSPOTokenLoss)
 
@@ -345,9 +389,9 @@ class DataSource(Strict):
     rejected_column: str = "rejected"
     sampling_endpoint: str | None = None
     """An OpenAI-compatible server (``.../v1/completions``); selects the openai backend."""
-    epochs: int = Field(1, ge=1)
-    shuffle_seed: int | None = 0
-    limit: int | None = Field(None, ge=1)
+    epochs: int = Field(1, ge=1, le=1_000_000)
+    shuffle_seed: int | None = Field(0, ge=0, le=2**63 - 1)
+    limit: int | None = Field(None, ge=1, le=1 << 40)
     """Use at most this many rows."""
     urls: str | list[str] | None = None
     """webdataset: shard URLs, brace patterns allowed (``shards/train-{000000..000099}.tar``);
@@ -379,7 +423,7 @@ class RewardTerm(Strict):
     rule: Literal["exact_match", "math", "format", "length_penalty", "overlong"] | None = None
     function: str | None = None
     """Import path ``package.module:function`` with TRL's signature."""
-    weight: float = 1.0
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -399,15 +443,26 @@ class RewardFunction(Strict):
     endpoint: str | None = None
     """model_based: POST {"prompts": [...], "completions": [...]} -> {"scores": [...]}."""
     token: SecretStr | None = None
-    timeout_s: float = Field(30.0, gt=0)
-    retries: int = Field(3, ge=0)
+    token_env: str | None = None
+    """Read the bearer token from this environment variable (e.g. a Kubernetes Secret), so it
+    is never in the config file or on a command line."""
+    timeout_s: float = Field(30.0, gt=0, le=DAY_S)
+    retries: int = Field(3, ge=0, le=100)
     answer_column: str = "answer"
 
     @model_validator(mode="after")
     def _endpoint(self):
         if self.type == "model_based" and not self.endpoint:
             raise ValueError("reward_function.type 'model_based' needs an endpoint")
+        if self.token is not None and self.token_env:
+            raise ValueError("give reward_function.token or reward_function.token_env, not both")
         return self
+
+    def token_value(self) -> str | None:
+        """The bearer token, from ``token`` or the variable ``token_env`` names (read now)."""
+        if self.token is not None:
+            return self.token.get_secret_value()
+        return secret_from_env(self.token_env, "reward_function.token_env") if self.token_env else None
 
 
 class NatsTLS(Strict):
@@ -432,11 +487,11 @@ class NatsConfig(Strict):
     tls: NatsTLS | None = None
     replicas: int = Field(1, ge=1, le=5)
     """Stream replicas: 1 embedded, 3 in a cluster."""
-    max_deliver: int = Field(5, ge=1)
+    max_deliver: int = Field(5, ge=1, le=1000)
     """Deliveries before a record goes to the dead-letter stream."""
-    ack_wait_s: float = Field(60.0, gt=0)
+    ack_wait_s: float = Field(60.0, gt=0, le=DAY_S)
     max_payload_mb: int = Field(8, ge=1, le=64)
-    retention_days: float = Field(7.0, gt=0)
+    retention_days: float = Field(7.0, gt=0, le=3650)
     """How long rollouts and scored groups are kept for replay."""
     layout_wait_s: float = Field(300.0, gt=0, le=86400)
     """On a server with per-role permissions, how long a component waits at start for the
@@ -448,12 +503,12 @@ class ProducerConfig(Strict):
     """hf: transformers generate; vllm: an in-process vLLM engine; openai: an OpenAI-compatible
     completions server; fake: random tokens after ``fake_latency_s`` (tests and benchmarks only)."""
     count: int = Field(1, ge=0, le=256)
-    batch_prompts: int = Field(8, ge=1)
+    batch_prompts: int = Field(8, ge=1, le=65536)
     """Prompts generated together (times group_size sequences)."""
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    max_new_tokens: int = Field(64, ge=1, le=1 << 24)
+    temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=1 << 24)
     """0 disables top-k."""
     stop: list[str] = Field(default_factory=list)
     device: str = "cpu"
@@ -463,19 +518,19 @@ class ProducerConfig(Strict):
     endpoint: str | None = None
     model_name: str | None = None
     """Model name to request from an OpenAI-compatible server."""
-    request_timeout_s: float = Field(300.0, gt=0)
-    request_retries: int = Field(3, ge=0)
+    request_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
+    request_retries: int = Field(3, ge=0, le=100)
     """openai backend: retries of a failed request (with exponential backoff)."""
-    max_connections: int = Field(64, ge=1)
+    max_connections: int = Field(64, ge=1, le=65536)
     """openai backend: pooled HTTP connections (concurrent requests)."""
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     """Sampling seed (hf: torch's generator; vllm/openai: per-request seed)."""
     pipeline_batches: int | None = Field(None, ge=1, le=8)
     """Batches in flight at once (fetched, generating or publishing). Default: 2 for vllm and
     openai, whose engines batch concurrent requests continuously, so the next batch joins the
     running one instead of waiting for the loop; 1 for hf and fake. Weights are only
     reloaded when no batch is generating."""
-    in_progress_s: float | None = Field(None, gt=0)
+    in_progress_s: float | None = Field(None, gt=0, le=DAY_S)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
     max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
     """The largest weights a producer fetches (announced size and stored size); a larger
@@ -484,30 +539,30 @@ class ProducerConfig(Strict):
     weights_fetch_tries: int = Field(3, ge=1, le=20)
     """Attempts at fetching announced weights (with backoff) before the producer keeps the
     weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
-    generation_timeout_s: float = Field(600.0, gt=0)
+    generation_timeout_s: float = Field(600.0, gt=0, le=7 * DAY_S)
     """A batch whose generation takes longer is treated as a hung backend: its prompts are
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
     producer exits with code 75 for its supervisor to restart it (a thread stuck in a
     backend cannot be stopped from Python)."""
-    drain_timeout_s: float = Field(20.0, gt=0)
+    drain_timeout_s: float = Field(20.0, gt=0, le=DAY_S)
     """After SIGTERM (a spot/preemptible node's notice, a scale-down), batches in hand may
     finish (generate, publish, ack) for this long; then their prompts are nak'ed, so another
     producer takes them at once, and the producer exits. Keep it below the pod's
     ``terminationGracePeriodSeconds`` (and the cloud's preemption notice), with room to spare."""
-    fake_latency_s: float = Field(0.0, ge=0)
+    fake_latency_s: float = Field(0.0, ge=0, le=DAY_S)
     """fake backend: seconds each batch takes."""
-    fake_vocab_size: int = Field(512, ge=2)
+    fake_vocab_size: int = Field(512, ge=2, le=1 << 24)
     """fake backend: token ids are drawn from [0, fake_vocab_size)."""
     fake_hang_file: str | None = None
     """fake backend: when this file exists, the next batch removes it and blocks its thread
     for ``fake_hang_s`` (a stuck engine; one hang per creation of the file)."""
-    fake_hang_s: float = Field(3600.0, gt=0)
+    fake_hang_s: float = Field(3600.0, gt=0, le=DAY_S)
 
 
 class ScorerConfig(Strict):
     count: int = Field(1, ge=0, le=256)
-    batch_groups: int = Field(16, ge=1)
-    processes: int = Field(1, ge=0)
+    batch_groups: int = Field(16, ge=1, le=1_000_000)
+    processes: int = Field(1, ge=0, le=1024)
     """Worker processes for CPU-heavy rules (math-verify); 0 = in a thread."""
     pipeline_batches: int = Field(2, ge=1, le=8)
     """Batches in flight at once: the next batch is fetched and scored while the last one's
@@ -556,15 +611,15 @@ class TeacherStageConfig(ReferenceStageConfig):
 
 
 class BufferConfig(Strict):
-    max_groups: int = Field(64, ge=1)
+    max_groups: int = Field(64, ge=1, le=1_000_000)
     """Scored groups that may wait for the learner; producers pause beyond it."""
 
 
 class CheckpointConfig(Strict):
-    interval: int = Field(50, ge=1)
+    interval: int = Field(50, ge=1, le=1_000_000_000)
     """Steps between checkpoints."""
-    keep_last: int = Field(3, ge=1)
-    max_age_days: float | None = Field(7.0, gt=0)
+    keep_last: int = Field(3, ge=1, le=10_000)
+    max_age_days: float | None = Field(7.0, gt=0, le=3650)
     """Checkpoints older than this are deleted (the latest is always kept)."""
     save_optimizer: bool = True
 
@@ -573,32 +628,32 @@ class LearnerConfig(Strict):
     engine: Literal["torch", "deepspeed"] = "torch"
     deepspeed: dict[str, Any] | str | None = None
     """A DeepSpeed JSON, inline or as a path; batch, accumulation, clipping and precision must agree."""
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, le=10)
     """Peak learning rate (TRL: ``learning_rate``)."""
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    warmup_steps: int = Field(0, ge=0, le=1_000_000_000)
     """Steps of linear warm-up from 0 to ``lr`` before the schedule starts."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """After warm-up: constant ``lr``, or cosine / linear decay to 0 at ``max_steps``."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    batch_groups: int = Field(8, ge=1)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    batch_groups: int = Field(8, ge=1, le=1_000_000)
     """Groups per optimizer step (RL) / examples per step (SFT, DPO)."""
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1, le=65536)
     """Sequences per forward pass."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, le=1e6)
     dtype: Literal["float32", "bfloat16"] = "float32"
     """bfloat16: mixed precision (float32 master weights and optimizer state, bfloat16 compute:
     the torch engine autocasts the forward, DeepSpeed's bf16 keeps float32 masters)."""
     device: str = "cpu"
-    max_steps: int = Field(100, ge=1)
-    publish_every: int = Field(1, ge=1)
+    max_steps: int = Field(100, ge=1, le=1_000_000_000)
+    publish_every: int = Field(1, ge=1, le=1_000_000_000)
     weights_transport: Literal["object_store", "shared_path"] = "object_store"
     shared_path: str | None = None
-    keep_versions: int = Field(2, ge=1)
+    keep_versions: int = Field(2, ge=1, le=1000)
     reference_model_path: str | None = None
     """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
-    max_seq_len: int = Field(1024, ge=8)
-    seed: int = 0
+    max_seq_len: int = Field(1024, ge=8, le=1 << 24)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     compile: bool = False
@@ -626,7 +681,7 @@ class LearnerConfig(Strict):
         """
         ds = self.deepspeed
         if isinstance(ds, str):
-            ds = json.loads(Path(ds).read_text())
+            ds = read_json_file(ds, "learner.deepspeed")
         ds = dict(ds or {})
         micro = self.micro_batch_size
         derived = {
@@ -655,7 +710,7 @@ class MetricsConfig(Strict):
     """Base port for /metrics. Each component serves on a stable port derived from it: learner
     +0, feeder +1, scorer-N +10+N, producer-N +100+N (the next free one if taken). None: off
     (the default). 0: any free port."""
-    interval_s: float = Field(2.0, gt=0)
+    interval_s: float = Field(2.0, gt=0, le=3600)
 
 
 class ProgressConfig(Strict):
@@ -778,7 +833,7 @@ class Config(Strict):
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config()
-            except (ConfigError, OSError, json.JSONDecodeError) as exc:
+            except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return self
 
@@ -810,18 +865,78 @@ class Config(Strict):
         return getattr(self.algorithm_params, "max_staleness", 0)
 
     def resolved(self) -> dict[str, Any]:
-        """The full config with defaults filled in and secrets masked (for config.resolved.json)."""
-        return self.model_dump(mode="json")
+        """The full config with defaults filled in and secrets masked (for config.resolved.json):
+        SecretStr fields show ``**********``, URLs lose their userinfo."""
+
+        def mask(node: Any) -> Any:
+            if isinstance(node, str):
+                return mask_secrets(node)
+            if isinstance(node, dict):
+                return {k: mask(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [mask(v) for v in node]
+            return node
+
+        return mask(self.model_dump(mode="json"))
 
 
 # ---- loading, overrides, error messages --------------------------------------------------
 
 
+def read_json_file(path: str | Path, field: str) -> Any:
+    """A JSON file named by a config field, refused unless it is a regular file of at most
+    :data:`MAX_CONFIG_BYTES` (``/dev/zero`` or a FIFO would never end)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{field}: {path} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{field}: {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB ({st.st_size} bytes)")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{field}: {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{field}: {path} is not valid JSON: {exc}") from None
+    check_expansion(data, f"{field} ({path})")
+    return data
+
+
+def check_expansion(data: Any, source: str) -> None:
+    """Refuse data whose YAML aliases expand past :data:`MAX_CONFIG_VALUES` values or nest past
+    :data:`MAX_CONFIG_DEPTH` (a self-referencing alias nests forever).
+
+    PyYAML shares an aliased node instead of copying it, so loading a "billion laughs" file is
+    cheap; what explodes is anything that walks it (overrides, validation, config.resolved.json).
+    This walk counts every visit, shared or not, and stops at the bound, so it costs at most
+    MAX_CONFIG_VALUES steps.
+    """
+    seen = 0
+    stack = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES or depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source}: YAML aliases expand to more than {MAX_CONFIG_VALUES} values or nest deeper "
+                              f"than {MAX_CONFIG_DEPTH} levels; refused")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            seen += len(node)  # the keys
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node)
+
+
 def _parse_scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    check_expansion(value, f"--set value {_short(text)}")
+    return value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -842,6 +957,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[parts[-1]] = _parse_scalar(value)
     return data
+
+
+def _short(value: Any, width: int = 80) -> str:
+    """repr() cut to ``width`` characters, so one error is one readable line whatever the value."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = width
+    r.maxlist, r.maxdict, r.maxlevel = 6, 4, 2
+    text = r.repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 TRL_NAMES: dict[str, str] = {
@@ -917,20 +1041,22 @@ def _describe(err: dict[str, Any]) -> str:
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
         hint = did_you_mean(loc)
-        return f"{field}: unknown key (value {value!r}); " + (hint or "check the spelling or remove it")
+        return f"{field}: unknown key (value {_short(value)}); " + (hint or "check the spelling or remove it")
     if kind == "missing":
         return f"{field}: required, missing"
     if kind == "literal_error":
-        return f"{field}: {value!r} is not allowed; allowed: {ctx.get('expected')}"
+        return f"{field}: {_short(value)} is not allowed; allowed: {ctx.get('expected')}"
     if kind == "union_tag_invalid":
         where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
         return f"{where}: {ctx.get('tag')!r} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
-        return f"{field}: {value!r} must match {ctx.get('pattern')}"
+        return f"{field}: {_short(value)} must match {ctx.get('pattern')}"
     msg = err["msg"]
-    if kind.startswith(("greater", "less")) or "parsing" in kind or kind.endswith("_type"):
-        return f"{field}: {value!r} is not allowed; {msg[0].lower() + msg[1:]}"
-    return f"{field}: {msg} (value {value!r})" if loc else msg
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    if kind.startswith(("greater", "less")) or "parsing" in kind or kind.endswith("_type") or kind == "finite_number":
+        return f"{field}: {_short(value)} is not allowed; {msg[0].lower() + msg[1:]}"
+    return f"{field}: {msg} (value {_short(value)})" if loc else msg
 
 
 def parse_config(data: dict[str, Any]) -> Config:
@@ -943,16 +1069,34 @@ def parse_config(data: dict[str, Any]) -> Config:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
+def env_overrides() -> list[str]:
+    """The overrides ``rlstream run`` passed to this component (see :data:`OVERRIDES_ENV`)."""
+    raw = os.environ.get(OVERRIDES_ENV)
+    if not raw:
+        return []
+    try:
+        items = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ConfigError(f"${OVERRIDES_ENV} is not a JSON list of key.path=value strings") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"${OVERRIDES_ENV} is not a JSON list of key.path=value strings")
+    return items
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: a config file is at most {MAX_CONFIG_BYTES >> 20} MiB; refused")
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(raw) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    check_expansion(data, str(path))
     data = apply_overrides(data, overrides or []) if isinstance(data, dict) else data
     if isinstance(data, dict):
         data = resolve_relative_paths(data, path.parent)

@@ -219,3 +219,63 @@ async def test_wrong_address_gives_a_clear_error():
 
     with pytest.raises(BrokerError, match="cannot reach NATS"):
         await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}"))
+
+
+async def test_a_bad_record_near_the_size_limit_is_dead_lettered_and_the_consumer_lives(js, run_id):
+    """A payload near max_payload cannot be copied whole into a dead letter (letter > limit):
+    the letter keeps a bounded prefix, the size and the sha256, and fetch goes on."""
+    import hashlib
+
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    limit = js._nc.max_payload  # the fixture's server: 8 MiB
+    junk = b"\x93" + os.urandom(limit - 100)  # not a Prompt; fits the stream, its letter would not
+    await pub.publish(lay.prompts, junk)
+    await pub.publish(lay.prompts, prompt(1).encode(), "p1")
+    await pub.publish(lay.prompts, prompt(2).encode(), "p2")
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer", max_deliver=1).start()
+    got = []
+    for _ in range(10):
+        got += await consumer.fetch(10, timeout=1)
+        if len(got) == 2:
+            break
+    assert [d.record.id for d in got] == ["p1", "p2"]
+    assert consumer.dead_lettered == 1
+    # processing fails with a reason as big as the payload: the reason is cut, the letter fits
+    await consumer.fail(got[0], "boom " * (limit // 4))
+    await got[1].ack()
+    dlq = await js.pull_subscribe(lay.dlq("producer"), durable=None, stream=lay.dlq_stream)
+    first, second = [DeadLetter.decode(m.data) for m in await dlq.fetch(2, timeout=2)]
+    assert first.size == len(junk) and first.sha256 == hashlib.sha256(junk).hexdigest()
+    assert 0 < len(first.data) < len(junk) and junk.startswith(first.data)
+    assert "not valid MessagePack" in first.reason or "invalid prompt" in first.reason
+    assert second.record_id == "p1" and Prompt.decode(second.data).id == "p1"  # a small record is kept whole
+    assert second.size == len(second.data) and len(second.reason) < limit // 8 and second.reason.startswith("failed 1 times: boom")
+    await asyncio.sleep(0.2)
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # nothing left to crash on again
+
+
+async def test_run_state_rides_out_a_broker_restart(nats_factory, run_id):
+    """KV calls made while the broker is away (a node lost, a restart) wait for it with backoff
+    and are counted, instead of raising into the long-lived loop that made them."""
+    server = nats_factory()
+    nc = await connect(url=server.url, name="state-restart")
+    js = nc.jetstream(timeout=2.0)
+    lay = await ensure_layout(js, run_id)
+    state = await RunState.open(js, lay)
+    await state.heartbeat("producer", "p0")
+    await state.set_policy_version(3)
+    server.stop()
+    calls = [asyncio.ensure_future(state.heartbeats()), asyncio.ensure_future(state.policy_version()),
+             asyncio.ensure_future(state.set_admit(7))]
+    deadline = asyncio.get_running_loop().time() + 30
+    while getattr(state, "broker_retries", 0) == 0 and not all(c.done() for c in calls):
+        assert asyncio.get_running_loop().time() < deadline, "no call noticed the broker was away"
+        await asyncio.sleep(0.05)
+    server.start()  # same port, same store
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 90)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    beats, version, _ = results
+    assert "producer.p0" in beats and version == 3 and await state.admit(0) == 7
+    assert state.broker_retries > 0
+    await nc.close()

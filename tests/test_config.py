@@ -102,6 +102,133 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
         load_config(p)
 
 
+# ---- hostile or broken configs: refused fast, one line per problem -------------------------------
+
+
+def _validate(path, cwd=None, extra=(), bounded=True):
+    """``rlstream validate`` in a subprocess held to 1 GiB of memory and 20 s, so an expansion
+    bomb fails the test instead of the machine. Returns (rc, stderr lines, CPU seconds)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        r = subprocess.run([sys.executable, "-m", "rlstream.cli", "validate", str(path), *extra], capture_output=True,
+                           text=True, timeout=20 if bounded else 180, preexec_fn=limit if bounded else None, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rlstream validate {path} ran past 20 s")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return r.returncode, [line for line in r.stderr.splitlines() if line.strip()], cpu
+
+
+def _existing(tmp_path, model_dir) -> dict:
+    """Paths that exist, for configs `rlstream validate` must accept (it checks them)."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    return {"model_checkpoint_path": str(model_dir), "data_source": {"type": "on_policy", "path": str(tmp_path / "prompts.jsonl")}}
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path, tiny_model_dir):
+    # 9 levels of 9 aliases: 9**9 (387 million) strings once expanded, from a ~600-byte file
+    lines = ["training_mode: RL_GRPO", "model_checkpoint_path: m", 'l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    assert bomb.stat().st_size < 700
+    rc, err, cpu = _validate(bomb)
+    assert rc == 2, err
+    assert len(err) == 1 and "aliases" in err[0] and "bomb.yaml" in err[0], err
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU"
+    # anchors used the ordinary way still work
+    ok = tmp_path / "anchors.yaml"
+    ok.write_text(yaml.safe_dump({"training_mode": "RL_GRPO", **_existing(tmp_path, tiny_model_dir)}) + "producer: &p {max_new_tokens: 8}\n")
+    assert _validate(ok, bounded=False)[0] == 0  # a valid config is also checked against its model (not held to 1 GiB)
+    # a self-referencing alias is refused too
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("training_mode: RL_GRPO\nmodel_checkpoint_path: m\nproducer: &p {vllm: *p}\n")
+    rc, err, _ = _validate(loop)
+    assert rc == 2 and len(err) == 1, err
+
+
+def test_deepspeed_path_is_read_from_the_config_folder_with_a_size_limit(tmp_path, tiny_model_dir):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    cfg = {**SEED, **_existing(tmp_path, tiny_model_dir), "reward_function": {"type": "rule_based"},
+           "learner": {"engine": "deepspeed", "deepspeed": "ds.json"}}
+    (folder / "run.yaml").write_text(yaml.safe_dump(cfg))
+    rc, err, _ = _validate(folder / "run.yaml", cwd=tmp_path, bounded=False)  # the working directory has no ds.json
+    assert rc == 0, err
+    assert load_config(folder / "run.yaml").learner.deepspeed_config()["zero_optimization"]["stage"] == 2
+    (folder / "big.json").write_text('{"zero_optimization": {"stage": 2}}' + " " * (2 << 20))
+    (folder / "big.yaml").write_text(yaml.safe_dump({**cfg, "learner": {"engine": "deepspeed", "deepspeed": "big.json"}}))
+    rc, err, cpu = _validate(folder / "big.yaml", cwd=tmp_path)
+    assert rc == 2 and len(err) == 2 and "learner.deepspeed" in err[1] and "larger than" in err[1], err
+    assert cpu < 1.0
+    (folder / "dev.yaml").write_text(yaml.safe_dump({**cfg, "learner": {"engine": "deepspeed", "deepspeed": "/dev/zero"}}))
+    rc, err, cpu = _validate(folder / "dev.yaml", cwd=tmp_path)
+    assert rc == 2 and len(err) == 2 and "learner.deepspeed" in err[1] and "not a regular file" in err[1], err
+    assert cpu < 1.0
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e300"])
+def test_infinite_or_absurd_numbers_are_refused_with_one_line_each(tmp_path, value):
+    fields = ["learner.lr", "nats.ack_wait_s", "nats.retention_days", "checkpoint.max_age_days", "reward_function.timeout_s",
+              "producer.generation_timeout_s", "producer.temperature", "metrics.interval_s", "algorithm_params.kl_coefficient",
+              "learner.max_grad_norm", "learner.weight_decay", "nats.max_deliver"]
+    path = tmp_path / "seed.yaml"
+    path.write_text(yaml.safe_dump(SEED))
+    rc, err, cpu = _validate(path, extra=[arg for f in fields for arg in ("--set", f"{f}={value}")])
+    assert rc == 2
+    assert err[0] == "error: invalid config:", err
+    assert sorted(line.split(":")[0].strip() for line in err[1:]) == sorted(fields), err
+    assert all(len(line) < 200 for line in err), err
+    assert cpu < 1.0
+
+
+def test_error_lines_stay_short_whatever_the_value():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({**SEED, "producer": {"backend": "x" * 100_000}, "learner": {"lrr": list(range(100_000))}})
+    lines = str(exc.value).splitlines()
+    assert len(lines) == 3 and all(len(line) < 300 for line in lines), lines
+
+
+# ---- secrets: masked wherever printed, readable from the environment -----------------------------
+
+
+def test_urls_with_userinfo_are_masked_in_the_resolved_config(tmp_path):
+    from rlstream.config import dump_resolved
+
+    cfg = parse_config({**SEED, "nats": {"url": "nats://rl:pw-nats-77@n1:4222,nats://tok-nats-88@n2:4222"},
+                        "reward_function": {"type": "model_based", "endpoint": "http://u:pw-rm-99@rm:8000/score"},
+                        "data_source": {"type": "on_policy", "sampling_endpoint": "http://k:pw-gen-11@gen:8000/v1"}})
+    dump_resolved(cfg, tmp_path / "config.resolved.json")
+    text = (tmp_path / "config.resolved.json").read_text()
+    for secret in ("pw-nats-77", "tok-nats-88", "pw-rm-99", "pw-gen-11"):
+        assert secret not in text
+    assert "nats://***@n1:4222,nats://***@n2:4222" in text and "http://***@rm:8000/score" in text
+    assert cfg.nats.url.startswith("nats://rl:pw-nats-77@")  # the config itself keeps what it needs to connect
+
+
+def test_mask_secrets_in_free_text():
+    from rlstream.config import mask_secrets
+
+    assert mask_secrets("cannot reach ['nats://a:b@h:1', 'tls://t0k@h2:2'] now") == "cannot reach ['nats://***@h:1', 'tls://***@h2:2'] now"
+    assert mask_secrets("nats://h:4222 and http://x/y?z=1") == "nats://h:4222 and http://x/y?z=1"
+
+
+def test_reward_token_from_the_environment(monkeypatch):
+    cfg = parse_config({**SEED, "reward_function": {"type": "model_based", "endpoint": "http://rm/score", "token_env": "RL_TEST_RM_TOKEN"}})
+    monkeypatch.setenv("RL_TEST_RM_TOKEN", "rm-env-tok-5")
+    assert cfg.reward_function.token_value() == "rm-env-tok-5"
+    assert "rm-env-tok-5" not in str(cfg.resolved())
+    monkeypatch.delenv("RL_TEST_RM_TOKEN")
+    with pytest.raises(ConfigError, match="RL_TEST_RM_TOKEN.*not set"):
+        cfg.reward_function.token_value()
+    with pytest.raises(ConfigError, match="token or reward_function.token_env, not both"):
+        parse_config({**SEED, "reward_function": {"type": "model_based", "endpoint": "http://rm/score", "token": "x", "token_env": "V"}})
 def test_reference_and_teacher_stages_and_distill():
     base = {"model_checkpoint_path": "m", "data_source": {"type": "on_policy"}}
     cfg = parse_config({**base, "training_mode": "RL_GRPO", "reference": {}})

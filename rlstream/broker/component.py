@@ -36,6 +36,7 @@ from rlstream.broker.io import Publisher
 from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.broker.telemetry import Reporter, metrics_port
+from rlstream.config import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Component:
         self._signals = contextlib.ExitStack()
         self._signals.enter_context(signals_to(self.stop, self.handle_signals, who=f"{self.component} {self.component_id}"))
         self._reporter_task = asyncio.create_task(self.reporter.run(self.stop), name=f"{self.component}-metrics")
-        log.info("%s %s connected to %s (run %s)", self.component, self.component_id, self.nats_url, cfg.run)
+        log.info("%s %s connected to %s (run %s)", self.component, self.component_id, mask_secrets(self.nats_url or ""), cfg.run)
         return self
 
     async def _layout(self) -> Layout:

@@ -12,7 +12,7 @@ from nats.aio.client import Client
 from nats.errors import NoServersError
 
 from rlstream.broker.errors import BrokerError
-from rlstream.config import NatsConfig
+from rlstream.config import NatsConfig, mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,11 @@ def _from_env(var: str, field: str) -> str:
     if not value:
         raise BrokerError(f"{field} names the environment variable {var}, which is not set")
     return value
+
+
+def _where(servers: list[str]) -> str:
+    """The server list for a message: userinfo masked."""
+    return mask_secrets(str(servers))
 
 
 def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstream") -> dict[str, Any]:
@@ -82,14 +87,15 @@ async def connect(cfg: NatsConfig | None = None, url: str | None = None, name: s
 
     async def error_cb(exc: Exception) -> None:
         if state["connected"]:
-            log.warning("nats %s: %s", name, exc)
+            log.warning("nats %s: %s", name, mask_secrets(str(exc) or type(exc).__name__))
 
     async def disconnected_cb() -> None:
         if state["connected"]:
             log.debug("nats %s: disconnected", name)
 
     async def reconnected_cb() -> None:
-        log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+        url = nc.connected_url
+        log.info("nats %s: reconnected to %s", name, f"{url.hostname}:{url.port}" if url else "?")
 
     async def closed_cb() -> None:
         log.debug("nats %s: closed", name)
@@ -102,12 +108,13 @@ async def connect(cfg: NatsConfig | None = None, url: str | None = None, name: s
     try:
         await nc.connect(**first)
     except NoServersError:
-        raise BrokerError(f"cannot reach NATS at {opts['servers']} (is the server running? are the address, credentials and TLS right?)") from None
+        raise BrokerError(f"cannot reach NATS at {_where(opts['servers'])} (is the server running? are the address, "
+                          "credentials and TLS right?)") from None
     except Exception as exc:
-        text = str(exc) or type(exc).__name__
+        text = mask_secrets(str(exc) or type(exc).__name__)
         if "authorization" in text.lower() or "auth" in type(exc).__name__.lower():
-            raise BrokerError(f"NATS at {opts['servers']} refused the credentials: {text}") from None
-        raise BrokerError(f"cannot connect to NATS at {opts['servers']}: {text}") from None
+            raise BrokerError(f"NATS at {_where(opts['servers'])} refused the credentials: {text}") from None
+        raise BrokerError(f"cannot connect to NATS at {_where(opts['servers'])}: {text}") from None
     nc.options["allow_reconnect"] = True
     nc.options["max_reconnect_attempts"] = -1
     state["connected"] = True

@@ -3,7 +3,8 @@
 - :class:`Publisher` pipelines ``publish_async`` and waits for every ack, with a timeout
   and retries under the same ``Nats-Msg-Id`` (so a retry is never a duplicate).
 - :class:`Consumer` fetches batches from a durable pull consumer and decodes them. A record
-  that fails validation goes straight to the DLQ with its original bytes and the reason.
+  that fails validation goes straight to the DLQ with its original bytes (a bounded prefix
+  with the size and sha256 when large, so the letter always fits) and the reason.
   A record whose processing fails is nak'ed with backoff, and after ``max_deliver``
   deliveries dead-lettered. Long work keeps its records with in-progress acks.
 """
@@ -86,6 +87,8 @@ class Publisher:
                     futures[i] = await publish(item.subject, item.data, headers=headers)
                 except _RETRYABLE + (nats.js.errors.TooManyStalledMsgsError,):
                     failed.append(i)
+                except nats.errors.MaxPayloadError as exc:  # never fits: retrying cannot help
+                    raise BrokerError(f"publish to {item.subject} refused: {len(item.data)} bytes exceed the broker's max payload") from exc
             if futures:
                 try:  # one gather for the batch: asyncio.wait adds a callback and a set per future
                     await asyncio.wait_for(asyncio.gather(*futures.values(), return_exceptions=True), self.ack_timeout_s)
@@ -184,6 +187,8 @@ class Consumer(Generic[R]):
         self.sub = None
         self.dead_lettered = 0
         self.redelivered = 0
+        self.broker_waits = 0
+        """Fetches that found the broker away (and returned nothing after a pause)."""
         self.dead_seqs: list[int] = []
         """Stream sequences dead-lettered here; an in-order reader (the learner) skips them."""
 
@@ -202,7 +207,9 @@ class Consumer(Generic[R]):
             msgs = await self.sub.fetch(batch, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.js.errors.ServiceUnavailableError):
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError):
+            self.broker_waits += 1  # the broker away for a moment (a node lost, a leader election): try again
             await asyncio.sleep(min(timeout, 1.0))
             return []
         out: list[Delivery[R]] = []
@@ -236,8 +243,8 @@ class Consumer(Generic[R]):
     async def _dead_letter(self, items: list[tuple[Msg, str, int, int, str]]) -> None:
         out = []
         for msg, reason, deliveries, seq, record_id in items:
-            letter = DeadLetter(
-                stage=self.stage, subject=msg.subject, reason=reason, data=bytes(msg.data),
+            letter = DeadLetter.bounded(
+                stage=self.stage, subject=msg.subject, reason=reason, data=msg.data, max_payload=_max_payload(self.js),
                 deliveries=deliveries, record_id=record_id, run=self.layout.run,
             )
             log.warning("dead-letter from %s (stream seq %d): %s", self.stage, seq, reason.splitlines()[0][:300])
@@ -252,8 +259,14 @@ class Consumer(Generic[R]):
 
 async def dead_letter(publisher: Publisher, layout: Layout, stage: str, subject: str, data: bytes, reason: str, *, record_id: str = "", deliveries: int = 1) -> None:
     """Dead-letter something that did not come from a consumer (e.g. a feeder row)."""
-    letter = DeadLetter(stage=stage, subject=subject, reason=reason, data=data, deliveries=deliveries, record_id=record_id, run=layout.run)
+    letter = DeadLetter.bounded(stage=stage, subject=subject, reason=reason, data=data, max_payload=_max_payload(publisher.js),
+                                deliveries=deliveries, record_id=record_id, run=layout.run)
     await publisher.publish(layout.dlq(stage), letter.encode())
+
+
+def _max_payload(js: JetStreamContext) -> int:
+    """The connected server's max payload (0 when unknown): a dead letter is sized under it."""
+    return int(getattr(getattr(js, "_nc", None), "max_payload", 0) or 0)
 
 
 def format_exception(exc: BaseException) -> str:

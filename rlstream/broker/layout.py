@@ -221,6 +221,10 @@ class Layout:
 
 
 # KV keys
+ORIGIN_HEADER = "Rlstream-Origin"
+"""Set by the run's producers and scorers on what they publish (``producer/<id>``,
+``scorer/<id>``), so the run's accounting can tell its own records from foreign ones."""
+
 POLICY_VERSION = "policy.version"
 LEARNER_STEP = "learner.step"
 PACING_ADMIT = "pacing.admit"

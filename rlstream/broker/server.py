@@ -12,7 +12,10 @@ messages), and costs CPU when the live heap nears it, so none is set by default.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -51,6 +54,26 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (mode 0600 from the start, never briefly wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -76,6 +99,8 @@ class EmbeddedServer:
     Use as a context manager or call ``start()``/``stop()``. ``extra_args`` are passed to
     the binary as they are (e.g. ``["--cluster_name", ...]``); ``config_file`` uses a
     nats-server config file instead of flags for everything but the store and port.
+    ``authorization`` (``{"token": ...}`` or ``{"user": ..., "password": ...}``) goes into the
+    generated config file, which is private to its owner (0600), never onto the command line.
     """
 
     def __init__(
@@ -88,8 +113,10 @@ class EmbeddedServer:
         extra_args: list[str] | None = None,
         log_file: str | Path | None = None,
         max_payload_mb: int = 8,
+        authorization: dict[str, str] | None = None,
     ):
         self.store_dir = Path(store_dir)
+        self.authorization = dict(authorization or {})
         self.host = host
         self.port = port or free_port(host)
         self.config_file = config_file
@@ -107,9 +134,14 @@ class EmbeddedServer:
         cmd = [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
         config = self.config_file
         if not config:
-            # max_payload has no command-line flag; a two-line config file carries it.
+            # max_payload has no command-line flag, and credentials must stay off it: a small
+            # config file carries both (quoted as JSON strings, which the nats-server format reads).
             config = self.store_dir / "rlstream-nats.conf"
-            config.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n")
+            lines = [f"max_payload: {self.max_payload_mb * 1024 * 1024}"]
+            if self.authorization:
+                body = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sorted(self.authorization.items()))
+                lines.append(f"authorization {{ {body} }}")
+            write_private(config, "\n".join(lines) + "\n")
         return cmd + ["-c", str(config)] + self.extra_args
 
     def start(self, timeout: float = 20.0) -> "EmbeddedServer":
@@ -164,11 +196,23 @@ class EmbeddedServer:
         self.stop()
 
 
-def run_foreground(port: int | None, store: str | Path, host: str = "127.0.0.1") -> int:
-    """``rlstream broker``: run the server until Ctrl-C or SIGTERM."""
-    server = EmbeddedServer(store, port=port, host=host)
+def run_foreground(port: int | None, store: str | Path, host: str = "127.0.0.1", *,
+                   authorization: dict[str, str] | None = None, config_file: str | Path | None = None) -> int:
+    """``rlstream broker``: run the server until Ctrl-C or SIGTERM.
+
+    A bind address other than loopback needs credentials (``authorization``) or a config file
+    of the operator's (``config_file``, e.g. ``deploy/nats/accounts.conf``), so JetStream is
+    never served anonymously to a network.
+    """
+    if not is_loopback(host) and not authorization and not config_file:
+        raise BrokerError(f"refusing to serve JetStream on {host} without credentials: pass --token-env VAR, "
+                          "--user U with --password-env VAR, or --config FILE (or bind 127.0.0.1)")
+    Path(store).mkdir(parents=True, exist_ok=True)
+    server = EmbeddedServer(store, port=port, host=host, authorization=authorization, config_file=config_file)
     server.start()
-    print(f"nats-server listening on {server.url} (JetStream store {Path(store).resolve()}); Ctrl-C stops it", flush=True)
+    auth = "config file" if config_file else ("token" if authorization and "token" in authorization else
+                                              "user/password" if authorization else "none (loopback only)")
+    print(f"nats-server listening on {server.url} (JetStream store {Path(store).resolve()}, auth: {auth}); Ctrl-C stops it", flush=True)
     stopping = False
 
     def _stop(signum, _frame):

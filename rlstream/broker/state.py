@@ -9,48 +9,108 @@ dynamic sampling is expected to keep (1 without it; see
 trainable ones. Producers compare it with the rollouts stream's message count and
 wait while it is reached. So with ``max_staleness: 0`` each batch is sampled by the
 latest weights (synchronous RL); with ``k`` producers run up to ``k`` versions ahead.
+
+Every call rides out the broker being away (a node lost, a leader election, a restart): a
+timeout or a lost connection is retried with backoff for up to ``retry_for_s`` and counted
+in ``broker_retries``; only after that does it raise :class:`BrokerUnavailable` (then
+``broker_failures`` counts it). The long-lived loops that call it (supervisor, heartbeats,
+pacing, weight watch) catch that and try again on their next round.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import random
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
+
+from rlstream.broker.errors import BrokerError
 
 from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, Layout, heartbeat_key
 
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSIENT = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+"""Errors that mean "the broker is away for a moment", not "this request is wrong"."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker stayed away longer than a call's retry window."""
+
+
 class RunState:
-    def __init__(self, kv: KeyValue):
+    def __init__(self, kv: KeyValue, *, retry_for_s: float = 30.0):
         self.kv = kv
+        self.retry_for_s = retry_for_s
+        self.broker_retries = 0
+        """KV calls retried because the broker was away (a timeout or a lost connection)."""
+        self.broker_failures = 0
+        """KV calls given up after ``retry_for_s`` (raised as :class:`BrokerUnavailable`)."""
 
     @classmethod
-    async def open(cls, js: JetStreamContext, layout: Layout) -> "RunState":
-        return cls(await js.key_value(layout.state_bucket))
+    async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
+        return cls(await js.key_value(layout.state_bucket), retry_for_s=retry_for_s)
+
+    async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, again with jittered exponential backoff (0.1 s .. 2 s) while the broker is away."""
+        deadline = time.monotonic() + self.retry_for_s
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    self.broker_failures += 1
+                    raise BrokerUnavailable(f"KV {what}: the broker did not answer within {self.retry_for_s:.0f}s "
+                                            f"({type(exc).__name__})") from exc
+                self.broker_retries += 1
+                log.debug("KV %s: %s; retrying in %.1fs", what, type(exc).__name__, delay)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    async def _get(self, key: str):
+        async def get():
+            try:
+                return await self.kv.get(key)
+            except KeyNotFoundError:
+                return None
+
+        return await self._retry(f"get {key}", get)
 
     async def get_int(self, key: str, default: int = 0) -> int:
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return default
-        return int(entry.value.decode()) if entry.value else default
+        entry = await self._get(key)
+        return int(entry.value.decode()) if entry is not None and entry.value else default
 
     async def put_int(self, key: str, value: int) -> None:
-        await self.kv.put(key, str(int(value)).encode())
+        await self._retry(f"put {key}", lambda: self.kv.put(key, str(int(value)).encode()))
 
     async def get_json(self, key: str) -> dict[str, Any] | None:
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
-        return json.loads(entry.value) if entry.value else None
+        entry = await self._get(key)
+        return json.loads(entry.value) if entry is not None and entry.value else None
 
     async def put_json(self, key: str, value: dict[str, Any]) -> None:
-        await self.kv.put(key, json.dumps(value).encode())
+        data = json.dumps(value).encode()
+        await self._retry(f"put {key}", lambda: self.kv.put(key, data))
 
     async def policy_version(self) -> int:
         return await self.get_int(POLICY_VERSION, 0)
@@ -73,10 +133,14 @@ class RunState:
     async def heartbeats(self) -> dict[str, dict[str, Any]]:
         """``component.id`` -> last heartbeat (with ``age_s``)."""
         out = {}
-        try:
-            keys = await self.kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return out
+
+        async def keys() -> list[str]:
+            try:
+                return await self.kv.keys()
+            except NoKeysError:  # an empty bucket
+                return []
+
+        keys = await self._retry("keys", keys)
         now = time.time()
         for key in keys:
             if key.startswith("heartbeat."):

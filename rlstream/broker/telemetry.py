@@ -12,11 +12,20 @@ Each component serves ``/metrics`` on a port of its own, derived from
 it: learner base + 0, feeder + 1, ``scorer-N`` + 10 + N, ``producer-N`` + 100 + N. The reporter also measures event-loop lag and
 process memory, the DLQ depth (``dlq/count``), reports GPU memory when CUDA is present, and
 writes the heartbeat (which carries ``interval_s``).
+
+**Phases.** Every component's loop records where one pass of it went with :class:`Phases`:
+seconds per phase under ``time/<component>/<phase>_s`` (``time/learner/forward_s``, in
+Prometheus ``rlstream_time_learner_forward_s``) plus ``time/<component>/loop_s``, the pass's
+wall time; the phases of a pass never add up to more than it. :data:`STAGE_PHASES` names
+each stage's phases and which of them are waiting rather than working (the bottleneck is
+decided from these by :func:`rlstream.observe.stages.bottleneck`). The heartbeat carries
+the latest ``time/`` figures, so ``rlstream status`` can show them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -42,6 +51,56 @@ def prometheus_name(key: str) -> str:
 def is_counter(key: str) -> bool:
     """A running total: the key's last part ends in ``_total`` (``loss/total`` is a gauge)."""
     return key.rsplit("/", 1)[-1].endswith("_total")
+
+
+STAGE_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "learner": {"wait": ("wait",), "work": ("collate", "forward", "backward", "optimizer", "publish", "checkpoint")},
+    "producer": {"wait": ("pacing", "fetch"), "work": ("weight_reload", "generate", "publish")},
+    "scorer": {"wait": ("fetch",), "work": ("score", "publish")},
+}
+"""Each stage's phases: ``wait`` ones are time spent waiting for another stage (data to come,
+room to produce), ``work`` ones are the stage's own."""
+
+
+def phase_key(component: str, phase: str) -> str:
+    """``time/<component>/<phase>_s``."""
+    return f"time/{component}/{phase}_s"
+
+
+class Phases:
+    """Seconds spent in each phase of one pass of a component's loop.
+
+    ``start()`` opens a pass, ``with phases.time("forward"):`` (or ``add``) accumulates a
+    phase, ``finish()`` returns the pass's figures: every phase of the stage (0 when it did
+    not happen this pass) and ``time/<component>/loop_s``, the wall time since ``start``.
+    One object per concurrent loop (a producer's lanes have one each).
+    """
+
+    def __init__(self, component: str, phases: tuple[str, ...] | None = None):
+        self.component = component
+        names = phases if phases is not None else STAGE_PHASES[component]["wait"] + STAGE_PHASES[component]["work"]
+        self.seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.started = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def time(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t0)
+
+    def finish(self) -> dict[str, float]:
+        out = {phase_key(self.component, p): s for p, s in self.seconds.items()}
+        out[phase_key(self.component, "loop")] = time.perf_counter() - self.started
+        return out
 
 
 _PORT_OFFSETS = {"learner": 0, "feeder": 1}
@@ -194,13 +253,15 @@ class Reporter:
         lag = 0.0
         while not stop.is_set():
             self.update(self._system(lag))
+            if self.state is not None:  # calls that waited for the broker (a node lost), and those given up
+                self.update({"broker/retries": self.state.broker_retries, "broker/failures": self.state.broker_failures})
             if self.nc.is_connected:
                 await self._dlq_count()
             try:
                 await self.emit(dict(self.values))
                 if self.state is not None:
                     await self.state.heartbeat(self.component, self.component_id, **self.info, **{
-                        k: v for k, v in self.values.items() if k.endswith(("_per_s", "version", "step"))
+                        k: v for k, v in self.values.items() if k.endswith(("_per_s", "version", "step")) or k.startswith("time/")
                     })
             except Exception as exc:  # broker away for a moment: metrics wait, the work goes on
                 log.debug("metrics publish skipped: %s", exc)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from rlstream.broker.component import signals_to
+from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
@@ -79,6 +80,9 @@ class Learner:
     device: torch.device = torch.device("cpu")
     pad_id: int = 0
     done_ids: set[str] = field(default_factory=set)
+    phases: Phases = field(default_factory=lambda: Phases("learner"))
+    """Where the current loop pass went (see :func:`main`); the step fills collate, forward,
+    backward and optimizer."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -164,16 +168,20 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
     step = learner.state.step
     engine.set_lr(lr_at(step, learner.cfg.learner))
     passes = list(backward_passes)
+    phases = learner.phases
     if dist.is_active(engine):
         finite = _backward_shard(learner, passes)
     else:
         finite = True
         for i, run in enumerate(passes):
-            loss = run()
+            with phases.time("forward"):
+                loss = run()
             if not torch.isfinite(loss.detach()).all():
                 finite = False
                 break
-            engine.backward(loss, last=i == len(passes) - 1)
+            with phases.time("backward"):
+                engine.backward(loss, last=i == len(passes) - 1)
+    t_opt = time.perf_counter()
     value_norm = 0.0
     if learner.value_head is not None:
         cap = learner.cfg.learner.max_grad_norm or float("inf")
@@ -194,6 +202,7 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
     if not (finite and math.isfinite(grad_norm)):
         learner.state.nan_steps_skipped += 1
         stepped = False
+    phases.add("optimizer", time.perf_counter() - t_opt)
     return grad_norm, stepped
 
 
@@ -209,9 +218,11 @@ def _backward_shard(learner: Learner, passes: list) -> bool:
     for j, (i, real) in enumerate(plan):
         last = j == len(plan) - 1
         with dist.sync_context(engine, last):
-            loss = passes[i](record=real)
+            with learner.phases.time("forward"):
+                loss = passes[i](record=real)
             finite = finite and bool(torch.isfinite(loss.detach()).all())
-            engine.backward(loss * (world if real else 0.0), last=last)
+            with learner.phases.time("backward"):
+                engine.backward(loss * (world if real else 0.0), last=last)
     if learner.value_head is not None:
         dist.average_grads(learner.value_head.parameters(), world)
     return dist.all_true(finite)
@@ -428,13 +439,19 @@ def _finish_step(learner: Learner, out: dict[str, float], grad_norm: float, step
 def train_step(learner: Learner, batch: list) -> dict[str, float]:
     """One optimizer step (``epochs_per_batch`` of them for PPO epochs) on exactly ``batch``:
     ScoredGroups (RL), SFTExamples (SFT) or PreferencePairs (DPO). Deterministic on CPU given
-    the same learner state. Advances ``learner.state.step``; never touches the broker."""
+    the same learner state. Advances ``learner.state.step``; never touches the broker.
+
+    Adds its phases to ``learner.phases``: forward, backward and optimizer as they run, and
+    ``collate`` for the rest of the step (rows, advantages, collation, PPO's value pass, metrics)."""
     mode = learner.cfg.training_mode
-    if mode == "SFT":
-        return sft_step(learner, batch)
-    if mode == "DPO":
-        return dpo_step(learner, batch)
-    return rl_step(learner, batch)
+    phases = learner.phases
+    before = sum(phases.seconds.get(p, 0.0) for p in ("forward", "backward", "optimizer"))
+    t0 = time.perf_counter()
+    step = sft_step if mode == "SFT" else dpo_step if mode == "DPO" else rl_step
+    out = step(learner, batch)
+    inside = sum(phases.seconds.get(p, 0.0) for p in ("forward", "backward", "optimizer")) - before
+    phases.add("collate", time.perf_counter() - t0 - inside)
+    return out
 
 
 # ---- batches from the stream ---------------------------------------------------------------------
@@ -651,6 +668,10 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                 if comp is not None:
                     await comp.state.put_int(LEARNER_STEP, state.step)
 
+                # A pass of the loop runs from the end of one step's log line to the next's: the
+                # checkpoint after a step counts in the next pass (``time/learner/checkpoint_s``).
+                phases = learner.phases
+                phases.start()
                 with open(metrics_path, "a") as metrics_file:
                     while state.step < limit and not stop.is_set():
                         # 1. a batch
@@ -669,6 +690,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                                 break
                             batch = [d.record for d in taken.deliveries]
                         wait_s = time.perf_counter() - t_wait
+                        phases.add("wait", wait_s)
 
                         # 2. forward, loss, backward, step (off the event loop)
                         t_step = time.perf_counter()
@@ -697,6 +719,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             publish_deferred = await evaluator.holding()
                             due = not publish_deferred
                         if comp is not None and due:
+                            t_publish = time.perf_counter()
                             state.policy_version += 1
                             full = await asyncio.to_thread(_full_state_dict)
                             pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step, config_json=config_json)
@@ -704,10 +727,12 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             m["publish/mb_per_s"] = pub.bytes / 2**20 / max(pub.seconds, 1e-9)
                             if not offline:
                                 await comp.state.set_admit(_admit(cfg, state))
+                            phases.add("publish", time.perf_counter() - t_publish)
                             if evaluator is not None:
                                 await evaluator.published(state.policy_version, state.step)
 
                         # 4. log
+                        m.update(phases.finish())
                         m.update({
                             "buffer/depth": float(buf.depth) if buf is not None else 0.0,
                             "buffer/dropped_stale": float(state.dropped_stale),
@@ -724,11 +749,13 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                             await comp.state.put_int(LEARNER_STEP, state.step)
                         log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", state.step, m.get("loss/total", float("nan")),
                                  m.get("reward/mean", float("nan")), m["optim/grad_norm"], m["time/step_s"])
+                        phases.start()
 
                         # 5. maybe checkpoint, then ack what it holds
                         if state.step % cfg.checkpoint.interval == 0:
-                            if await _checkpoint(learner, buf, comp) is not None:
-                                last_checkpoint_step = state.step
+                            with phases.time("checkpoint"):
+                                if await _checkpoint(learner, buf, comp) is not None:
+                                    last_checkpoint_step = state.step
 
                 # the final weights' eval round (producers and scorers run until we exit)
                 if evaluator is not None and not stop.is_set():

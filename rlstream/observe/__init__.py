@@ -34,8 +34,29 @@ def nats_url(args: Any, default: str | None = None) -> str:
     return url
 
 
-async def open_connection(url: str, name: str):
-    return await connect(NatsConfig(), url, name=name)
+ENV_USER, ENV_PASSWORD, ENV_TOKEN, ENV_CREDS = "RLSTREAM_NATS_USER", "RLSTREAM_NATS_PASSWORD", "RLSTREAM_NATS_TOKEN", "RLSTREAM_NATS_CREDS"
+
+
+def nats_config(args: Any = None) -> NatsConfig:
+    """Credentials for an operator tool, kept out of the URL (and so out of ``ps`` and logs):
+    ``--nats-user`` with ``--nats-password-env VAR``, ``--nats-token-env VAR``, ``--nats-creds
+    FILE``, ``--nats-ca FILE``; or the environment: ``$RLSTREAM_NATS_USER``,
+    ``$RLSTREAM_NATS_PASSWORD``, ``$RLSTREAM_NATS_TOKEN``, ``$RLSTREAM_NATS_CREDS``."""
+
+    def arg(name: str) -> str | None:
+        return getattr(args, name, None) if args is not None else None
+
+    password_env = arg("nats_password_env") or (ENV_PASSWORD if os.environ.get(ENV_PASSWORD) else None)
+    token_env = arg("nats_token_env") or (ENV_TOKEN if os.environ.get(ENV_TOKEN) else None)
+    user = arg("nats_user") or os.environ.get(ENV_USER) or None
+    creds = arg("nats_creds") or os.environ.get(ENV_CREDS) or None
+    ca = arg("nats_ca")
+    return NatsConfig(user=user, password_env=password_env if user else None, token_env=token_env, creds_file=creds,
+                      tls={"ca_file": ca} if ca else None)
+
+
+async def open_connection(url: str, name: str, args: Any = None):
+    return await connect(nats_config(args), url, name=name)
 
 
 def parse_time(text: str, *, now: float | None = None) -> dt.datetime:

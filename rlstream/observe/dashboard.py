@@ -5,21 +5,35 @@ An aiohttp server with three routes:
 - ``/``: the page (``static/index.html``), with charts of reward, KL, loss, throughput,
   staleness and buffer depth drawn by uPlot (vendored in ``static/``, MIT licence; the page
   loads nothing from the internet);
-- ``/events``: server-sent events. Each connection reads the metrics stream
-  (``rl.<run>.metrics.>``) through its own JetStream ordered consumer, starting
-  ``--backfill`` messages back (the recent history), then live. Every event is one
-  MetricEvent as JSON ``{seq, t (broker time, epoch s), ts, component, id, step, values}``
-  with ``id: <stream seq>``, so a browser that reconnects resumes after the last one it saw
-  (``Last-Event-ID``) instead of loading the history again;
-- ``/api/info``: ``{run, metrics_stream}``.
+- ``/events``: server-sent events. One JetStream ordered consumer on the metrics stream
+  (``rl.<run>.metrics.>``) serves every viewer: it starts ``--backfill`` messages back, keeps
+  that much history in memory, and fans each new event out to the open connections. A new
+  viewer gets the history, then live events. Every event is one MetricEvent as JSON
+  ``{seq, t (broker time, epoch s), ts, component, id, step, values}`` with ``id: <stream
+  seq>``, so a browser that reconnects resumes after the last one it saw (``Last-Event-ID``)
+  instead of loading the history again;
+- ``/api/info``: ``{run, metrics_stream, viewers}``;
+- ``/api/stages``: where the time goes now, from the live components' heartbeats:
+  ``{bottleneck, stages: {stage: {instances, busy, phases}}}`` (the same figures as
+  ``rlstream status``, see :mod:`rlstream.observe.stages`); the page polls it.
+
+At most ``--max-viewers`` connections to ``/events`` are open at once (503 beyond); a viewer
+too slow to take its events is dropped (its browser reconnects and resumes). Bound to
+anything but loopback, every route needs the token (``$RLSTREAM_DASHBOARD_TOKEN`` or
+``--token-file``): ``Authorization: Bearer <token>``, or open ``/?token=<token>`` once and
+the page's cookie carries it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import sys
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
@@ -29,7 +43,11 @@ from nats.js.errors import NotFoundError
 
 from rlstream.broker.component import signals_to
 from rlstream.broker.layout import Layout
+from rlstream.broker.server import is_loopback
+from rlstream.broker.state import RunState
 from rlstream.observe import ObserveError, command, nats_url, open_connection
+from rlstream.observe.stages import summary as stage_summary
+from rlstream.observe.status import live_phases
 from rlstream.schemas import MetricEvent, RecordError
 
 log = logging.getLogger(__name__)
@@ -37,6 +55,9 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0
 DEFAULT_BACKFILL = 5000
+DEFAULT_MAX_VIEWERS = 64
+TOKEN_ENV = "RLSTREAM_DASHBOARD_TOKEN"
+COOKIE = "rlstream_dashboard"
 
 
 def event_json(msg) -> dict | None:
@@ -62,38 +83,113 @@ async def _start_seq(js, layout: Layout, backfill: int, resume_after: int | None
     return max(st.first_seq, st.last_seq - backfill + 1)
 
 
-async def events(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    js, layout = app["js"], app["layout"]
-    last_id = request.headers.get("Last-Event-ID") or request.query.get("after")
-    resume_after = int(last_id) if last_id and last_id.isdigit() else None
-    try:
-        start = await _start_seq(js, layout, app["backfill"], resume_after)
-    except NotFoundError:
-        raise web.HTTPNotFound(text=f"run {layout.run!r} has no metrics stream yet") from None
-    config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) if start is not None
-              else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-    sub = await js.subscribe(layout.metrics_all, stream=layout.metrics_stream, ordered_consumer=True, config=config, idle_heartbeat=5.0)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    try:
-        await resp.write(f"event: hello\ndata: {json.dumps({'run': layout.run, 'start_seq': start})}\n\n".encode())
+def _frame(payload: dict) -> bytes:
+    return f"id: {payload['seq']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+@dataclass(eq=False)
+class Viewer:
+    queue: asyncio.Queue
+    dropped: bool = False
+
+
+@dataclass(eq=False)
+class Hub:
+    """The one broker consumer behind every ``/events`` connection, and the recent history."""
+
+    js: object
+    layout: Layout
+    backfill: int = DEFAULT_BACKFILL
+    max_viewers: int = DEFAULT_MAX_VIEWERS
+    history: deque = field(init=False)
+    viewers: set = field(default_factory=set)
+    dropped: int = 0
+
+    def __post_init__(self):
+        self.history = deque(maxlen=max(1, self.backfill))
+        self.sub = None
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        start = await _start_seq(self.js, self.layout, self.backfill, None)
+        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start) if start is not None
+                  else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        self.sub = await self.js.subscribe(self.layout.metrics_all, stream=self.layout.metrics_stream, ordered_consumer=True,
+                                           config=config, idle_heartbeat=5.0)
+        self.task = asyncio.create_task(self._pump(), name="dashboard-hub")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.sub is not None:
+            try:
+                await self.sub.unsubscribe()
+            except nats.errors.Error:  # connection closing at shutdown
+                pass
+
+    async def _pump(self) -> None:
+        """Read the metrics stream; keep the history; hand each event to every viewer."""
         while True:
             try:
-                msg = await sub.next_msg(timeout=KEEPALIVE_S)
+                msg = await self.sub.next_msg(timeout=KEEPALIVE_S)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                await resp.write(b": keepalive\n\n")
                 continue
             payload = event_json(msg)
-            if payload is not None:
-                await resp.write(f"id: {payload['seq']}\ndata: {json.dumps(payload)}\n\n".encode())
-    except (ConnectionResetError, ConnectionError):  # the browser went away: stop its consumer
+            if payload is None:
+                continue
+            frame = _frame(payload)
+            self.history.append((payload["seq"], frame))
+            for viewer in list(self.viewers):
+                try:
+                    viewer.queue.put_nowait(frame)
+                except asyncio.QueueFull:  # too slow: let it go; its browser reconnects and resumes
+                    viewer.dropped = True
+                    self.viewers.discard(viewer)
+                    self.dropped += 1
+
+    def join(self, resume_after: int | None) -> tuple[Viewer, list[bytes]] | None:
+        """A new viewer and the history it has not seen; None when the room is full. No await
+        between the snapshot and joining, so no event is missed or sent twice."""
+        if len(self.viewers) >= self.max_viewers:
+            return None
+        viewer = Viewer(asyncio.Queue(maxsize=self.backfill + 1000))
+        after = resume_after if resume_after is not None else -1
+        snapshot = [frame for seq, frame in self.history if seq > after]
+        self.viewers.add(viewer)
+        return viewer, snapshot
+
+    def leave(self, viewer: Viewer) -> None:
+        self.viewers.discard(viewer)
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    hub: Hub = request.app["hub"]
+    last_id = request.headers.get("Last-Event-ID") or request.query.get("after")
+    resume_after = int(last_id) if last_id and last_id.isdigit() else None
+    joined = hub.join(resume_after)
+    if joined is None:
+        raise web.HTTPServiceUnavailable(text=f"{hub.max_viewers} viewers already connected; try again later",
+                                         headers={"Retry-After": "5"})
+    viewer, backlog = joined
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        first = int(backlog[0].split(b"\n", 1)[0][4:]) if backlog else None
+        await resp.write(f"event: hello\ndata: {json.dumps({'run': hub.layout.run, 'start_seq': first})}\n\n".encode())
+        if backlog:
+            await resp.write(b"".join(backlog))
+        while not viewer.dropped:
+            try:
+                frame = await asyncio.wait_for(viewer.queue.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                await resp.write(b": keepalive\n\n")
+                continue
+            await resp.write(frame)
+    except (ConnectionResetError, ConnectionError):  # the browser went away
         pass
     finally:
-        try:
-            await sub.unsubscribe()
-        except nats.errors.Error:  # connection closing at shutdown
-            pass
+        hub.leave(viewer)
     return resp
 
 
@@ -102,26 +198,72 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 async def info(request: web.Request) -> web.Response:
-    layout = request.app["layout"]
-    return web.json_response({"run": layout.run, "metrics_stream": layout.metrics_stream})
+    hub: Hub = request.app["hub"]
+    return web.json_response({"run": hub.layout.run, "metrics_stream": hub.layout.metrics_stream,
+                              "viewers": len(hub.viewers), "max_viewers": hub.max_viewers, "dropped_viewers": hub.dropped})
 
 
-def make_app(js, run: str, backfill: int = DEFAULT_BACKFILL) -> web.Application:
-    app = web.Application()
-    app["js"] = js
-    app["layout"] = Layout(run)
-    app["backfill"] = backfill
+async def stages(request: web.Request) -> web.Response:
+    try:
+        state = await RunState.open(request.app["hub"].js, request.app["hub"].layout)
+    except NotFoundError:
+        return web.json_response(stage_summary({}))
+    return web.json_response(stage_summary(live_phases(await state.heartbeats())))
+
+
+def _auth(token: str):
+    """Every route needs the token: a bearer header, the cookie, or ``?token=`` (which sets the cookie)."""
+    want = token.encode()
+
+    def ok(given: str | None) -> bool:
+        return bool(given) and hmac.compare_digest(given.encode(), want)
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        header = request.headers.get("Authorization", "")
+        if ok(header[7:] if header.startswith("Bearer ") else None) or ok(request.cookies.get(COOKIE)):
+            return await handler(request)
+        if ok(request.query.get("token")):
+            resp = await handler(request)
+            resp.set_cookie(COOKIE, token, httponly=True, samesite="Strict")
+            return resp
+        return web.json_response({"error": "missing or wrong token"}, status=401)
+
+    return check
+
+
+def make_app(hub: Hub, token: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[_auth(token)] if token else [])
+    app["hub"] = hub
     app.router.add_get("/", index)
     app.router.add_get("/events", events)
     app.router.add_get("/api/info", info)
+    app.router.add_get("/api/stages", stages)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
     return app
 
 
+def _token(args) -> str | None:
+    path = getattr(args, "token_file", None)
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ObserveError(f"--token-file {path}: {exc.strerror}") from None
+        if not token:
+            raise ObserveError(f"--token-file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
 async def serve(args) -> int:
-    nc = await open_connection(nats_url(args), "rlstream-dashboard")
+    token = _token(args)
+    if not is_loopback(args.host) and not token:
+        raise ObserveError(f"refusing to serve the dashboard on {args.host} without a token: set ${TOKEN_ENV} or pass "
+                           "--token-file (or bind 127.0.0.1)")
+    nc = await open_connection(nats_url(args), "rlstream-dashboard", args)
     stop = asyncio.Event()
-    runner = None
+    runner = hub = None
     try:
         with signals_to(stop):
             js = nc.jetstream(timeout=10.0)
@@ -129,7 +271,10 @@ async def serve(args) -> int:
                 await js.stream_info(Layout(args.run).metrics_stream)
             except NotFoundError:
                 raise ObserveError(f"run {args.run!r} has no metrics stream on this server (is the run id right?)") from None
-            runner = web.AppRunner(make_app(js, args.run, getattr(args, "backfill", None) or DEFAULT_BACKFILL), shutdown_timeout=2.0)
+            hub = Hub(js, Layout(args.run), getattr(args, "backfill", None) or DEFAULT_BACKFILL,
+                      getattr(args, "max_viewers", None) or DEFAULT_MAX_VIEWERS)
+            await hub.start()
+            runner = web.AppRunner(make_app(hub, token), shutdown_timeout=2.0)
             await runner.setup()
             site = web.TCPSite(runner, args.host, args.port)
             await site.start()
@@ -137,6 +282,12 @@ async def serve(args) -> int:
             print(f"dashboard for run {args.run} on http://{args.host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
             await stop.wait()
     finally:
+        if hub is not None:
+            for viewer in list(hub.viewers):  # open event streams end, so shutdown does not wait on them
+                viewer.dropped = True
+                if not viewer.queue.full():
+                    viewer.queue.put_nowait(b": bye\n\n")
+            await hub.stop()
         if runner is not None:
             await runner.cleanup()
         await nc.close()

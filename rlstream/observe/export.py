@@ -183,7 +183,7 @@ async def export_range(js, run: str, kind: str, out: str | Path, *, from_seq: in
 async def run_export(args) -> int:
     since = parse_time(args.since).timestamp() if args.since else None
     until = parse_time(args.until).timestamp() if args.until else None
-    nc = await open_connection(nats_url(args), "rlstream-export")
+    nc = await open_connection(nats_url(args), "rlstream-export", args)
     try:
         n = await export_range(nc.jetstream(timeout=10.0), args.run, args.stream, args.out, from_seq=args.from_seq,
                                to_seq=args.to_seq, since=since, until=until)

@@ -94,7 +94,7 @@ async def import_file(js, path: str | Path, run: str, *, force: bool = False) ->
 
 
 async def run_import(args) -> int:
-    nc = await open_connection(nats_url(args), "rlstream-import")
+    nc = await open_connection(nats_url(args), "rlstream-import", args)
     try:
         result = await import_file(nc.jetstream(timeout=10.0), args.file, args.run, force=args.force)
     finally:

@@ -30,10 +30,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from rlstream.broker.connection import connect
 from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import Layout
-from rlstream.config import ConfigError, apply_overrides, parse_config
-from rlstream.observe import ObserveError, fail, open_connection
+from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
+from rlstream.observe import ObserveError, fail, nats_config
 from rlstream.rundir import RunDir
 from rlstream.schemas import ScoredGroup
 
@@ -83,12 +84,13 @@ def same(recorded: Any, replayed: float | None, rtol: float, atol: float) -> boo
     return math.isclose(float(recorded), float(replayed), rel_tol=rtol, abs_tol=atol)
 
 
-async def fetch_groups(url: str, run: str, seqs: list[int], stages: tuple[str, ...] = ()) -> dict[int, ScoredGroup]:
+async def fetch_groups(url: str, run: str, seqs: list[int], stages: tuple[str, ...] = (),
+                       nats_cfg: NatsConfig | None = None) -> dict[int, ScoredGroup]:
     """The groups the learner trained, by sequence in the stream it reads: ``rl.<run>.scored``,
     or the last annotating stage's (whose groups carry the recorded reference / teacher
     log-probs, so replay reuses them instead of recomputing)."""
     stream, _ = Layout(run, stages).learner_input
-    nc = await open_connection(url, "rlstream-replay")
+    nc = await connect(nats_cfg or NatsConfig(), url, name="rlstream-replay")
     try:
         js = nc.jetstream(timeout=10.0)
         out = {}
@@ -105,7 +107,9 @@ async def fetch_groups(url: str, run: str, seqs: list[int], stages: tuple[str, .
 
 
 def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url: str | None, *, rtol: float = 0.0,
-           atol: float = 0.0) -> dict[str, Any]:
+           atol: float = 0.0, nats_cfg: NatsConfig | None = None) -> dict[str, Any]:
+    """``nats_cfg``: the operator's credentials (``--nats-user`` ...); when it has none, the run's
+    config (its ``nats`` section, with ``*_env`` secrets read here) is used."""
     from rlstream.learner.loop import build_learner, load_checkpoint, train_step
 
     cfg = load_run_config(run_dir, overrides)
@@ -127,7 +131,8 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
     if not url:
         raise ObserveError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
     seqs = [q for s in wanted for q in metrics[s]["scored_seqs"]]
-    groups = asyncio.run(fetch_groups(url, cfg.run, seqs, cfg.annotators))
+    has_creds = nats_cfg is not None and (nats_cfg.user or nats_cfg.token_env or nats_cfg.creds_file)
+    groups = asyncio.run(fetch_groups(url, cfg.run, seqs, cfg.annotators, nats_cfg if has_creds else cfg.nats))
 
     rows = []
     first_diff = None
@@ -178,7 +183,7 @@ def cli(args) -> int:
     atol = getattr(args, "atol", 0.0) or 0.0
     try:
         url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
-        result = replay(Path(args.run_dir), args.from_step, args.steps, args.set, url, rtol=rtol, atol=atol)
+        result = replay(Path(args.run_dir), args.from_step, args.steps, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_config(args))
     except (ObserveError, BrokerError) as exc:
         return fail(str(exc))
     if args.json:

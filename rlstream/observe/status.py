@@ -8,7 +8,11 @@
 - the policy version, learner step and pacing admit from KV; staleness: how many versions
   the slowest live producer is behind (``producer_lag_max``) and the learner's latest
   ``buffer/staleness_mean`` / ``buffer/staleness_max``;
-- the DLQ: messages in the dead-letter stream, total and by stage.
+- the DLQ: messages in the dead-letter stream, total and by stage;
+- where the time goes: per stage, the mean seconds of each phase of the last loop pass over
+  its live instances (from the ``time/<stage>/<phase>_s`` figures in their heartbeats), the
+  share of it spent working rather than waiting, and the stage that is the bottleneck now
+  (:mod:`rlstream.observe.stages`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rich.table import Table
 from rlstream.broker.layout import ANNOTATORS, PACING_ADMIT, Layout
 from rlstream.broker.state import RunState
 from rlstream.observe import ObserveError, command, nats_url, open_connection
+from rlstream.observe.stages import summary as stage_summary
 from rlstream.schemas import MetricEvent, RecordError
 
 ALIVE_INTERVALS = 3.0
@@ -35,6 +40,16 @@ STREAM_KINDS = ("prompts", "rollouts", "scored", "metrics", "dlq")
 def is_alive(heartbeat: dict[str, Any]) -> bool:
     interval = float(heartbeat.get("interval_s") or DEFAULT_INTERVAL_S)
     return float(heartbeat.get("age_s", float("inf"))) < ALIVE_INTERVALS * interval
+
+
+def live_phases(heartbeats: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """``{stage: [time/ figures of each live instance]}`` from the run's heartbeats."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for key, hb in heartbeats.items():
+        times = {k: v for k, v in hb.items() if k.startswith("time/") and isinstance(v, (int, float))}
+        if times and is_alive(hb):
+            out.setdefault(key.partition(".")[0], []).append(times)
+    return out
 
 
 async def _stream(js, name: str, subjects_filter: str | None = None) -> dict[str, Any] | None:
@@ -103,7 +118,7 @@ async def gather(js, run: str) -> dict[str, Any]:
             "component": component, "id": component_id, "alive": is_alive(hb), "age_s": round(float(hb.get("age_s", 0.0)), 3),
             "interval_s": float(hb.get("interval_s") or DEFAULT_INTERVAL_S), "pid": hb.get("pid"),
             "rates": {k: v for k, v in extra.items() if k.endswith("_per_s")},
-            "info": {k: v for k, v in extra.items() if not k.endswith("_per_s")},
+            "info": {k: v for k, v in extra.items() if not k.endswith("_per_s") and not k.startswith("time/")},
         })
 
     staleness: dict[str, Any] = {}
@@ -117,6 +132,8 @@ async def gather(js, run: str) -> dict[str, Any]:
             for k in ("buffer/staleness_mean", "buffer/staleness_max", "buffer/depth", "buffer/dropped_stale"):
                 if k in values:
                     staleness[k] = values[k]
+
+    stages = stage_summary(live_phases(heartbeats))
 
     dlq = streams["dlq"]
     prefix = f"rl.{run}.dlq."
@@ -133,6 +150,7 @@ async def gather(js, run: str) -> dict[str, Any]:
         "pacing_admit": admit if admit >= 0 else None,
         "staleness": staleness,
         "dlq": {"total": dlq["messages"] if dlq else 0, "by_stage": by_stage},
+        "stages": stages,
     }
 
 
@@ -180,6 +198,19 @@ def render(status: dict[str, Any], console: Console) -> None:
         t.add_row("-", "-", "no heartbeats", "", "", "")
     console.print(t)
 
+    stages = status.get("stages") or {}
+    t = Table(title="where the time goes (seconds per loop pass, mean over live instances)", title_justify="left")
+    for col in ("stage", "n", "busy", "phases"):
+        t.add_column(col, justify="right" if col in ("n", "busy") else "left")
+    for stage, st in (stages.get("stages") or {}).items():
+        mark = " [bold red]<- bottleneck[/]" if stage == stages.get("bottleneck") else ""
+        phases = "  ".join(f"{p}={v:.3g}" for p, v in st["phases"].items())
+        t.add_row(stage + mark, str(st["instances"]), f"{st['busy']:.0%}", phases)
+    if not stages.get("stages"):
+        t.add_row("-", "", "", "no phase figures yet")
+    console.print(t)
+    console.print(f"bottleneck: {stages.get('bottleneck') or '-'}")
+
     st = status["staleness"]
     console.print("staleness: " + ("  ".join(f"{k}={v:g}" for k, v in st.items()) if st else "-"))
     dlq = status["dlq"]
@@ -189,7 +220,7 @@ def render(status: dict[str, Any], console: Console) -> None:
 
 
 async def run_status(args) -> int:
-    nc = await open_connection(nats_url(args), "rlstream-status")
+    nc = await open_connection(nats_url(args), "rlstream-status", args)
     try:
         status = await gather(nc.jetstream(timeout=10.0), args.run)
     finally:

@@ -184,7 +184,7 @@ async def run_tail(args) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, args.tokenizer)
-    nc = await open_connection(nats_url(args), "rlstream-tail")
+    nc = await open_connection(nats_url(args), "rlstream-tail", args)
     stop = asyncio.Event()
     try:
         with signals_to(stop):

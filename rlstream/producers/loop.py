@@ -63,7 +63,9 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception, get_object
 from rlstream.broker.component import kept_in_progress, lanes
-from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
+from rlstream.broker.state import TRANSIENT, BrokerUnavailable
+from rlstream.broker.telemetry import Phases
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -216,14 +218,21 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         return not comp.stop.is_set() and (max_groups is None or stats.groups + pending < max_groups)
 
     async def newest_weights() -> None:
-        """Between batches: load newer weights, once no batch is generating."""
-        if not backend.can_reload or await comp.state.policy_version() <= stats.policy_version:
+        """Between batches: load newer weights, once no batch is generating. A broker away
+        for longer than the state's retry window: keep the weights, look again next batch."""
+        try:
+            newer = backend.can_reload and await comp.state.policy_version() > stats.policy_version
+        except BrokerUnavailable as exc:
+            log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
+            return
+        if not newer:
             return
         async with gate.reload():
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
 
     async def lane(fetching: asyncio.Lock) -> None:
         nonlocal pending, last_done
+        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
         while more_wanted():
             # 0. evaluation first: it waits for nobody's pacing room
             if await eval_waiting():
@@ -236,7 +245,9 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                     finally:
                         in_hand.pop(id(taken), None)
                     continue
+            phases.start()
             room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending, eval_waiting)
+            phases.add("pacing", waited)
             stats.pacing_wait_s += waited
             reporter.set("producer/pacing_wait_s", waited)
             reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
@@ -249,10 +260,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                     room = min(room, max_groups - stats.groups - pending)
                 if room <= 0 or comp.stop.is_set():
                     break
-                deliveries = await consumer.fetch(room, timeout=1.0)
+                with phases.time("fetch"):
+                    deliveries = await consumer.fetch(room, timeout=1.0)
                 pending += len(deliveries)
             if not deliveries:
                 last_done = time.monotonic()
+                reporter.update(phases.finish())
                 continue
             if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
                 for d in deliveries:
@@ -263,24 +276,28 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                 continue
             in_hand[id(deliveries)] = deliveries
             try:
-                await produce(deliveries)
+                await produce(deliveries, phases)
             finally:
                 in_hand.pop(id(deliveries), None)
                 pending -= len(deliveries)
+            reporter.update(phases.finish())
 
-    async def produce(deliveries) -> None:
+    async def produce(deliveries, phases: Phases) -> None:
         nonlocal last_done
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
             # after the fetch (which may have waited) and before generating: the newest weights
-            await newest_weights()
-            async with gate.generation():
-                groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
+            with phases.time("weight_reload"):
+                await newest_weights()
+            with phases.time("generate"):
+                async with gate.generation():
+                    groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version)
             if groups is None:
                 stats.failed_batches += 1
                 if stats.failed_batches >= MAX_FAILED_BATCHES:
                     raise ProducerError(f"{MAX_FAILED_BATCHES} batches in a row failed to generate; see the log")
                 return
-            await publish_batch(comp, groups, deliveries)
+            with phases.time("publish"):
+                await publish_batch(comp, groups, deliveries)
         stats.failed_batches = 0
         now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
@@ -401,7 +418,8 @@ async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries,
     """Publish the groups (on ``subject``, default the rollouts), wait for JetStream's acks,
     then ack the prompts. The prompts stay in progress until then; a failure (after the
     publisher's retries) leaves them unacked, so they come back to some producer."""
-    out = [Outgoing(subject or comp.layout.rollouts, g.encode(), g.id) for g in groups]
+    origin = {ORIGIN_HEADER: f"producer/{comp.component_id}"}
+    out = [Outgoing(subject or comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
     await comp.publisher.publish_many(out)
     for d in deliveries:
         await d.ack()
@@ -413,10 +431,22 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
     Returns (room, seconds waited); room 0 means we were stopped while waiting, or that
     ``await interrupt()`` (eval work waiting) turned true."""
     t0 = time.monotonic()
+    delay = PACING_POLL_S
     while not comp.stop.is_set():
         pending = in_flight()  # read before the stream: a publish landing in between is counted twice, never missed
-        admit = await comp.state.admit(bound)
-        info = await comp.js.stream_info(comp.layout.rollouts_stream)
+        try:
+            admit = await comp.state.admit(bound)
+            info = await comp.js.stream_info(comp.layout.rollouts_stream)
+        except (BrokerUnavailable, *TRANSIENT) as exc:  # the broker away (a node lost): wait with backoff, count it
+            comp.state.broker_retries += 1
+            log.warning("pacing: broker unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
+            try:
+                await asyncio.wait_for(comp.stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 2, 5.0)
+            continue
+        delay = PACING_POLL_S
         room = admit - info.state.last_seq - pending
         if room > 0:
             return min(room, batch), time.monotonic() - t0

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.broker import EmbeddedServer, Layout
-from rlstream.config import ConfigError, dump_resolved, load_config
+from rlstream.config import ConfigError, SecretMaskingFormatter, dump_resolved, load_config, mask_secrets
 from rlstream.run.summary import broker_accounting, eval_headline, read_eval, read_metrics, reward_curve, summarize
 from rlstream.observe.rundir import write_broker_record
 from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
@@ -58,7 +58,7 @@ def main(args) -> int:
     rd.logs.mkdir(exist_ok=True)
     dump_resolved(cfg, rd.config)
     file_log = logging.FileHandler(rd.log("run"))
-    file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    file_log.setFormatter(SecretMaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(file_log)
 
     server = None
@@ -72,7 +72,7 @@ def main(args) -> int:
     config_path = str(Path(args.config).resolve())
     children = plan_children(cfg, config_path, args.set or [], nats_url, run_dir, args.max_steps)
     live = sys.stdout.isatty() and not getattr(args, "no_live", False)
-    print(f"rlstream run {cfg.run}: {cfg.training_mode}, broker {nats_url}, run directory {run_dir}", flush=True)
+    print(f"rlstream run {cfg.run}: {cfg.training_mode}, broker {mask_secrets(nats_url)}, run directory {run_dir}", flush=True)
     t0 = time.monotonic()
     outcome = Outcome(1, "not started")
     accounting: dict[str, Any] = {}

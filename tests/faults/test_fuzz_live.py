@@ -7,13 +7,14 @@ Kinds: random bytes, wrong schema version, wrong field types, mismatched array l
 positive / NaN / inf log-probs, token ids out of vocabulary (negative ones where the stage
 has no vocabulary), oversized payloads (a string past the 1 MiB limit, more samples than
 allowed). Every example checks, against the broker's own streams: each bad record is in
-``rl.<run>.dlq.<stage>`` with its original bytes and a reason, each good record was
+``rl.<run>.dlq.<stage>`` with its original bytes (their first MiB, size and sha256 when larger) and a reason, each good record was
 processed exactly once (and in order, for the learner), and the process is still alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import signal
@@ -283,10 +284,13 @@ async def exchange(live: Live, items: list[tuple[str, bytes, str | None]], proce
         await nc.close()
     new_bad = [data for _, data, good_id in items if good_id is None]
     assert len(letters) == len(new_bad)
+    by_sha = {hashlib.sha256(b).hexdigest(): b for b in live.published_bad}
     for letter in letters:
         assert letter.stage == live.stage and letter.reason, letter
-        assert letter.data in live.published_bad, letter.reason
-    assert sorted(letter.data for letter in letters) == sorted(new_bad)
+        original = by_sha.get(letter.sha256)
+        assert original is not None, letter.reason
+        assert letter.size == len(original) and original.startswith(letter.data), "the original bytes, or their first MiB"
+    assert sorted(letter.sha256 for letter in letters) == sorted(hashlib.sha256(b).hexdigest() for b in new_bad)
     live.dlq_seen += len(letters)
     assert done == live.good_ids, "every good record processed exactly once, in order"
     assert live.proc.poll() is None, "the component is still alive"
@@ -418,3 +422,22 @@ def test_bad_scored_groups_go_to_the_dlq_and_the_learner_goes_on(learner_live, s
     goods = [(scored_group(scored_template, live.counter + i).encode(), scored_group(scored_template, live.counter + i).id) for i in range(2)]
     assert all(rejected(d, ScoredGroup, live.limits) for _, d in bads)
     asyncio.run(exchange(live, interleave(bads, goods, where), lambda js: trained(live, js), timeout=120))
+
+
+# ---- a bad record at the size limit, to each live stage ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["producer_live", "scorer_live", "learner_live"])
+def test_a_bad_record_at_the_max_payload_is_dead_lettered_and_the_stage_goes_on(request, fixture, scored_template):
+    """Junk that nearly fills the broker's max payload (8 MiB here): its dead letter cannot copy
+    it whole, so the letter keeps the first MiB with the size and sha256; the stage stays up
+    and keeps processing, and the record is not redelivered in a loop."""
+    live: Live = request.getfixturevalue(fixture)
+    good = {"producer": lambda i: good_prompt(i), "scorer": lambda i: good_rollout(i),
+            "learner": lambda i: scored_group(scored_template, i)}[live.stage]
+    goods = [(good(live.counter + i).encode(), good(live.counter + i).id) for i in range(2)]
+    junk = b"\x93" + bytes(np.random.default_rng(live.counter).integers(0, 256, 8 * ONE_MIB - 256, dtype=np.uint8))
+    processed = {"producer": lambda js: produced(live, js), "scorer": lambda js: scored(live, js),
+                 "learner": lambda js: trained(live, js)}[live.stage]
+    asyncio.run(exchange(live, interleave([("near-limit junk", junk)], goods, [1]), processed, timeout=120))

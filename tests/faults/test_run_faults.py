@@ -134,3 +134,51 @@ def test_hung_producer_backend_is_timed_out_and_restarted_by_the_run(tiny_model_
     assert summary["restarts"].get("producer-0", 0) >= 1, summary["restarts"]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("producer-0*"))
     assert "generation timed out after 3s" in logs and "exiting with code 75" in logs
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_foreign_records_are_counted_apart_and_nothing_is_lost(tiny_model_dir, tmp_path):
+    """Valid rollout and scored groups published onto the run's subjects by someone other than
+    its producers and scorers: the run trains on, ``lost_*`` stays 0 (never negative) and the
+    summary counts the foreign records apart."""
+    import numpy as np
+
+    from rlstream.schemas import RolloutGroup, Sample, ScoredGroup
+
+    data = write_data(tmp_path / "data")
+    server = EmbeddedServer(tmp_path / "store").start()
+    run_dir = tmp_path / "run"
+    steps = 4
+    run = f"foreign{int(time.time()) % 100000}"
+    cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, [f"nats.url={server.url}", "checkpoint.interval=2"])
+    cmd += ["--set", f"run={run}"]
+    lay = Layout(run)
+
+    def group(i: int) -> RolloutGroup:
+        samples = [Sample(np.array([5, 6], np.int32), np.array([-0.5, -0.5], np.float32), "stop", "7") for _ in range(8)]
+        return RolloutGroup.from_samples(samples, id=f"foreign-{i}", prompt_id=f"foreign-{i}", prompt_text="Q: 3 + 4 = ?", run=run,
+                                         prompt_ids=np.array([1, 2], np.int32), policy_version=0, columns={"answer": "7"})
+
+    async def inject():
+        nc = await connect(url=server.url)
+        js = nc.jetstream()
+        await ensure_layout(js, run)
+        for i in range(4):
+            await js.publish(lay.rollouts, group(i).encode(), headers={"Nats-Msg-Id": f"foreign-r{i}"})
+        for i in range(4, 6):
+            g = ScoredGroup(rollout=group(i), rewards=np.ones(8, np.float32))
+            await js.publish(lay.scored, g.encode(), headers={"Nats-Msg-Id": f"foreign-s{i}"})
+        await nc.close()
+
+    try:
+        asyncio.run(inject())
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400).stdout
+    finally:
+        server.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True, out[-3000:]
+    acc = summary["accounting"]
+    assert acc["lost_prompts"] == 0 and acc["lost_rollouts"] == 0, acc
+    assert acc["rollouts_foreign"] == 4 and acc["scored_foreign"] == 2, acc
+    assert all(v >= 0 for k, v in acc.items() if isinstance(v, (int, float))), acc

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from observe_helpers import start_cli, wait_stderr_line
-from rlstream.broker import Reporter, connect, ensure_layout
+from rlstream.broker import Reporter, RunState, connect, ensure_layout
 
 pytestmark = pytest.mark.chromium
 
@@ -85,6 +85,10 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
     await _emit_steps(learner, range(1, 6))  # history from before the page opened
     await producer.emit({"producer/tokens_per_s": 500.0})
     await nc.flush()
+    # live heartbeats with phase figures: the producer never waits (busy 1.0), the learner waits 0.9 of 1.0 s
+    state = await RunState.open(nc.jetstream(), layout)
+    await state.heartbeat("producer", "p0", interval_s=60.0, **{"time/producer/generate_s": 0.5, "time/producer/fetch_s": 0.0})
+    await state.heartbeat("learner", "learner", interval_s=60.0, **{"time/learner/wait_s": 0.9, "time/learner/forward_s": 0.1})
 
     dash = await start_cli("dashboard", "--run", run_id, "--nats", nats_server.url, "--port", "0")
     chrome = None
@@ -115,6 +119,9 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
                 before = json.loads(await cdp.eval("JSON.stringify(window.rlstream)"))
                 assert before["connected"] is True
                 assert before["points"]["reward"] == 5 and before["latest"]["reward/mean"] == pytest.approx(0.5)
+                await cdp.wait_for("window.rlstream.stages && window.rlstream.stages.bottleneck === 'producer'")
+                stages_text = await cdp.eval("document.getElementById('stages').textContent")
+                assert "bottleneck: producer" in stages_text and "generate 0.500" in stages_text and "10% busy" in stages_text
 
                 # live: five more steps published now reach the open page
                 await _emit_steps(learner, range(6, 11))

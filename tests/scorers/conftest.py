@@ -3,6 +3,7 @@ serving the tiny reward model in a subprocess."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -40,10 +41,10 @@ def reward_server(tiny_reward_model_dir):
     """``rlstream reward-server`` on a free loopback port, with a token and batches of 8."""
     port = free_port()
     token = "test-token-123"
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # the token through the environment: never on a command line
         [sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(tiny_reward_model_dir), "--port", str(port),
-         "--token", token, "--max-batch", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+         "--max-batch", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RLSTREAM_REWARD_TOKEN": token},
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc)

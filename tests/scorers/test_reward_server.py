@@ -85,3 +85,114 @@ def test_refuses_a_public_address_without_a_token(tiny_reward_model_dir):
                            "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "without a token" in proc.stderr
+
+
+# ---- one authorised client cannot tie the server up ----------------------------------------------
+
+
+def _start(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    import os
+
+    from rlstream.broker.server import free_port
+    from tests.scorers.conftest import wait_http
+
+    port = free_port()
+    env = {**os.environ, "RLSTREAM_REWARD_TOKEN": "tok-abc"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(model_dir), "--port", str(port),
+                             "--max-batch", "1", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _health(http, url) -> dict:
+    async with http.get(url + "/health") as r:
+        return await r.json()
+
+
+async def _scored(http, url) -> float:
+    async with http.get(url + "/metrics", headers={"Authorization": "Bearer tok-abc"}) as r:
+        lines = (await r.text()).splitlines()
+    return next(float(line.split()[1]) for line in lines if line.startswith("reward_server_sequences_total"))
+
+
+async def _until(pred, timeout: float, what: str):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await pred():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+async def test_texts_per_request_are_capped(tiny_reward_model_dir):
+    proc, url = _start(tiny_reward_model_dir, "--max-texts", "16")
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer tok-abc"}) as http:
+            async with http.post(url + "/score", json={"prompts": ["a"] * 17, "completions": ["b"] * 17}) as r:
+                assert r.status == 413 and "at most 16" in (await r.json())["error"]
+            async with http.post(url + "/score", json={"prompts": ["a"] * 16, "completions": ["b"] * 16}) as r:
+                assert r.status == 200 and len((await r.json())["scores"]) == 16
+            async with http.post(url + "/score", data=b"[" + b" " * (20 << 20) + b"]") as r:
+                assert r.status == 413  # the body itself is capped too
+    finally:
+        _stop(proc)
+
+
+async def test_a_client_that_disconnects_cancels_its_work(tiny_reward_model_dir):
+    """3000 texts at one per forward pass (~15 s of work); the client hangs up at once. The
+    queue must empty long before the work is done: scored stays far below 3000."""
+    proc, url = _start(tiny_reward_model_dir)
+    n = 3000
+    try:
+        auth = {"Authorization": "Bearer tok-abc"}
+        async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession(headers=auth) as doomed:
+                post = asyncio.ensure_future(doomed.post(url + "/score", json={"prompts": ["Q: 1 + 1? A:"] * n, "completions": [" 2"] * n}))
+                await _until(lambda: _health_queued(http, url, lambda q: q > 0), 30, "the work to be queued")
+                post.cancel()
+            # the client is gone; its texts leave the queue without being scored
+            await _until(lambda: _health_queued(http, url, lambda q: q == 0), 30, "the queue to empty")
+            assert await _scored(http, url) < n / 2
+            async with http.post(url + "/score", json={"prompts": ["a"], "completions": ["b"]}, headers=auth) as r:
+                assert r.status == 200  # and the server still serves
+    finally:
+        _stop(proc)
+
+
+async def _health_queued(http, url, cond) -> bool:
+    return cond((await _health(http, url))["queued"])
+
+
+async def test_sigterm_stops_the_server_promptly_with_work_queued(tiny_reward_model_dir):
+    """Four clients queue 4 x 4000 texts (~80 s of forward passes); SIGTERM ends the process in
+    seconds and every client gets an answer (503) instead of a hang."""
+    import signal
+    import time
+
+    proc, url = _start(tiny_reward_model_dir)
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer tok-abc"}) as http:
+            async def one():
+                try:
+                    async with http.post(url + "/score", json={"prompts": ["Q: 1 + 1? A:"] * 4000, "completions": [" 2"] * 4000}) as r:
+                        return r.status
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+
+            clients = [asyncio.ensure_future(one()) for _ in range(4)]
+            await _until(lambda: _health_queued(http, url, lambda q: q > 8000), 60, "the work to be queued")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            statuses = await asyncio.wait_for(asyncio.gather(*clients), 30)
+            rc = await asyncio.to_thread(proc.wait, 30)
+            took = time.monotonic() - t0
+        assert rc == 0, proc.stderr.read().decode()[-2000:]
+        # the queued work is ~80 s of forward passes; one pass and the shutdown fit well within 30 s, even on a busy machine
+        assert took < 30, f"SIGTERM took {took:.1f} s"
+        assert all(s in (503, "ServerDisconnectedError", "ClientOSError") for s in statuses), statuses
+    finally:
+        _stop(proc)

@@ -86,3 +86,35 @@ async def test_tls_with_private_ca(tmp_path):
             await asyncio.wait_for(connect(NatsConfig(url=url, tls=NatsTLS())), 20)
     finally:
         server.stop()
+
+
+async def test_passwords_in_urls_are_masked_in_errors_and_logs(tmp_path, caplog):
+    """A URL with userinfo is a common way to pass credentials; neither an error nor a log line
+    repeats them (reconnect logs included)."""
+    import logging
+
+    from rlstream.broker import free_port
+    from rlstream.config import SecretMaskingFormatter
+
+    port = free_port()
+    with pytest.raises(BrokerError) as info:
+        await connect(NatsConfig(url=f"nats://rl:url-pw-4321@127.0.0.1:{port}"))
+    assert "url-pw-4321" not in str(info.value) and "***" in str(info.value)
+
+    server = start(tmp_path, 'authorization { user: "rl", password: "url-pw-4321" }\n')
+    try:
+        with caplog.at_level(logging.DEBUG):
+            nc = await connect(NatsConfig(url=f"nats://rl:url-pw-4321@127.0.0.1:{server.port}"), name="masked")
+            server.restart()  # the client reconnects and logs where to
+            for _ in range(200):
+                if nc.is_connected and any("reconnected" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+            await nc.close()
+        assert any("reconnected" in r.getMessage() for r in caplog.records)
+        assert not any("url-pw-4321" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        server.stop()
+    # and the CLI's log format masks any URL whatever logged it (nats-py's own messages included)
+    record = logging.LogRecord("nats.aio.client", logging.ERROR, __file__, 1, "failed %s", ("nats://u:p-9876@h:1",), None)
+    assert "p-9876" not in SecretMaskingFormatter("%(name)s: %(message)s").format(record)

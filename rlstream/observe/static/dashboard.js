@@ -16,7 +16,7 @@
   const MAX_POINTS = 20000;
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
 
-  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false };
+  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false, stages: null };
   window.rlstream = state;
 
   const charts = CHARTS.map((def) => {
@@ -84,6 +84,29 @@
   }
   setInterval(redraw, 250);
   window.addEventListener("resize", () => charts.forEach((c) => c.plot && c.plot.setSize({ width: width(c), height: 220 })));
+
+  // where the time goes: /api/stages (the server decides the bottleneck from the heartbeats)
+  const stagesCard = document.createElement("div");
+  stagesCard.className = "card";
+  stagesCard.id = "stages";
+  stagesCard.innerHTML = "<h2>where the time goes (s per loop pass)</h2><div class=\"empty\">no phase figures yet</div>";
+  document.getElementById("charts").prepend(stagesCard);
+  function showStages(s) {
+    state.stages = s;
+    const names = Object.keys(s.stages || {});
+    if (!names.length) return;
+    const rows = names.map((name) => {
+      const st = s.stages[name];
+      const phases = Object.entries(st.phases).map(([p, v]) => `${p} ${Number(v).toPrecision(3)}`).join(" · ");
+      const mark = name === s.bottleneck ? " <b>← bottleneck</b>" : "";
+      return `<tr><td>${name}${mark}</td><td>${st.instances}</td><td>${Math.round(st.busy * 100)}% busy</td><td>${phases}</td></tr>`;
+    }).join("");
+    stagesCard.innerHTML = `<h2>where the time goes (s per loop pass) · bottleneck: ${s.bottleneck || "-"}</h2>` +
+      `<table style="font-size:12px;border-spacing:8px 2px">${rows}</table>`;
+  }
+  function pollStages() { fetch("/api/stages").then((r) => r.json()).then(showStages).catch(() => {}); }
+  pollStages();
+  setInterval(pollStages, 2000);
 
   fetch("/api/info").then((r) => r.json()).then((info) => { document.getElementById("run").textContent = info.run; });
   const status = document.getElementById("state");

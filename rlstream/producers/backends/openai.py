@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from rlstream.config import mask_secrets
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class OpenAIBackend(Backend):
             try:
                 async with self.session.request(method, url, json=payload) as resp:
                     if resp.status in RETRY_STATUS and attempt < self.retries:
-                        log.warning("%s %s: HTTP %d, retrying in %.1fs", method, url, resp.status, delay)
+                        log.warning("%s %s: HTTP %d, retrying in %.1fs", method, mask_secrets(url), resp.status, delay)
                     elif resp.status >= 400:
                         raise ProducerError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
                     else:
@@ -113,7 +114,7 @@ class OpenAIBackend(Backend):
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:  # transient: retry with backoff
                 if attempt >= self.retries:
                     raise ProducerError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-                log.warning("%s %s: %s, retrying in %.1fs", method, url, type(exc).__name__, delay)
+                log.warning("%s %s: %s, retrying in %.1fs", method, mask_secrets(url), type(exc).__name__, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
         raise ProducerError(f"{method} {url}: gave up after {self.retries + 1} tries")
