@@ -51,8 +51,9 @@ class AccountLimits:
 
     max_mem: str = "1G"
     max_file: str = "200G"
-    max_streams: int = 16
-    """The run has 10 (8 record streams, the KV bucket, the object store)."""
+    max_streams: int = 32
+    """The run has 10 (8 record streams, the KV bucket, the object store), 12 with the reference
+    and teacher stages; room for a second run in the same account."""
     max_consumers: int = 256
     """6 durables, plus what operators' tools open (tail, dashboard, status)."""
 
