@@ -1,6 +1,8 @@
 """The arithmetic task: "Q: What is a + b?" with a verifiable answer.
 
-Problems are split by (a, b) so the GRPO prompts are held out from the SFT warm-up.
+Problems are split by (a, b): 60% for the SFT warm-up, 20% for GRPO, and 20% held out from
+both for evaluation (``eval_prompts.jsonl``), so the eval accuracy is on problems the model
+was never trained on.
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ def write_datasets(out_dir: Path, seed: int = 0) -> dict[str, Path]:
     with sft.open("w") as f:
         for a, b in train:
             f.write(json.dumps({"prompt": prompt(a, b), "completion": f" {a + b}", "answer": str(a + b)}) + "\n")
+    half = len(held_out) // 2
     rl = out_dir / "rl_prompts.jsonl"
     with rl.open("w") as f:
-        for a, b in held_out:
+        for a, b in held_out[:half]:
+            f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
+    evaluation = out_dir / "eval_prompts.jsonl"
+    with evaluation.open("w") as f:
+        for a, b in held_out[half:]:
             f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
     # preference pairs for the DPO example: the right sum preferred to an off-by-one
     dpo = out_dir / "dpo.jsonl"
@@ -41,7 +48,7 @@ def write_datasets(out_dir: Path, seed: int = 0) -> dict[str, Path]:
         for a, b in train:
             wrong = a + b + rng.choice([-2, -1, 1, 2])
             f.write(json.dumps({"prompt": prompt(a, b), "chosen": f" {a + b}", "rejected": f" {wrong}"}) + "\n")
-    return {"sft": sft, "rl": rl, "dpo": dpo}
+    return {"sft": sft, "rl": rl, "eval": evaluation, "dpo": dpo}
 
 
 def corpus() -> list[str]:
