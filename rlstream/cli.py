@@ -103,7 +103,7 @@ def cmd_export_model(args) -> int:
 
 def cmd_eval(args) -> int:
     args.config = args.config_path
-    return _call("rlstream.evaluation", "cli")(args, _load(args))
+    return _call("rlstream.run.evaluate", "cli")(args, _load(args))
 
 
 def cmd_broker(args) -> int:
