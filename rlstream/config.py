@@ -624,6 +624,10 @@ class ProducerConfig(Strict):
     endpoint: str | None = None
     model_name: str | None = None
     """Model name to request from an OpenAI-compatible server."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """openai backend: the name of the environment variable holding the server's API key, sent
+    as ``Authorization: Bearer <key>`` (``vllm serve --api-key``, a hosted endpoint). The key
+    itself is never in the config, on a command line or in a log."""
     request_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
     request_retries: int = Field(3, ge=0, le=100)
     """openai backend: retries of a failed request (with exponential backoff)."""
@@ -663,6 +667,10 @@ class ProducerConfig(Strict):
     """fake backend: when this file exists, the next batch removes it and blocks its thread
     for ``fake_hang_s`` (a stuck engine; one hang per creation of the file)."""
     fake_hang_s: float = Field(3600.0, gt=0, le=DAY_S)
+
+    def api_key(self) -> str | None:
+        """The API key, from the variable ``api_key_env`` names (read now), or None."""
+        return secret_from_env(self.api_key_env, "producer.api_key_env") if self.api_key_env else None
 
 
 class ScorerConfig(Strict):
