@@ -86,3 +86,21 @@ def test_a_v2_prompt_decodes_as_unpinned():
 def test_nonfinite_free():
     m = round_metrics([_group("e0-x-0", [1.0], [1.0], version=0)], _cfg().eval)
     assert all(math.isfinite(v) for v in m.values()) and m["eval/pass@1"] == 1.0
+
+
+def test_a_round_asks_what_training_asks():
+    """An eval prompt is the feeder's prompt of the same row (text, chat turns, the columns the
+    reward terms read), so eval and training differ in sampling only. TRL's conversational
+    ``prompt`` column (a list of turns) included: a round built its own way refused it."""
+    from rlstream.producers.feeder import build_prompts
+
+    cfg = _cfg()
+    rows = [{"prompt": "Q: What is 1 + 2?\nA:", "answer": "3", "level": 1},
+            {"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": "2 + 2?"}], "answer": "4"}]
+    evals = round_prompts(cfg, rows, 0)
+    trains = build_prompts(rows, cfg)
+    assert [(p.text, p.messages, p.columns) for p in evals] == [(p.text, p.messages, p.columns) for p in trains]
+    assert evals[1].messages == rows[1]["prompt"] and evals[1].text == ""
+    # a row without a prompt is refused as the feeder refuses it, naming the eval dataset
+    with pytest.raises(ValueError, match="eval dataset held_out.jsonl: row 0 has no column 'prompt'"):
+        round_prompts(cfg, [{"question": "?"}], 0)
