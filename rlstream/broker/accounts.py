@@ -13,7 +13,7 @@ its object store, and for each role its own durable consumer. Anything not liste
 | scorer    | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL_ROLLOUTS | heartbeat.scorer.* |
 | reference | reference         | -                                                                     | reference on RL_<run>_SCORED      | heartbeat.reference.* |
 | teacher   | teacher           | -                                                                     | teacher on RL_<run>_SCORED or RL_<run>_REFERENCE | heartbeat.teacher.* |
-| learner   | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| learner   | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator  | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 The annotating stages (``reference``, ``teacher``) are optional links between the scorers and
@@ -107,6 +107,8 @@ def permissions(role: str, run: str) -> list[str]:
             allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
                       f"$JS.ACK.{stream}.{durable}.>"]
     if role == "learner":
+        # how far an eval round has got (it holds the next weights publish until its prompts are generated)
+        allow += [f"$JS.API.CONSUMER.INFO.{lay.consumers()[d][0]}.{d}" for d in (Layout.EVAL_PRODUCERS, Layout.EVAL_SCORERS)]
         allow += [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
         allow += [f"$O.{lay.weights_bucket}.>", f"$JS.API.STREAM.PURGE.{obj}"]
         allow += [f"$JS.API.STREAM.{verb}.{s}" for s in streams(lay) for verb in ("CREATE", "UPDATE")]

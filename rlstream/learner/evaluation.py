@@ -118,22 +118,35 @@ class Evaluator:
             await asyncio.sleep(0.1)
 
     async def finish(self, version: int, step: int, stop: asyncio.Event) -> None:
-        """After the last step: a round of the final weights (``eval.at_end``), then wait up to
-        ``eval.hold_s`` for every open round; one still short then is summed up as it is."""
+        """After the last step: a round of the final weights (``eval.at_end``), then wait for
+        every open round, up to ``eval.hold_s``, or until nothing of evaluation is left in
+        flight (a prompt dead-lettered on the way never comes); one still short then is summed
+        up as it is."""
         if self.ecfg.at_end:
             await self.begin(version, step)
         deadline = time.monotonic() + self.ecfg.hold_s
-        while self.open and not stop.is_set() and time.monotonic() < deadline:
+        drained = 0
+        while self.open and not stop.is_set() and time.monotonic() < deadline and drained < 2:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+            drained = drained + 1 if self.open and not await self._in_flight() else 0
         for key in sorted(self.open, key=lambda k: self.open[k].version):
             r = self.open[key]
             log.warning("evaluation round of policy v%d: %d of %d prompts scored; summed up as it is",
                         r.version, len(r.groups), r.expected)
             await self._sum_up(key)
+
+    async def _in_flight(self) -> int:
+        """Eval records waiting for, or held by, a producer, a scorer or this collector."""
+        lay, js = self.comp.layout, self.comp.js
+        n = 0
+        for durable in (Layout.EVAL_PRODUCERS, Layout.EVAL_SCORERS, Layout.EVAL_LEARNER):
+            info = await js.consumer_info(lay.consumers()[durable][0], durable)
+            n += info.num_pending + info.num_ack_pending
+        return n
 
     # ---- collecting --------------------------------------------------------------------------
 

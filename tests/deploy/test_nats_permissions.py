@@ -337,8 +337,11 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
         assert msg.data == b"s+ref+teacher"
         await msg.in_progress()
         await msg.ack_sync()
-        # evaluation's chain, each step by its own role: learner -> producers -> scorers -> learner
+        # evaluation's chain, each step by its own role: learner -> producers -> scorers -> learner;
+        # the learner sees how far a round has got (it holds its next publish until it is generated)
         assert (await ljs.publish(lay.eval_prompts, b"ep")).seq == 1
+        assert (await ljs.consumer_info(lay.eval_prompts_stream, Layout.EVAL_PRODUCERS)).num_pending == 1
+        assert (await ljs.consumer_info(lay.eval_rollouts_stream, Layout.EVAL_SCORERS)).num_pending == 0
         (msg,) = await (await pjs.pull_subscribe_bind(Layout.EVAL_PRODUCERS, lay.eval_prompts_stream)).fetch(1, timeout=5)
         assert (await pjs.publish(lay.eval_rollouts, b"er")).seq == 1
         await msg.ack_sync()
