@@ -2,10 +2,10 @@
 
 1. Build a tiny Llama and a BPE tokenizer locally (nothing is downloaded).
 2. Warm it up with a short SFT run on synthetic arithmetic problems (`rlstream run sft.yaml`).
-3. Run asynchronous GRPO on problems held out from SFT with a verifiable reward (`rlstream run
+3. Run asynchronous GRPO with a verifiable reward on the SFT problems and 20 more (`rlstream run
    grpo.yaml`): embedded nats-server, feeder, producer, scorer and learner as separate processes.
-   Evaluation rounds (greedy, on problems neither SFT nor GRPO trains on) run before training,
-   every 50 policy versions and after the last step.
+   Evaluation rounds (greedy, on 20 problems neither SFT nor GRPO trains on) run before training,
+   every 100 policy versions and after the last step.
 4. Print the held-out eval accuracy before and after GRPO, and where the summary and curve are.
 """
 
@@ -59,12 +59,12 @@ def main() -> None:
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data")
 
-    console.print("[2/3] SFT warm-up on synthetic arithmetic (held-out problems kept for GRPO) ...")
+    console.print("[2/3] SFT warm-up on synthetic arithmetic (problems held out for GRPO and for evaluation) ...")
     sft_dir = out / "sft"
     sft = rlstream_run(HERE / "sft.yaml", sft_dir, model_dir, data["sft"], args.sft_steps)
     console.print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s")
 
-    console.print("[3/3] asynchronous GRPO on held-out problems (reward: the answer is right) ...")
+    console.print("[3/3] asynchronous GRPO (reward: the answer is right), evaluated on held-out problems ...")
     grpo_dir = out / "grpo"
     # `rlstream run` points checkpoints/latest at the newest step
     grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (sft_dir / "checkpoints" / "latest").resolve(), data["rl"], args.grpo_steps,
@@ -74,8 +74,8 @@ def main() -> None:
     before, after = grpo.get("eval_first") or {}, grpo.get("eval_last") or {}
     if "eval/pass@1" in before and "eval/pass@1" in after:
         console.print(f"held-out eval accuracy (greedy, {int(after['eval/prompts'])} problems neither SFT nor GRPO trained on): "
-                      f"{before['eval/pass@1']:.2f} before GRPO (policy v{before['policy_version']}) -> "
-                      f"{after['eval/pass@1']:.2f} after (policy v{after['policy_version']})")
+                      f"{before['eval/pass@1']:.2f} before GRPO -> {after['eval/pass@1']:.2f} after "
+                      f"(policy v{after['policy_version']}, step {after['step']})")
     console.print(f"training reward (GRPO's own prompts, sampled): {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} "
                   f"over {grpo['steps']} steps, {grpo['samples_trained']} samples")
     console.print(f"total time {time.monotonic() - t0:.0f}s")

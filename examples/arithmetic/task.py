@@ -1,8 +1,13 @@
 """The arithmetic task: "Q: What is a + b?" with a verifiable answer.
 
-Problems are split by (a, b): 60% for the SFT warm-up, 20% for GRPO, and 20% held out from
-both for evaluation (``eval_prompts.jsonl``), so the eval accuracy is on problems the model
-was never trained on.
+Problems are split by (a, b): 60% for the SFT warm-up, 20% more for GRPO (which trains on
+these and the SFT problems), and 20% held out from both for evaluation
+(``eval_prompts.jsonl``), so the eval accuracy is on problems the model was never trained on.
+
+GRPO gets the SFT problems too: on its 20 new problems alone, the tiny model memorises their
+answers (after 300 steps every greedy answer on the held-out problems was one of those 20
+problems' answers) and forgets the rest (greedy accuracy on the SFT problems 1.00 -> 0.40,
+held-out 0.65 -> 0.35).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def write_datasets(out_dir: Path, seed: int = 0) -> dict[str, Path]:
     half = len(held_out) // 2
     rl = out_dir / "rl_prompts.jsonl"
     with rl.open("w") as f:
-        for a, b in held_out[:half]:
+        for a, b in train + held_out[:half]:
             f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
     evaluation = out_dir / "eval_prompts.jsonl"
     with evaluation.open("w") as f:
