@@ -128,3 +128,28 @@ def test_the_key_goes_as_a_bearer_token_and_nowhere_else(tiny_model_dir, tmp_pat
     assert not leaked, leaked
     for out in (proc.stdout, proc.stderr, unset.stdout, unset.stderr, " ".join(cmd)):
         assert key not in out
+
+
+async def test_the_backend_sends_the_key_and_the_server_checks_it():
+    """The backend alone, against the same server: with the key it generates; without it (the
+    backend as it was before ``api_key_env``) the server refuses it."""
+    import numpy as np
+
+    from rlstream.producers.backends.base import ProducerError, SamplingSpec
+    from rlstream.producers.backends.openai import OpenAIBackend
+
+    spec = SamplingSpec(n=2, max_new_tokens=3, temperature=1.0)
+    with KeyedServer("sk-right", [5, 6, 7]) as server:
+        keyed = OpenAIBackend(server.url, api_key="sk-right", retries=0)
+        try:
+            (group,) = await keyed.generate([np.array([1, 2], np.int32)], spec)
+        finally:
+            await keyed.close()
+        assert [c.token_ids.tolist() for c in group] == [[5, 6, 7], [5, 6, 7]]
+        bare = OpenAIBackend(server.url, retries=0)
+        try:
+            with pytest.raises(ProducerError, match="HTTP 401"):
+                await bare.generate([np.array([1, 2], np.int32)], spec)
+        finally:
+            await bare.close()
+    assert {h for _p, h in server.seen} == {"Bearer sk-right", None}
