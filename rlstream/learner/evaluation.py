@@ -92,10 +92,9 @@ class Evaluator:
         await self.comp.publisher.publish_many([Outgoing(self.comp.layout.eval_prompts, p.encode(), p.id) for p in prompts])
         log.info("evaluation round of policy v%d (step %d): %d prompts", version, step, len(prompts))
 
-    async def published(self, version: int, step: int) -> None:
-        """Weights ``version`` were just published: begin a round when it is due."""
-        if self.ecfg.every and version % self.ecfg.every == 0:
-            await self.begin(version, step)
+    def due(self, version: int) -> bool:
+        """Weights ``version`` were just published: is a round of it due?"""
+        return bool(self.ecfg.every) and version % self.ecfg.every == 0 and version not in self.versions_begun
 
     async def holding(self) -> bool:
         """True while the newest round's prompts are not all generated (and for at most

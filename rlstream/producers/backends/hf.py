@@ -12,6 +12,7 @@ padded prompt gives the same log-probs as the unpadded one fed alone.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 
 import numpy as np
@@ -24,6 +25,7 @@ from rlstream.producers.backends.base import (
     WeightsSource,
     clean_logprobs,
     safetensors_files,
+    safetensors_views,
 )
 
 
@@ -143,16 +145,20 @@ class HFBackend(Backend):
         return True
 
     def load_weights_sync(self, source: WeightsSource) -> None:
-        import safetensors.torch
-
+        # The tensors are views of the received bytes or of a private mapping of each file
+        # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
         if source.data is not None:
-            state = safetensors.torch.load(source.data)
+            buffers = [source.data]
         elif source.path is not None:
-            state = {}
+            buffers = []
             for f in safetensors_files(source.path):
-                state.update(safetensors.torch.load_file(str(f)))
+                with open(f, "rb") as fh:
+                    buffers.append(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY))
         else:
             raise ProducerError("weights source has neither bytes nor a path")
+        state = {}
+        for buf in buffers:
+            state.update(safetensors_views(buf))
         with self._lock, self.torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             # tied weights (lm_head = embed_tokens) may be absent from a state dict
