@@ -30,6 +30,8 @@ from typing import Any
 
 from rlstream.broker import Component, Layout, Outgoing, Publisher
 from rlstream.data import DatasetError, Row, check_rows, read_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
+from rlstream.envs.gym import is_gym_source
+from rlstream.envs.gym import rows_for as gym_rows
 from rlstream.schemas import Prompt
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None, publish
     else:
         if not ds.path:
             raise DatasetError("data_source.path is not set: nothing to feed")
-        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name) if not is_gym_source(ds.path) else gym_rows(ds)
         base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
         total, source = len(base) * ds.epochs, Path(ds.path).name
         prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
