@@ -101,6 +101,11 @@ def cmd_export_model(args) -> int:
     return _call("rlstream.learner.export_model", "cli")(args)
 
 
+def cmd_eval(args) -> int:
+    args.config = args.config_path
+    return _call("rlstream.run.evaluate", "cli")(args, _load(args))
+
+
 def cmd_broker(args) -> int:
     from rlstream.broker.errors import BrokerError
     from rlstream.broker.server import run_foreground
@@ -250,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repository (token from $HF_TOKEN or `hf auth login`)")
     sp.add_argument("--private", action="store_true", help="create the Hub repository private")
     sp.set_defaults(fn=cmd_export_model)
+
+    sp = sub.add_parser("eval", help="evaluate a checkpoint on the config's eval dataset with its reward terms (no broker)")
+    sp.add_argument("checkpoint", help="a model directory: checkpoints/step_N, checkpoints/latest, or a run directory")
+    sp.add_argument("--config", dest="config_path", required=True, help="YAML config file with an eval section")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config value")
+    sp.add_argument("--out", help="also write the figures to this JSON file")
+    sp.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    sp.set_defaults(fn=cmd_eval)
 
     sp = sub.add_parser("broker", help="the embedded nats-server in the foreground")
     sp.add_argument("--port", type=int, default=4222, help="client port")

@@ -780,6 +780,10 @@ class OpenAIProducerConfig(ProducerConfig):
     endpoint: str | None = None
     model_name: str | None = None
     """Model name to request from an OpenAI-compatible server."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of the environment variable holding the server's API key, sent as
+    ``Authorization: Bearer <key>`` (``vllm serve --api-key``, a hosted endpoint). The key
+    itself is never in the config, on a command line or in a log."""
     request_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
     request_retries: int = Field(3, ge=0, le=100)
     """Retries of a failed request (with exponential backoff)."""
@@ -825,6 +829,10 @@ def _backend_settings() -> dict[str, list[str]]:
             if key not in ProducerConfig.model_fields:
                 out.setdefault(key, []).append(name)
     return out
+
+    def api_key(self) -> str | None:
+        """The API key, from the variable ``api_key_env`` names (read now), or None."""
+        return secret_from_env(self.api_key_env, "producer.api_key_env") if self.api_key_env else None
 
 
 class ScorerConfig(Strict):
@@ -1076,6 +1084,52 @@ class SupervisorConfig(Strict):
     10 s."""
 
 
+class EvalConfig(Strict):
+    """Evaluation on a held-out dataset during training (RL modes), and ``rlstream eval``.
+
+    Each round evaluates one pinned policy version: the learner publishes the round's prompts
+    on ``rl.<run>.eval.prompts``, producers take them ahead of training prompts and generate
+    with exactly that version (the learner holds its next weights publish until the round is
+    generated, at most ``hold_s``), scorers score them with the run's reward terms, and the
+    learner sums the round up. Nothing from a round is trained."""
+
+    path: str | None = None
+    """The held-out dataset, read like ``data_source.path`` (a file, a ``datasets`` directory
+    or a Hub id), with ``data_source``'s prompt and messages columns. None: no evaluation
+    (the section's other settings wait for a path, e.g. ``--set eval.path=...``)."""
+    name: str | None = None
+    """Hub datasets: the configuration (subset) name."""
+    split: str = "train"
+    every: int = Field(50, ge=0)
+    """Evaluate every this many policy versions (0: only before and after training)."""
+    at_start: bool = True
+    """Evaluate the starting weights (policy version 0) before any step."""
+    at_end: bool = True
+    """Evaluate the final weights after the last step (the learner waits up to ``hold_s``)."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Samples per prompt."""
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy (then ``samples`` should be 1: greedy samples are all the same)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """None: ``producer.max_new_tokens``."""
+    max_prompts: int | None = Field(256, ge=1)
+    """Use at most this many rows of the dataset (None: all)."""
+    pass_k: list[int] = Field(default_factory=lambda: [1])
+    """The k of each reported ``eval/pass@k`` (unbiased estimator; each k <= ``samples``)."""
+    pass_threshold: float = 1.0
+    """A sample counts as correct for pass@k when its reward is at least this."""
+    hold_s: float = Field(300.0, gt=0)
+    """How long the learner holds its next weights publish for a round's generation, and
+    waits for the final round's scores before it exits."""
+
+    @model_validator(mode="after")
+    def _k_within_samples(self):
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
+        if bad:
+            raise ValueError(f"eval.pass_k {bad} must be within 1..eval.samples ({self.samples})")
+        return self
+
+
 # ---- the whole config --------------------------------------------------------------------
 
 
@@ -1109,6 +1163,8 @@ class Config(Strict):
     """TRL's key: where the learner's metrics and completions tables also go (``tensorboard``,
     ``wandb``, ``trackio``, ``mlflow``); ``"all"`` = every one installed, ``"none"`` = none.
     Each package's own settings apply (``WANDB_MODE=offline``, ``MLFLOW_TRACKING_URI``...)."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during training; None: none."""
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -1180,6 +1236,9 @@ class Config(Strict):
         if self.env.per_turn_rewards and self.algorithm_params.advantage_type == "rloo":
             raise ValueError("env.per_turn_rewards normalises over the group's turns: use advantage_type "
                              "group_relative or group_relative_no_std, not rloo")
+        if self.eval is not None and self.eval.path:
+            raise ValueError("eval: evaluation rounds sample single completions; with env (multi-turn episodes) "
+                             "remove the eval section and read the episodes' success from the training reward")
         if "reward_function" not in self.model_fields_set:
             self.reward_function = RewardFunction(terms=[RewardTerm(rule="env")])
 
@@ -1197,6 +1256,11 @@ class Config(Strict):
     @property
     def is_rl(self) -> bool:
         return isinstance(self.algorithm_params, RLParams)
+
+    @property
+    def evaluates(self) -> bool:
+        """An ``eval`` section with a dataset: evaluation rounds run (RL modes, during training)."""
+        return self.eval is not None and bool(self.eval.path)
 
     @property
     def learner_reads_dataset(self) -> bool:
@@ -1467,6 +1531,7 @@ PATH_KEYS = (
     ("model_checkpoint_path",),
     ("tokenizer_path",),
     ("data_source", "path"),
+    ("eval", "path"),
     ("learner", "reference_model_path"),
     ("learner", "deepspeed"),
     ("reference", "model_path"),

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from rlstream import chat
 from rlstream.config import is_hub_id
 
 
@@ -100,3 +102,43 @@ def require_columns(rows: list[dict[str, Any]], columns: list[str], path: str | 
             v = row[c]
             if v is None or (isinstance(v, (str, list)) and len(v) == 0):
                 raise DatasetError(f"{path}: row {i} column {c!r} is empty")
+
+
+def _plain(value: Any) -> Any:
+    """A column value as msgpack-friendly plain data (dates, decimals... become strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _messages(value: Any, row: int, column: str, where: str) -> list[dict[str, str]]:
+    try:
+        return chat.check_messages(value, f"{where}: row {row} column {column!r}")
+    except chat.ChatError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+Row = tuple[str, "list[dict[str, str]] | None", dict[str, Any]]
+
+
+def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[Row]:
+    """(text, messages, columns) per row; a row with neither column, or an empty prompt,
+    raises :class:`DatasetError` naming the row and the column."""
+    ds = cfg.data_source
+    pc, mc = ds.prompt_column, ds.messages_column
+    base: list[Row] = []
+    for i, row in enumerate(rows):
+        if pc in row and chat.is_conversational(row[pc]):  # TRL's conversational prompt
+            text, messages = "", _messages(row[pc], i, pc, where)
+        elif pc in row and row[pc] is not None:
+            text = row[pc]
+            if not isinstance(text, str):
+                raise DatasetError(f"{where}: row {i} column {pc!r} must be a string, got {type(text).__name__}")
+            if not text.strip():
+                raise DatasetError(f"{where}: row {i} column {pc!r} is empty")
+            messages = None
+        elif mc in row and row[mc] is not None:
+            text, messages = "", _messages(row[mc], i, mc, where)
+        else:
+            raise DatasetError(f"{where}: row {i} has no column {pc!r} (nor {mc!r}); columns: {sorted(row)}")
+        columns = {k: _plain(v) for k, v in row.items() if k not in (pc, mc)}
+        base.append((text, messages, columns))
+    return base

@@ -1,5 +1,6 @@
 """HTTP to an OpenAI-compatible server, shared by the producers' backend and the teacher stage:
-the completions URL an endpoint names, and one call with retries on transient failures."""
+the completions URL an endpoint names, a session that sends the API key (if any) as a bearer
+token, and one call with retries on transient failures."""
 
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ from rlstream.config import mask_secrets
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers every request to the server carries: the API key as a bearer token."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def open_session(*, max_connections: int, timeout_s: float, api_key: str | None = None):
+    """A pooled aiohttp session whose every request carries :func:`auth_headers`. The key
+    lives only in the session's default headers: it is never part of a URL, a payload, an
+    error message or a log line."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth_headers(api_key))
 
 
 def completions_url(endpoint: str) -> str:

@@ -27,6 +27,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any, Callable
@@ -134,7 +135,7 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     streaming = ds.type == "on_policy" or cfg.is_rl
     try:
         if streaming:
-            from rlstream.producers.feeder import check_rows
+            from rlstream.data import check_rows
 
             check_rows(rows, cfg, where=str(ds.path))
         elif cfg.algorithm_params.trains_on_pairs:
@@ -147,6 +148,32 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     except DatasetError as exc:
         return [f"data_source: {exc}"], rows
     return [], rows
+
+
+def check_eval(cfg: Config) -> list[str]:
+    """The held-out dataset of ``eval.path`` reads and holds prompts as the training data does."""
+    if not cfg.evaluates:
+        return []
+    from rlstream.data import DatasetError, check_rows, read_rows
+
+    e = cfg.eval
+    try:
+        rows = read_rows(e.path, e.split, min(HEAD_ROWS, e.max_prompts or HEAD_ROWS), name=e.name)
+        check_rows(rows, cfg, where=str(e.path))
+    except DatasetError as exc:
+        return [f"eval.path: {exc}"]
+    except Exception as exc:  # a file the reader chokes on
+        return [f"eval.path: {e.path} cannot be read ({_first_line(exc)})"]
+    return [] if rows else [f"eval.path: {e.path} holds no rows"]
+
+
+def check_secrets(cfg: Config) -> list[str]:
+    """Every ``*_env`` secret the run's components will read names a variable that is set
+    (the value is never read into a message)."""
+    named = [("producer.api_key_env", cfg.producer.api_key_env if cfg.producer.backend == "openai" else None),
+             ("reward_function.token_env", cfg.reward_function.token_env if cfg.reward_function.type == "model_based" else None)]
+    return [f"{field}: names the environment variable {var}, which is not set" for field, var in named
+            if var and not os.environ.get(var)]
 
 
 def _accepts(fn: Callable[..., Any], names: list[str]) -> list[str]:
@@ -318,6 +345,8 @@ def preflight(cfg: Config, *, endpoints: bool = False) -> list[str]:
     if cfg.env is not None:
         problems += check_env(cfg, rows)
     problems += check_deepspeed(cfg)
+    problems += check_eval(cfg)
+    problems += check_secrets(cfg)
     if endpoints:
         problems += check_endpoints(cfg)
     return problems

@@ -2,9 +2,11 @@
 
 1. Build a tiny Llama and a BPE tokenizer locally (nothing is downloaded).
 2. Warm it up with a short SFT run on synthetic arithmetic problems (`rlstream run sft.yaml`).
-3. Run asynchronous GRPO on held-out problems with a verifiable reward (`rlstream run grpo.yaml`):
-   embedded nats-server, feeder, producer, scorer and learner as separate processes.
-4. Print where the summary and the reward curve are.
+3. Run asynchronous GRPO with a verifiable reward on the SFT problems and 20 more (`rlstream run
+   grpo.yaml`): embedded nats-server, feeder, producer, scorer and learner as separate processes.
+   Evaluation rounds (greedy, on 20 problems neither SFT nor GRPO trains on) run before training,
+   every 100 policy versions and after the last step.
+4. Print the held-out eval accuracy before and after GRPO, and where the summary and curve are.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path, max_steps: int | None) -> dict:
+def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path, max_steps: int | None, sets: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite",
            "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data}"]
+    for s in sets:
+        cmd += ["--set", s]
     if max_steps:
         cmd += ["--max-steps", str(max_steps)]
     code = subprocess.call(cmd, cwd=ROOT)
@@ -55,19 +59,25 @@ def main() -> None:
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data")
 
-    console.print("[2/3] SFT warm-up on synthetic arithmetic (held-out problems kept for GRPO) ...")
+    console.print("[2/3] SFT warm-up on synthetic arithmetic (problems held out for GRPO and for evaluation) ...")
     sft_dir = out / "sft"
     sft = rlstream_run(HERE / "sft.yaml", sft_dir, model_dir, data["sft"], args.sft_steps)
     console.print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s")
 
-    console.print("[3/3] asynchronous GRPO on held-out problems (reward: the answer is right) ...")
+    console.print("[3/3] asynchronous GRPO (reward: the answer is right), evaluated on held-out problems ...")
     grpo_dir = out / "grpo"
     # `rlstream run` points checkpoints/latest at the newest step
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (sft_dir / "checkpoints" / "latest").resolve(), data["rl"], args.grpo_steps)
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (sft_dir / "checkpoints" / "latest").resolve(), data["rl"], args.grpo_steps,
+                        [f"eval.path={data['eval']}"])
 
     console.rule("[bold]done")
-    console.print(f"reward (accuracy on held-out problems): {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} "
-                  f"over {grpo['steps']} steps, {grpo['samples_trained']} samples, mean staleness in the summary")
+    before, after = grpo.get("eval_first") or {}, grpo.get("eval_last") or {}
+    if "eval/pass@1" in before and "eval/pass@1" in after:
+        console.print(f"held-out eval accuracy (greedy, {int(after['eval/prompts'])} problems neither SFT nor GRPO trained on): "
+                      f"{before['eval/pass@1']:.2f} before GRPO -> {after['eval/pass@1']:.2f} after "
+                      f"(policy v{after['policy_version']}, step {after['step']})")
+    console.print(f"training reward (GRPO's own prompts, sampled): {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} "
+                  f"over {grpo['steps']} steps, {grpo['samples_trained']} samples")
     console.print(f"total time {time.monotonic() - t0:.0f}s")
     console.print(f"summary: {grpo_dir / 'summary.json'}")
     console.print(f"curve:   {grpo_dir / 'reward_curve.png'}")

@@ -9,11 +9,11 @@ its object store, and for each role its own durable consumer. Anything not liste
 | role      | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
 |-----------|-------------------|-----------------------------------------------------------------------|-----------------------------------|-------------------|
 | feeder    | prompts           | -                                                                     | -                                 | heartbeat.feeder.* |
-| producer  | rollouts          | -                                                                     | producers on RL_<run>_PROMPTS     | heartbeat.producer.* |
-| scorer    | scored            | -                                                                     | scorers on RL_<run>_ROLLOUTS      | heartbeat.scorer.* |
+| producer  | rollouts, eval.rollouts | -                                                               | producers on RL_<run>_PROMPTS, eval-producers on RL_<run>_EVAL_PROMPTS | heartbeat.producer.* |
+| scorer    | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL_ROLLOUTS | heartbeat.scorer.* |
 | reference | reference         | -                                                                     | reference on RL_<run>_SCORED      | heartbeat.reference.* |
 | teacher   | teacher           | -                                                                     | teacher on RL_<run>_SCORED or RL_<run>_REFERENCE | heartbeat.teacher.* |
-| learner   | weights (objects) | the run's streams, KV bucket, object store and durable consumers      | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| learner   | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator  | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 The annotating stages (``reference``, ``teacher``) are optional links between the scorers and
@@ -21,6 +21,11 @@ the learner (:mod:`rlstream.broker.layout`). One file serves every chain a run m
 each stage's durable consumer and the learner's are allowed on every stream that can precede
 them, and the learner may lay out the annotated streams. A permission for a consumer the
 learner did not lay out grants nothing: only the learner creates consumers.
+
+Evaluation (``rl.<run>.eval.*``) has a stream per stage and a durable consumer per role, so a
+role's credential reaches only its own link there too: the learner publishes eval prompts and
+reads eval scores, producers pull eval prompts and publish eval rollouts, scorers pull eval
+rollouts and publish eval scores.
 
 Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
 letters (``rl.<run>.dlq.<role>``), reads the run's stream infos, KV keys and weights, and
@@ -47,8 +52,10 @@ from itertools import combinations
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
 
 ROLES = ("feeder", "producer", "scorer", *ANNOTATORS, "learner")
-RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored", **{stage: stage for stage in ANNOTATORS}}
-DURABLES = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, **{stage: stage for stage in ANNOTATORS}, "learner": Layout.LEARNER}
+RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval.rollouts"), "scorer": ("scored", "eval.scored"),
+           **{stage: (stage,) for stage in ANNOTATORS}, "learner": ("eval.prompts",)}
+DURABLES = {"producer": (Layout.PRODUCERS, Layout.EVAL_PRODUCERS), "scorer": (Layout.SCORERS, Layout.EVAL_SCORERS),
+            **{stage: (stage,) for stage in ANNOTATORS}, "learner": (Layout.LEARNER, Layout.EVAL_LEARNER)}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -58,11 +65,11 @@ class AccountLimits:
 
     max_mem: str = "1G"
     max_file: str = "200G"
-    max_streams: int = 16
-    """The run has 7 (5 record streams, the KV bucket, the object store), 9 with both
-    annotating stages."""
+    max_streams: int = 32
+    """The run has 10 (5 record streams, 3 eval streams, the KV bucket, the object store), 12
+    with both annotating stages; room for a second run in the same account."""
     max_consumers: int = 256
-    """3 durables (5 with both annotating stages), plus what operators' tools open (tail,
+    """6 durables (8 with both annotating stages), plus what operators' tools open (tail,
     dashboard, status)."""
 
 
@@ -90,17 +97,18 @@ def permissions(role: str, run: str) -> list[str]:
     """The subjects ``role`` may publish to in ``run``."""
     lay = Layout(run, ANNOTATORS)  # every stream a run may have
     kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
-    allow = [f"rl.{run}.{RECORDS[role]}"] if role in RECORDS else []
+    allow = [f"rl.{run}.{record}" for record in RECORDS.get(role, ())]
     allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
     allow += [f"$JS.API.STREAM.INFO.{s}" for s in streams(lay)]
     for s in (kv, obj):
         allow += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
-    durable = DURABLES.get(role)
-    if durable is not None:
+    for durable in DURABLES.get(role, ()):
         for stream in durable_streams(run)[durable]:
             allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
                       f"$JS.ACK.{stream}.{durable}.>"]
     if role == "learner":
+        # how far an eval round has got (it holds the next weights publish until its prompts are generated)
+        allow += [f"$JS.API.CONSUMER.INFO.{lay.consumers()[d][0]}.{d}" for d in (Layout.EVAL_PRODUCERS, Layout.EVAL_SCORERS)]
         allow += [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
         allow += [f"$O.{lay.weights_bucket}.>", f"$JS.API.STREAM.PURGE.{obj}"]
         allow += [f"$JS.API.STREAM.{verb}.{s}" for s in streams(lay) for verb in ("CREATE", "UPDATE")]

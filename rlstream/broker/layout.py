@@ -9,8 +9,17 @@
 | rl.<run>.teacher                 | RL_<run>_TEACHER   | ScoredGroup + teacher_logprobs | teacher stage | learner | explicit, after the checkpoint holding it is durable |
 | rl.<run>.metrics.<comp>.<id>     | RL_<run>_METRICS   | MetricEvent       | everyone   | tail, status, dashboard | none (read from a time) |
 | rl.<run>.dlq.<stage>             | RL_<run>_DLQ       | DeadLetter        | any stage  | operators             | none |
+| rl.<run>.eval.prompts            | RL_<run>_EVAL_PROMPTS  | Prompt (pinned policy_version) | learner | producers (``eval-producers``, work queue), ahead of training prompts | explicit, after the rollout publish is acked |
+| rl.<run>.eval.rollouts           | RL_<run>_EVAL_ROLLOUTS | RolloutGroup      | producers  | scorers (``eval-scorers``) | explicit, after the scored publish is acked |
+| rl.<run>.eval.scored             | RL_<run>_EVAL_SCORED   | ScoredGroup       | scorers    | learner's evaluation (``eval-learner``), never trained | explicit, on receipt |
 | KV rl_<run>_state                | KV_rl_<run>_state  | policy.version, learner.step, pacing.admit, heartbeat.<comp>.<id> |
 | objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
+
+Evaluation has streams of its own (one per stage, as training: a record keeps its id from
+stage to stage, and JetStream de-duplicates message ids per stream), so nothing from it
+reaches the training subjects (the learner's consumer reads the last link of the chain only) or
+the pacing bound (the producers count
+``RL_<run>_ROLLOUTS``).
 
 Annotating stages (``Layout.stages``, from ``Config.annotators``) form a chain between the
 scorers and the learner, in the order of :data:`ANNOTATORS`: each stage has a durable consumer
@@ -114,6 +123,18 @@ class Layout:
     def scored(self) -> str:
         return f"rl.{self.run}.scored"
 
+    @property
+    def eval_prompts(self) -> str:
+        return f"rl.{self.run}.eval.prompts"
+
+    @property
+    def eval_rollouts(self) -> str:
+        return f"rl.{self.run}.eval.rollouts"
+
+    @property
+    def eval_scored(self) -> str:
+        return f"rl.{self.run}.eval.scored"
+
     def metrics(self, component: str = "*", component_id: str = "*") -> str:
         return f"rl.{self.run}.metrics.{component}.{component_id}"
 
@@ -145,10 +166,25 @@ class Layout:
     def dlq_stream(self) -> str:
         return f"RL_{self.run}_DLQ"
 
+    @property
+    def eval_prompts_stream(self) -> str:
+        return f"RL_{self.run}_EVAL_PROMPTS"
+
+    @property
+    def eval_rollouts_stream(self) -> str:
+        return f"RL_{self.run}_EVAL_ROLLOUTS"
+
+    @property
+    def eval_scored_stream(self) -> str:
+        return f"RL_{self.run}_EVAL_SCORED"
+
     # durable consumers
     PRODUCERS = "producers"
     SCORERS = "scorers"
     LEARNER = "learner"
+    EVAL_PRODUCERS = "eval-producers"
+    EVAL_SCORERS = "eval-scorers"
+    EVAL_LEARNER = "eval-learner"
 
     # KV and object store
     @property
@@ -168,6 +204,9 @@ class Layout:
             **{self.annotated_stream(st): self.annotated(st) for st in self.stages},
             self.metrics_stream: self.metrics_all,
             self.dlq_stream: f"rl.{self.run}.dlq.>",
+            self.eval_prompts_stream: self.eval_prompts,
+            self.eval_rollouts_stream: self.eval_rollouts,
+            self.eval_scored_stream: self.eval_scored,
         }
 
     def consumers(self) -> dict[str, tuple[str, str]]:
@@ -177,6 +216,9 @@ class Layout:
             self.SCORERS: (self.rollouts_stream, self.rollouts),
             **{st: self.stage_input(st) for st in self.stages},
             self.LEARNER: self.learner_input,
+            self.EVAL_PRODUCERS: (self.eval_prompts_stream, self.eval_prompts),
+            self.EVAL_SCORERS: (self.eval_rollouts_stream, self.eval_rollouts),
+            self.EVAL_LEARNER: (self.eval_scored_stream, self.eval_scored),
         }
 
 
@@ -256,6 +298,10 @@ async def ensure_layout(
         max_age=retention_s, discard=DiscardPolicy.OLD, **common))
     await _ensure_stream(js, StreamConfig(
         name=lay.dlq_stream, subjects=[f"rl.{run}.dlq.>"], retention=RetentionPolicy.LIMITS, max_age=retention_s * 4, **common))
+    # evaluation: a work queue of prompts, then rollouts and scored groups kept like training's
+    await _ensure_stream(js, StreamConfig(name=lay.eval_prompts_stream, subjects=[lay.eval_prompts], retention=RetentionPolicy.WORK_QUEUE, **common))
+    for name, subject in ((lay.eval_rollouts_stream, lay.eval_rollouts), (lay.eval_scored_stream, lay.eval_scored)):
+        await _ensure_stream(js, StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
     for durable in (lay.consumers() if durables is None else durables):
         await ensure_consumer(js, lay, durable, cfg, ack_wait_s=ack_wait_s)
     try:

@@ -122,6 +122,11 @@ def cli(args) -> int:
         return 2
     print(f"exported {resolve_checkpoint(args.checkpoint)} to {out}", flush=True)
     if args.push_to_hub:
-        url = push_to_hub(out, args.push_to_hub, private=args.private)
+        try:
+            url = push_to_hub(out, args.push_to_hub, private=args.private)
+        except Exception as exc:  # refused, unreachable, offline (the Hub client's own errors): one line, exit 1; the export stays
+            why = " ".join(str(exc).split("\n")[0].split())
+            print(f"error: pushing {out} to {args.push_to_hub} failed: {why}", file=sys.stderr)
+            return 1
         print(f"pushed to {args.push_to_hub}: {url}", flush=True)
     return 0

@@ -9,7 +9,10 @@
   data-parallel group telling its followers what to do; it owns ``train_step``
   (:mod:`rlstream.learner.steps`), the full state dict and saving;
 - **weights** (:mod:`rlstream.learner.publish`) and **checkpoints**
-  (:mod:`rlstream.learner.checkpoint`).
+  (:mod:`rlstream.learner.checkpoint`);
+- **held-out evaluation** (:mod:`rlstream.learner.evaluation`, with an ``eval`` section):
+  rounds pinned to a policy version, begun at the start, after every ``eval.every``-th
+  publish and after the last step; a round still generating holds the next publish.
 
 Guarantees kept here:
 
@@ -201,9 +204,10 @@ async def _report(reports: Reports, cfg: Config, m: dict[str, float], taken: Tak
 
 
 async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
-                limit: int, metrics_path: Path, reports: Reports) -> bool:
+                limit: int, metrics_path: Path, reports: Reports, evaluator=None) -> bool:
     """take -> step -> publish -> log -> checkpoint, until ``limit`` steps, the end of the data
-    or ``stop``; then a final checkpoint. False when that one could not be written."""
+    or ``stop``; then the final weights' eval round and a final checkpoint. False when that
+    one could not be written."""
     from rlstream.broker.layout import LEARNER_STEP
 
     learner = runner.learner
@@ -223,7 +227,8 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
 
         publisher = BackgroundPublisher(comp, cfg.learner, config_json, published)
     try:
-        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json)
+        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
+                          evaluator)
     finally:
         if publisher is not None:
             await publisher.close()
@@ -235,10 +240,13 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
 
 
 async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
-                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str) -> bool:
+                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str, evaluator=None) -> bool:
     learner = runner.learner
     cfg, state = learner.cfg, learner.state
     phases = learner.phases
+    deferred = False  # a publish held back by an eval round still generating
+    if evaluator is not None and cfg.eval.at_start and state.step == 0:
+        await evaluator.begin(state.policy_version, state.step)
     phases.start()
     with open(metrics_path, "a") as metrics_file:
         while state.step < limit and not stop.is_set():
@@ -254,9 +262,21 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
             m["time/wait_data_s"] = t_step - t_wait
             source.hold(taken)
             m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
-            if comp is not None and m["optim/stepped"] > 0 and state.step % cfg.learner.publish_every == 0:
+            last = state.step >= limit  # with evaluation, the final weights are published for their round
+            due = m["optim/stepped"] > 0 and (state.step % cfg.learner.publish_every == 0 or deferred
+                                               or (evaluator is not None and last))
+            if evaluator is not None and due:
+                if last:
+                    await evaluator.wait_generated(stop)
+                deferred = await evaluator.holding()
+                due = not deferred
+            if comp is not None and due:
                 with phases.time("publish"):
                     m.update(await _publish(runner, source, comp, config_json, publisher))
+                if evaluator is not None and evaluator.due(state.policy_version):
+                    if publisher is not None:  # the round's version is announced (never superseded) before its prompts
+                        await publisher.flush()
+                    await evaluator.begin(state.policy_version, state.step)
             m.update(phases.finish())
             if cfg.is_online:
                 m.update(reward_term_metrics(taken.records))
@@ -266,12 +286,14 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
             if state.step % cfg.checkpoint.interval == 0:
                 with phases.time("checkpoint"):
                     await checkpoints.save()
-    if publisher is not None:  # the last version is out before the run reports its end
+    if publisher is not None:  # the last version is out before the run reports its end (and its eval round)
         await publisher.flush()
+    if evaluator is not None and not stop.is_set():
+        await evaluator.finish(state.policy_version, state.step, stop)  # producers and scorers run until we exit
     return await checkpoints.final()
 
 
-def _summary(cfg: Config, state: LearnerState, source: BatchSource) -> dict[str, Any]:
+def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluator=None) -> dict[str, Any]:
     return {
         "steps": state.step, "samples_trained": state.samples_trained, "tokens_trained": state.tokens_trained,
         "dropped_stale": state.dropped_stale, "dropped_filtered": state.dropped_filtered,
@@ -279,6 +301,7 @@ def _summary(cfg: Config, state: LearnerState, source: BatchSource) -> dict[str,
         "groups_consumed": state.groups_consumed, "policy_version": state.policy_version,
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,
         **source.summary(),
+        **({"eval_rounds": len(evaluator.results)} if evaluator is not None else {}),
     }
 
 
@@ -312,10 +335,17 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
             async with open_source(learner, comp) as source:
                 checkpoints = Checkpoints(runner, source, comp, last_step=learner.state.step if latest is not None else -1)
                 reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
+                evaluator = None
                 try:
+                    if comp is not None and cfg.is_online and cfg.evaluates:
+                        from rlstream.learner.evaluation import Evaluator
+
+                        evaluator = await Evaluator(cfg, comp, metrics_path, reports).start()
                     durable = await train(runner, source, checkpoints, comp, stop, max_steps or cfg.learner.max_steps, metrics_path,
-                                          reports)
+                                          reports, evaluator)
                 finally:
+                    if evaluator is not None:
+                        await evaluator.close()
                     await asyncio.to_thread(reports.close)
                     await asyncio.to_thread(runner.close)
 
@@ -324,5 +354,5 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
         log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
         return 1
-    RunDir(run_dir).learner_summary.write_text(json.dumps(_summary(cfg, learner.state, source), indent=2) + "\n")
+    RunDir(run_dir).learner_summary.write_text(json.dumps(_summary(cfg, learner.state, source, evaluator), indent=2) + "\n")
     return 0

@@ -60,6 +60,8 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ReplayError(f"{path}:{n}: not JSON ({exc})") from None
+            if rec.get("kind") == "eval":  # an evaluation round's figures, not a training step
+                continue
             out[int(rec["step"])] = rec  # a resumed run rewrote later steps: the last line wins
     return out
 

@@ -15,6 +15,15 @@ to one of them, and a dead producer's prompts come back to the others after
    stored twice) and wait for JetStream's acks;
 6. only then ack the prompts.
 
+Evaluation prompts (``rl.<run>.eval.prompts``, when the config has an ``eval`` section) come
+first: before each training batch, and while waiting for pacing room, a lane takes waiting
+eval prompts from the ``eval-producers`` consumer (they do not count against the pacing
+bound). Each is pinned to a policy version: the lane loads the newest weights, generates
+``eval.samples`` per prompt at ``eval.temperature`` with exactly the pinned version, and
+publishes the groups on ``rl.<run>.eval.rollouts``. The learner holds its next weights
+publish until a round is generated; a prompt whose version the producer has already moved
+past is dead-lettered, one whose weights are not loadable yet is nak'ed.
+
 ``producer.pipeline_batches`` lanes run these steps at once (default 2 for vllm and openai,
 whose engines batch concurrent requests continuously; 1 for hf and fake): while one batch
 generates, the next is fetched and joins it in the engine, and the last one is published.
@@ -60,7 +69,7 @@ from typing import Any
 
 import numpy as np
 
-from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception
+from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception
 from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
@@ -90,6 +99,7 @@ class ProducerStats:
     """The newest policy version whose weights could not be had (not tried again)."""
     policy_version: int = 0
     group_ids: list[str] = field(default_factory=list)
+    eval_groups: int = 0
     drain_naks: int = 0
     """Prompts given back at SIGTERM because their batch did not finish within the drain timeout."""
     in_flight_updates: int = 0
@@ -205,6 +215,19 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     gate = GenerationGate()
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     in_hand: dict[int, list] = {}  # fetched batches not yet acked (or failed), for the drain
+    evals = None
+    if cfg.evaluates:
+        evals = await Consumer(comp.js, comp.layout, Layout.EVAL_PRODUCERS, Prompt, stage="producer",
+                               max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
+        eval_spec = SamplingSpec.for_eval(cfg)
+        eval_sampling = {**eval_spec.describe(backend.name), "eval": True}
+
+    async def eval_waiting() -> bool:
+        """Eval prompts wait for a producer (checked before each training batch)."""
+        if evals is None:
+            return False
+        info = await comp.js.consumer_info(evals.stream, evals.durable)
+        return bool(info.num_pending)
     last_done = time.monotonic()
 
     def more_wanted() -> bool:
@@ -227,14 +250,27 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         nonlocal pending, last_done
         phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
         while more_wanted():
+            # 0. evaluation first: it waits for nobody's pacing room
+            if await eval_waiting():
+                async with fetching:
+                    taken = await evals.fetch(p.batch_prompts, timeout=0.2)
+                if taken:
+                    in_hand[id(taken)] = taken
+                    try:
+                        await produce_eval(taken)
+                    finally:
+                        in_hand.pop(id(taken), None)
+                    continue
             phases.start()
-            room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending)
+            room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending, eval_waiting)
             phases.add("pacing", waited)
             stats.pacing_wait_s += waited
             reporter.set("producer/pacing_wait_s", waited)
             reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
             if room <= 0:
-                break
+                if comp.stop.is_set():
+                    break
+                continue  # eval prompts came in while waiting
             async with fetching:
                 if max_groups is not None:
                     room = min(room, max_groups - stats.groups - pending)
@@ -296,6 +332,33 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             "producer/policy_version": stats.policy_version,
         })
 
+    async def produce_eval(deliveries) -> None:
+        """Generate eval prompts with exactly their pinned policy version."""
+        async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-eval-in-progress"):
+            await newest_weights()
+            loaded = stats.policy_version
+            ready = []
+            for d in deliveries:
+                pinned = d.record.policy_version
+                if pinned < 0 or pinned == loaded or not backend.can_reload:
+                    ready.append(d)
+                elif pinned > loaded:  # its weights are not loadable yet: try again soon
+                    await evals.fail(d, f"eval prompt pinned to policy v{pinned}; this producer has v{loaded}")
+                else:
+                    await dead_letter(comp.publisher, comp.layout, "producer", d.msg.subject, bytes(d.msg.data),
+                                      f"eval prompt pinned to policy v{pinned}, but the policy has moved on to v{loaded}",
+                                      record_id=d.record.id, deliveries=d.deliveries)
+                    await d.ack()
+            if not ready:
+                return
+            async with gate.generation():
+                groups = await generate_batch(comp, backend, evals, ready, eval_spec, eval_sampling, loaded)
+            if groups is None:
+                return
+            await publish_batch(comp, groups, ready, comp.layout.eval_rollouts)
+        stats.eval_groups += len(groups)
+        reporter.set("producer/eval_groups_total", stats.eval_groups)
+
     async def give_back(since_stop_s: float) -> None:
         """The drain timeout passed with batches still in hand: nak their prompts, so
         another producer takes them now rather than after the ack wait."""
@@ -333,8 +396,10 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-    # Nothing is in hand now; dropping the pull subscription lets the connection drain at once.
+    # Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once.
     await consumer.sub.unsubscribe()
+    if evals is not None:
+        await evals.sub.unsubscribe()
     log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
     return stats
 
@@ -442,12 +507,12 @@ async def generate_episodes(comp: Component, backend: GenerationBackend, consume
     return groups
 
 
-async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries) -> None:
-    """Publish the groups, wait for JetStream's acks, then ack the prompts. The prompts stay
-    in progress until then; a failure (after the publisher's retries) leaves them unacked,
-    so they come back to some producer."""
+async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries, subject: str | None = None) -> None:
+    """Publish the groups (on ``subject``, default the rollouts), wait for JetStream's acks,
+    then ack the prompts. The prompts stay in progress until then; a failure (after the
+    publisher's retries) leaves them unacked, so they come back to some producer."""
     origin = {ORIGIN_HEADER: f"producer/{comp.component_id}"}
-    out = [Outgoing(comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
+    out = [Outgoing(subject or comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
     await comp.publisher.publish_many(out)
     published = {g.id for g in groups}
     for d in deliveries:
@@ -455,10 +520,11 @@ async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries)
             await d.ack()
 
 
-async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0) -> tuple[int, float]:
+async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0, interrupt=None) -> tuple[int, float]:
     """How many groups we may generate now (<= batch), waiting while there is no room;
     ``in_flight()`` groups of ours are being published and count as existing.
-    Returns (room, seconds waited); room 0 means we were stopped while waiting."""
+    Returns (room, seconds waited); room 0 means we were stopped while waiting, or that
+    ``await interrupt()`` (eval work waiting) turned true."""
     t0 = time.monotonic()
     delay = PACING_POLL_S
     while not comp.stop.is_set():
@@ -479,6 +545,8 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
         room = admit - info.state.last_seq - pending
         if room > 0:
             return min(room, batch), time.monotonic() - t0
+        if interrupt is not None and await interrupt():
+            return 0, time.monotonic() - t0
         try:
             await asyncio.wait_for(comp.stop.wait(), PACING_POLL_S)
         except asyncio.TimeoutError:

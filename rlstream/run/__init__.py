@@ -32,7 +32,7 @@ from typing import Any
 
 from rlstream.broker import EmbeddedServer, Layout
 from rlstream.config import ConfigError, SecretMaskingFormatter, dump_resolved, load_config, mask_secrets
-from rlstream.run.summary import read_metrics, settled_accounting, reward_curve, summarize
+from rlstream.run.summary import eval_headline, read_eval, read_metrics, settled_accounting, reward_curve, summarize
 from rlstream.observe.rundir import write_broker_record
 from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
 from rlstream.rundir import RunDir, default_run_dir
@@ -85,7 +85,7 @@ def main(args) -> int:
     ok = outcome.ok
     summary = summarize(cfg, run_dir, time.monotonic() - t0, accounting, {c.name: c.restarts for c in children}, ok,
                         streaming(cfg))
-    curve = reward_curve(read_metrics(run_dir), rd.reward_curve, f"{cfg.run} · {cfg.training_mode}")
+    curve = reward_curve(read_metrics(run_dir), rd.reward_curve, f"{cfg.run} · {cfg.training_mode}", read_eval(run_dir))
     first, last = summary["reward_first"], summary["reward_last"]
     if ok:
         verdict = "finished"
@@ -97,6 +97,11 @@ def main(args) -> int:
     print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s", flush=True)
     if first is not None:
         print(f"reward: first 10% of steps {first:.3f} -> last 10% {last:.3f}", flush=True)
+    e0, e1 = summary.get("eval_first"), summary.get("eval_last")
+    key = eval_headline(e1) if e1 else None
+    if key is not None:
+        print(f"held-out {key}: policy v{e0['policy_version']} {e0.get(key, float('nan')):.3f} -> "
+              f"v{e1['policy_version']} {e1[key]:.3f}", flush=True)
     print(f"summary: {rd.summary}", flush=True)
     if curve:
         print(f"curve:   {curve}", flush=True)

@@ -21,7 +21,7 @@ from rlstream.config import Config
 from rlstream.rundir import LATEST_LINK, RunDir
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
     path = RunDir(run_dir).metrics
     if not path.exists():
         return []
@@ -32,6 +32,19 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut by a crash
+    return rows
+
+
+def read_eval(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluation rounds' rows of ``metrics.jsonl`` (``"kind": "eval"``), by policy version
+    (a resumed learner's round of the same version replaces the earlier one)."""
+    by_version = {int(r.get("policy_version", 0)): r for r in _read_rows(run_dir) if r.get("kind") == "eval"}
+    return [by_version[v] for v in sorted(by_version)]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The learner's step rows of ``metrics.jsonl`` (evaluation rows left out)."""
+    rows = [r for r in _read_rows(run_dir) if r.get("kind") != "eval"]
     # a resumed learner re-logs the steps after its checkpoint: keep the last of each step
     by_step: dict[int, dict] = {}
     for r in rows:
@@ -39,7 +52,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def reward_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Path | None:
+def eval_headline(row: dict[str, Any]) -> str | None:
+    """The figure an eval round is quoted by: pass@1 when reported, else the mean reward."""
+    if isinstance(row.get("eval/pass@1"), (int, float)):
+        return "eval/pass@1"
+    return "eval/reward/mean" if isinstance(row.get("eval/reward/mean"), (int, float)) else None
+
+
+def reward_curve(rows: list[dict[str, Any]], out: Path, title: str, evals: list[dict[str, Any]] = ()) -> Path | None:
+    """Training reward (or loss) per step; with ``evals``, the held-out eval figure of each
+    round as points at the step its version was published."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,6 +78,10 @@ def reward_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Path | No
     if len(values) >= 3:
         smooth = [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
         ax.plot(steps, smooth, color="#1f4e79", lw=2, label=f"{key} (moving mean of {k})")
+    key_eval = next((eval_headline(r) for r in evals if eval_headline(r)), None)
+    if key_eval is not None:
+        pts_eval = [(r["step"], r[key_eval]) for r in evals if isinstance(r.get(key_eval), (int, float))]
+        ax.plot(*zip(*pts_eval), color="#c0392b", lw=1.5, marker="o", label=f"{key_eval} (held-out)")
     ax.set_xlabel("learner step")
     ax.set_ylabel(key)
     ax.set_title(title)
@@ -191,6 +217,8 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     k = max(1, math.ceil(len(rewards) * 0.1))
     trained_ids: list[str] = [g for r in rows for g in r.get("group_ids", [])]
+    evals = read_eval(run_dir)
+    eval_fields = {k: v for k, v in (evals[0] if evals else {}).items() if k.startswith("eval/")}
     summary = {
         "run": cfg.run,
         "training_mode": cfg.training_mode,
@@ -210,6 +238,11 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "groups_trained_twice": (len(trained_ids) - len(set(trained_ids))) if streaming else None,
         "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
         "restarts": {name: n for name, n in restarts.items() if n},
+        # held-out evaluation: the first round (before training, when eval.at_start) and the last
+        "eval_first": ({"policy_version": evals[0]["policy_version"], "step": evals[0]["step"], **eval_fields}
+                       if evals else None),
+        "eval_last": ({"policy_version": evals[-1]["policy_version"], "step": evals[-1]["step"],
+                       **{k: v for k, v in evals[-1].items() if k.startswith("eval/")}} if evals else None),
         "learner": learner_summary,
         "ok": ok,
     }

@@ -65,12 +65,14 @@ class Prompt(Record, tag="prompt", kw_only=True):
     """One prompt of the dataset, on ``rl.<run>.prompts``.
 
     v1: id, run, ts, text, prompt_ids, columns, epoch, index. v2: + messages (chat turns).
+    v3: + policy_version: an evaluation prompt (``rl.<run>.eval.prompts``) is pinned to the
+    policy version it evaluates; -1 (training prompts) is any version.
     ``prompt_ids`` may be empty: the producer then tokenises ``text`` (or ``messages``
     with the model's chat template).
     """
 
     SCHEMA: ClassVar[str] = "prompt"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     v: int = VERSION
     id: str
@@ -82,9 +84,11 @@ class Prompt(Record, tag="prompt", kw_only=True):
     epoch: int = 0
     index: int = 0
     messages: capped(list[capped(dict[str, str], 4)], 4096) | None = None  # v2
+    policy_version: int = -1  # v3
 
     def check(self, limits: Limits, path: str) -> None:
         _min(self.epoch, 0, f"{path}epoch")
+        _min(self.policy_version, -1, f"{path}policy_version")
         _min(self.index, 0, f"{path}index")
         for i, m in enumerate(self.messages or ()):
             if not ("role" in m and "content" in m):

@@ -15,6 +15,11 @@ Failure policy, per group:
 - a reward function or rule raises: straight to the DLQ (``rl.<run>.dlq.scorer``) with
   the traceback, acked; the scorer goes on.
 
+Evaluation groups (``rl.<run>.eval.rollouts``, when the config has an ``eval`` section) are
+scored the same way by one more lane on the ``eval-scorers`` consumer, and published on
+``rl.<run>.eval.scored``, which the learner's training consumer never reads. They stay out
+of the scorer's training reward figures.
+
 SIGTERM/SIGINT finish the batch in hand (publish and ack) and exit.
 """
 
@@ -68,14 +73,21 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
     async with comp:
         consumer = Consumer(comp.js, comp.layout, Layout.SCORERS, RolloutGroup, stage="scorer",
                             max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
+        evals = None
+        if cfg.evaluates:
+            evals = Consumer(comp.js, comp.layout, Layout.EVAL_SCORERS, RolloutGroup, stage="scorer",
+                             max_deliver=cfg.nats.max_deliver, publisher=comp.publisher)
         try:
             await scorer.start()
             await consumer.start()
-            await score_stream(cfg, comp, consumer, scorer, component_id)
+            if evals is not None:
+                await evals.start()
+            await score_stream(cfg, comp, consumer, scorer, component_id, evals)
         finally:
-            if consumer.sub is not None:
-                # a pull subscription left open holds up the connection's drain on exit
-                await consumer.sub.unsubscribe()
+            for c in (consumer, evals):
+                if c is not None and c.sub is not None:
+                    # a pull subscription left open holds up the connection's drain on exit
+                    await c.sub.unsubscribe()
             await scorer.close()
     return 0
 
@@ -97,6 +109,10 @@ class ScorerLanes:
     window_groups: int = 0
     raised_dlq: int = 0
     """Groups this scorer dead-lettered because a reward raised (the consumer counts the rest)."""
+    subject: str = ""
+    """Where scored groups go (default ``rl.<run>.scored``; eval lanes: ``rl.<run>.eval.scored``)."""
+    evaluation: bool = False
+    """Eval lanes: their groups stay out of the training figures."""
 
     def report_window(self) -> None:
         """Every ``metrics.interval_s``: groups per second since the last window, and the reward statistics."""
@@ -108,19 +124,23 @@ class ScorerLanes:
             self.window_start, self.window_groups = now, 0
 
 
-async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str) -> None:
+async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer: Scorer, component_id: str,
+                       evals: Consumer | None = None) -> None:
     """``scorer.pipeline_batches`` lanes run :func:`score_batch` at once; they share the
-    consumer (one pull at a time), the set of recently scored ids and the figures."""
+    consumer (one pull at a time), the set of recently scored ids and the figures. With
+    ``evals``, one more lane scores eval groups the same way."""
     reporter = comp.reporter
     shared = ScorerLanes(cfg, comp, consumer, scorer, component_id)
     for key in ("scorer/failures", "scorer/dead_lettered", "scorer/duplicates_skipped", "scorer/groups"):
         reporter.set(key, 0)
     log.info("scorer %s: terms %s", component_id, [(t.name, t.weight) for t in scorer.terms])
 
-    async def lane(fetching: asyncio.Lock) -> None:
+    async def lane(fetching: asyncio.Lock, shared: ScorerLanes = shared) -> None:
+        consumer = shared.consumer
         phases = Phases("scorer")  # one pass of this lane: fetch, score, publish
         while not comp.stop.is_set():
-            shared.report_window()
+            if not shared.evaluation:
+                shared.report_window()
             phases.start()
             async with fetching:
                 with phases.time("fetch"):
@@ -144,7 +164,15 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
                 shared.in_flight.difference_update(d.record.id for d in fresh)
             reporter.update(phases.finish())
 
-    await lanes(cfg.scorer.pipeline_batches, lane, name=f"scorer-{component_id}")
+    if evals is None:
+        await lanes(cfg.scorer.pipeline_batches, lane, name=f"scorer-{component_id}")
+    else:
+        eval_shared = ScorerLanes(cfg, comp, evals, scorer, component_id, subject=comp.layout.eval_scored, evaluation=True)
+        # both lane groups end together (the stop event); one failing cancels the other
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(lanes(cfg.scorer.pipeline_batches, lane, name=f"scorer-{component_id}"), name=f"scorer-{component_id}-lanes")
+            tg.create_task(lanes(1, lambda lock: lane(lock, eval_shared), name=f"scorer-{component_id}-eval"),
+                           name=f"scorer-{component_id}-eval-lanes")
     reporter.update(shared.stats.summary())
     log.info("scorer %s: stopping (%d groups scored)", component_id, int(reporter.values.get("scorer/groups", 0)))
 
@@ -182,12 +210,15 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
         else:
             failed.append((d, r))
     origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
-    await comp.publisher.publish_many([Outgoing(layout.scored, s.encode(), s.id, origin) for _, s in done])
+    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, s.encode(), s.id, origin) for _, s in done])
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
         shared.seen.add(s.id)
         shared.stats.add(s)
+    if shared.evaluation:
+        reporter.inc("scorer/eval_groups_total", len(done))
+        done = []  # eval groups stay out of the training figures below
 
     # 3. a reward that raised: the group goes to the DLQ with the traceback
     for d, tb in failed:
@@ -201,7 +232,8 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
 
     phases.add("publish", time.monotonic() - t_publish)
     shared.raised_dlq += len(failed)
-    reporter.set("dlq/count", consumer.dead_lettered + shared.raised_dlq)
+    if not shared.evaluation:
+        reporter.set("dlq/count", consumer.dead_lettered + shared.raised_dlq)
     shared.window_groups += len(done)
     reporter.inc("scorer/groups", len(done))
     if done:

@@ -32,9 +32,10 @@ ACCOUNTS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.c
 ROLES = ("feeder", "producer", "scorer", "reference", "teacher", "learner", "operator", "sys")
 COMPONENTS = ("feeder", "producer", "scorer", "reference", "teacher", "learner")
 OTHER_RUN = "other-run"
-OWN_DURABLE = {"producer": Layout.PRODUCERS, "scorer": Layout.SCORERS, "reference": "reference", "teacher": "teacher",
-               "learner": Layout.LEARNER}
-OWN_RECORDS = {"feeder": "prompts", "producer": "rollouts", "scorer": "scored", "reference": "reference", "teacher": "teacher"}
+OWN_DURABLE = {"producer": (Layout.PRODUCERS, Layout.EVAL_PRODUCERS), "scorer": (Layout.SCORERS, Layout.EVAL_SCORERS),
+               "reference": ("reference",), "teacher": ("teacher",), "learner": (Layout.LEARNER, Layout.EVAL_LEARNER)}
+OWN_RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval_rollouts"), "scorer": ("scored", "eval_scored"),
+               "reference": ("reference",), "teacher": ("teacher",), "learner": ("eval_prompts",)}
 
 
 def chain(run: str) -> Layout:
@@ -44,7 +45,8 @@ def chain(run: str) -> Layout:
 
 def records(lay: Layout) -> dict[str, str]:
     """record kind -> its subject, every link of the chain."""
-    return {"prompts": lay.prompts, "rollouts": lay.rollouts, "scored": lay.scored, **{st: lay.annotated(st) for st in lay.stages}}
+    return {"prompts": lay.prompts, "rollouts": lay.rollouts, "scored": lay.scored, **{st: lay.annotated(st) for st in lay.stages},
+            "eval_prompts": lay.eval_prompts, "eval_rollouts": lay.eval_rollouts, "eval_scored": lay.eval_scored}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
 
 
@@ -130,8 +132,8 @@ async def prepared(server, passwords, run: str) -> tuple:
     cfg = NatsConfig(ack_wait_s=600)
     replies: dict[tuple[str, str], str] = {}
     for r in (run, OTHER_RUN):
-        # the run with both annotating stages (9 streams) and another without (7): the
-        # account's 16 streams
+        # the run with both annotating stages (12 streams with evaluation's) and another
+        # without (10)
         lay = await ensure_layout(ojs, r, cfg, stages=ANNOTATORS if r == run else ())
         for subject in records(lay).values():
             for i in range(3):
@@ -157,7 +159,7 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
 
     # other roles' records, and even its own kind in another run
     for kind, subject in records(lay).items():
-        if OWN_RECORDS.get(role) != kind:
+        if kind not in OWN_RECORDS.get(role, ()):
             add(subject, b"forged", f"publish {kind}")
         add(records(chain(OTHER_RUN))[kind], b"forged", f"publish {kind} of another run")
     for comp in (*COMPONENTS, "operator"):
@@ -205,7 +207,7 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
                 add(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", cc, f"reconfigure {durable}")
             add(f"$JS.API.CONSUMER.CREATE.{stream}.evil.{subject}", b"{}", "a consumer of its own naming")
             add(f"$JS.API.CONSUMER.DELETE.{stream}.{durable}", b"", f"delete {durable}")
-            if r == run and OWN_DURABLE.get(role) == durable:
+            if r == run and durable in OWN_DURABLE.get(role, ()):
                 continue
             add(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", b'{"batch": 1}', f"pull from {durable}")
             for verb in (b"+ACK", b"-NAK", b"+TERM"):
@@ -334,6 +336,20 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
         (msg,) = await (await ljs.pull_subscribe_bind(Layout.LEARNER, lay.annotated_stream("teacher"))).fetch(1, timeout=5)
         assert msg.data == b"s+ref+teacher"
         await msg.in_progress()
+        await msg.ack_sync()
+        # evaluation's chain, each step by its own role: learner -> producers -> scorers -> learner;
+        # the learner sees how far a round has got (it holds its next publish until it is generated)
+        assert (await ljs.publish(lay.eval_prompts, b"ep")).seq == 1
+        assert (await ljs.consumer_info(lay.eval_prompts_stream, Layout.EVAL_PRODUCERS)).num_pending == 1
+        assert (await ljs.consumer_info(lay.eval_rollouts_stream, Layout.EVAL_SCORERS)).num_pending == 0
+        (msg,) = await (await pjs.pull_subscribe_bind(Layout.EVAL_PRODUCERS, lay.eval_prompts_stream)).fetch(1, timeout=5)
+        assert (await pjs.publish(lay.eval_rollouts, b"er")).seq == 1
+        await msg.ack_sync()
+        (msg,) = await (await sjs.pull_subscribe_bind(Layout.EVAL_SCORERS, lay.eval_rollouts_stream)).fetch(1, timeout=5)
+        assert (await sjs.publish(lay.eval_scored, b"es")).seq == 1
+        await msg.ack_sync()
+        (msg,) = await (await ljs.pull_subscribe_bind(Layout.EVAL_LEARNER, lay.eval_scored_stream)).fetch(1, timeout=5)
+        assert msg.data == b"es"
         await msg.ack_sync()
         # the learner's state and weights; every role reads them and writes its heartbeat
         lstate = await RunState.open(ljs, lay)

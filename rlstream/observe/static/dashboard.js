@@ -4,6 +4,7 @@
   "use strict";
   const CHARTS = [
     { name: "reward", title: "reward", keys: ["reward/mean"] },
+    { name: "eval", title: "held-out eval (per round)", keys: [], match: /^eval\/(pass@\d+|[^/]+\/mean)$/ },
     { name: "kl", title: "KL", keys: ["policy/kl", "policy/approx_kl", "policy/mismatch_kl"] },
     { name: "loss", title: "loss", keys: ["loss/total", "loss/policy"] },
     { name: "throughput", title: "throughput (/s)", keys: ["producer/tokens_per_s", "producer/groups_per_s", "scorer/groups_per_s"] },
@@ -61,7 +62,8 @@
     state.lastSeq = ev.seq;
     const source = ev.component + "/" + ev.id;
     for (const chart of charts) {
-      const hits = chart.def.keys.filter((k) => k in ev.values && Number.isFinite(ev.values[k]));
+      const keys = chart.def.match ? Object.keys(ev.values).filter((k) => chart.def.match.test(k)).sort() : chart.def.keys;
+      const hits = keys.filter((k) => k in ev.values && Number.isFinite(ev.values[k]));
       if (!hits.length) continue;
       const cols = hits.map((k) => seriesIndex(chart, k, source));
       const values = {};

@@ -53,6 +53,13 @@ class SamplingSpec:
         return cls(n=cfg.group_size, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                    top_p=p.top_p, top_k=p.top_k, stop=tuple(p.stop), seed=p.seed)
 
+    @classmethod
+    def for_eval(cls, cfg) -> "SamplingSpec":
+        """Sampling of an evaluation round (``eval.samples``, ``eval.temperature``; 0 is greedy)."""
+        p, e = cfg.producer, cfg.eval
+        return cls(n=e.samples, max_new_tokens=e.max_new_tokens or p.max_new_tokens, temperature=e.temperature,
+                   top_p=p.top_p, top_k=p.top_k, stop=tuple(p.stop), seed=p.seed)
+
     def describe(self, backend: str) -> dict[str, Any]:
         """What goes into ``RolloutGroup.sampling``."""
         return {

@@ -8,6 +8,9 @@ exponential backoff on connection errors, timeouts, 429 and 5xx. We ask for
 completion's token ids; otherwise ``return_tokens_as_token_ids`` tokens ``token_id:N`` are
 parsed). vLLM's server reports raw log-probs by default (``--logprobs-mode raw_logprobs``).
 
+Authentication: with ``producer.api_key_env``, every request carries ``Authorization: Bearer
+<key>``, the key read from that environment variable when the backend starts.
+
 Endpoint: ``producer.endpoint`` or ``data_source.sampling_endpoint``; a URL ending in
 ``/completions`` is used as it is, one ending in ``/v1`` gets ``/completions``, anything
 else is replaced by ``<scheme>://<host>/v1/completions``.
@@ -33,7 +36,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from rlstream.openai_http import completions_url, request_json
+from rlstream.openai_http import completions_url, open_session, request_json
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,10 @@ class OpenAIBackend(Backend):
     continuous = True
 
     def __init__(self, endpoint: str, *, model_name: str | None = None, tokenizer_path: str | None = None,
-                 timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64, seed: int | None = None):
+                 timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64, seed: int | None = None,
+                 api_key: str | None = None):
         self.url = completions_url(endpoint)
+        self._api_key = api_key
         parts = urlsplit(self.url)
         self.base = f"{parts.scheme}://{parts.netloc}"
         self.model_name = model_name
@@ -67,16 +72,11 @@ class OpenAIBackend(Backend):
         endpoint = p.endpoint or cfg.data_source.sampling_endpoint
         tok = cfg.tokenizer_path or (cfg.model_checkpoint_path if Path(cfg.model_checkpoint_path).is_dir() else None)
         return cls(endpoint, model_name=p.model_name, tokenizer_path=tok, timeout_s=p.request_timeout_s,
-                   retries=p.request_retries, max_connections=p.max_connections, seed=p.seed)
+                   retries=p.request_retries, max_connections=p.max_connections, seed=p.seed, api_key=p.api_key())
 
     async def _session(self):
         if self.session is None:
-            import aiohttp
-
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
+            self.session = open_session(max_connections=self.max_connections, timeout_s=self.timeout_s, api_key=self._api_key)
         if self.model_name is None:
             body = await self._request("GET", f"{self.base}/v1/models")
             models = body.get("data") or []
