@@ -141,14 +141,20 @@ class Checkpoints:
 
 
 async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str) -> dict[str, float]:
-    """A new policy version: the full weights out, then the version announced."""
+    """A new policy version: the full weights (or the LoRA adapter) out, then the version announced."""
     from rlstream.learner.publish import publish_weights
 
-    state = runner.learner.state
+    learner = runner.learner
+    state = learner.state
     state.policy_version += 1
     full = await asyncio.to_thread(runner.full_state_dict)
-    pub = await publish_weights(comp, runner.learner.cfg.learner, full, version=state.policy_version, step=state.step,
-                                config_json=config_json)
+    adapter_config = None
+    if learner.lora:
+        from rlstream.learner import lora
+
+        adapter_config = lora.config_json(learner.model)
+    pub = await publish_weights(comp, learner.cfg.learner, full, version=state.policy_version, step=state.step,
+                                config_json=config_json, adapter_config=adapter_config)
     await source.published()
     return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
 

@@ -1,5 +1,8 @@
 """Weights out: the full state_dict as safetensors, then the announcement, then the version.
 
+Under ``learner.lora`` the same path carries the adapter alone, announced as ``kind: lora``
+with its ``adapter_config.json`` (a shared-path version is then a PEFT adapter directory).
+
 Order (the contract producers rely on): the bytes land first (object store object
 ``policy-v{version:06d}.safetensors``, or an HF directory ``{shared_path}/{run}/policy-v{version:06d}/``
 renamed into place), then KV ``weights.latest`` = :class:`WeightsAnnouncement`, then KV
@@ -48,12 +51,15 @@ def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _write_shared(directory: Path, data: bytes, config_json: str) -> None:
+def _write_shared(directory: Path, data: bytes, config_json: str, adapter_config: str | None = None) -> None:
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    for name, payload in (("model.safetensors", data), ("config.json", config_json.encode())):
+    files = (("model.safetensors", data), ("config.json", config_json.encode()))
+    if adapter_config:
+        files = (("adapter_model.safetensors", data), ("adapter_config.json", adapter_config.encode()))
+    for name, payload in files:
         with open(tmp / name, "wb") as f:
             f.write(payload)
             f.flush()
@@ -63,21 +69,27 @@ def _write_shared(directory: Path, data: bytes, config_json: str) -> None:
     os.replace(tmp, directory)
 
 
-async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str) -> Published:
-    """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component."""
+async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str,
+                          adapter_config: str | None = None) -> Published:
+    """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component.
+
+    ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter; it
+    is announced as ``kind: lora`` with that config, and a shared-path version is a PEFT
+    adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)."""
     t0 = time.perf_counter()
     layout: Layout = comp.layout
     data, digest = await asyncio.to_thread(serialize, state_dict)
     if lcfg.weights_transport == "shared_path":
         directory = shared_dir(lcfg.shared_path, layout.run, version)
-        await asyncio.to_thread(_write_shared, directory, data, config_json)
+        await asyncio.to_thread(_write_shared, directory, data, config_json, adapter_config)
         location = f"file://{directory}"
     else:
         name = object_name(version)
         await put_object(comp.js, layout.weights_bucket, name, data)
         location = f"object://{layout.weights_bucket}/{name}"
     ann = WeightsAnnouncement(id=f"{layout.run}-v{version}", policy_version=version, step=step, location=location,
-                              size=len(data), sha256=digest, run=layout.run)
+                              size=len(data), sha256=digest, run=layout.run, kind="lora" if adapter_config else "full",
+                              adapter_config=adapter_config or "")
     await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
     await comp.state.set_policy_version(version)
     seconds = time.perf_counter() - t0

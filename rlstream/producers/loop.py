@@ -488,12 +488,14 @@ async def fetch_weights(comp: Component, announcement: WeightsAnnouncement) -> W
     :func:`check_announcement` first)."""
     location = announcement.location
     limit = comp.cfg.producer.max_weights_mb * 1024 * 1024
+    adapter_config = announcement.adapter_config if announcement.kind == "lora" else None
     if location.startswith("file://"):
         path = location[len("file://"):]
-        digest = await asyncio.to_thread(_sha256_file, Path(path) / "model.safetensors", limit)
+        weights_file = "adapter_model.safetensors" if adapter_config is not None else "model.safetensors"
+        digest = await asyncio.to_thread(_sha256_file, Path(path) / weights_file, limit)
         if digest != announcement.sha256:
             raise RecordError("weights.sha256", f"{location}: digest {digest[:12]}... differs from the announced {announcement.sha256[:12]}...")
-        return WeightsSource(announcement.policy_version, path=path)
+        return WeightsSource(announcement.policy_version, path=path, adapter_config=adapter_config)
     bucket, _, name = location[len("object://"):].partition("/")
     data = await get_object(comp.js, bucket, name, max_size=min(limit, announcement.size))
     if len(data) != announcement.size:
@@ -501,4 +503,4 @@ async def fetch_weights(comp: Component, announcement: WeightsAnnouncement) -> W
     digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
     if digest != announcement.sha256:
         raise RecordError("weights.sha256", f"{location}: digest {digest[:12]}... differs from the announced {announcement.sha256[:12]}...")
-    return WeightsSource(announcement.policy_version, data=data)
+    return WeightsSource(announcement.policy_version, data=data, adapter_config=adapter_config)

@@ -292,10 +292,13 @@ class SFTExample(Record, tag="sft_example", kw_only=True):
 
 class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     """New policy weights are available. ``location`` is ``object://<bucket>/<name>``
-    or ``file://<path>`` (a directory every producer mounts). v1."""
+    or ``file://<path>`` (a directory every producer mounts).
+    v1: up to ``format``. v2: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for
+    the base model, whose safetensors are ``adapter_model.safetensors``) and
+    ``adapter_config`` (the adapter's ``adapter_config.json`` text, for ``lora``)."""
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     v: int = VERSION
     id: str
@@ -307,10 +310,16 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     size: int = 0
     sha256: str = ""
     format: str = "safetensors"
+    kind: str = "full"  # v2
+    adapter_config: capped(str, 1 << 16) = ""  # v2
 
     def check(self, limits: Limits, path: str) -> None:
         if self.format != "safetensors":
             raise RecordError(f"{path}format", f"{self.format!r}; only 'safetensors' is accepted")
+        if self.kind not in ("full", "lora"):
+            raise RecordError(f"{path}kind", f"{self.kind!r}; expected 'full' or 'lora'")
+        if self.kind == "lora" and not self.adapter_config:
+            raise RecordError(f"{path}adapter_config", "a 'lora' announcement needs the adapter's adapter_config.json")
         if not self.location.startswith(("object://", "file://")):
             raise RecordError(f"{path}location", f"{self.location!r} must start with object:// or file://")
         _min(self.policy_version, 0, f"{path}policy_version")

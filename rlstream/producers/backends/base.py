@@ -69,11 +69,32 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class WeightsSource:
-    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path)."""
+    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path).
+    With ``adapter_config`` they are a LoRA adapter for the base model (PEFT's
+    ``adapter_model.safetensors``; a directory then holds the PEFT adapter files)."""
 
     version: int
     data: bytes | None = None
     path: str | None = None
+    adapter_config: str | None = None
+    """The adapter's ``adapter_config.json`` text (None: full weights)."""
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter_config is not None
+
+    def adapter_dir(self, scratch: Path) -> Path:
+        """A PEFT adapter directory holding this version: the shared one, or ``scratch/v<version>``
+        written from the bytes."""
+        if self.data is None:
+            if self.path is None:
+                raise ProducerError("weights source has neither bytes nor a path")
+            return Path(self.path)
+        d = Path(scratch) / f"lora-v{self.version:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "adapter_model.safetensors").write_bytes(self.data)
+        (d / "adapter_config.json").write_text(self.adapter_config or "")
+        return d
 
 
 def clean_logprobs(values) -> np.ndarray:
