@@ -742,8 +742,9 @@ class LoraSettings(Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input (the base path never drops)."""
     target_modules: list[str] | Literal["all-linear"] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """Module names (suffixes) that get an adapter, or ``all-linear`` (every linear layer but the output head)."""
+        default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (suffixes) that get an adapter (default: the attention query and value
+    projections, as PEFT does for Llama), or ``all-linear`` (every linear layer but the output head)."""
 
     @field_validator("target_modules")
     @classmethod
