@@ -65,7 +65,7 @@ def main() -> None:
 
     runs = {
         "full fine-tuning": (out / "grpo_full", []),
-        f"LoRA r=8 (lr {args.lora_lr:g})": (out / "grpo_lora", ["learner.lora.r=8", "learner.lora.alpha=16", f"learner.lr={args.lora_lr}"]),
+        f"LoRA r=8 (lr {args.lora_lr:g})": (out / f"grpo_lora_lr{args.lora_lr:g}", ["learner.lora.r=8", "learner.lora.alpha=16", f"learner.lr={args.lora_lr}"]),
     }
     results = {}
     for name, (run_dir, sets) in runs.items():

@@ -292,7 +292,8 @@ def test_kill_9_and_resume_equals_uninterrupted_with_lora(nats_server, tiny_mode
 
     def write_cfg(name: str, run: str) -> Path:
         # dropout on: the resumed run must also restore the RNG the adapter's dropout draws from
-        cfg = _cfg(tiny_model_dir, "RL_GRPO", run=run, learner={"lora": {**LORA, "dropout": 0.1}, "lr": 1e-2},
+        cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run, algo={"group_size": 4, "kl_coefficient": 0.05, "max_staleness": 100},
+                       learner={"micro_batch_size": 4, "batch_groups": 2, "lora": {**LORA, "dropout": 0.1}, "lr": 1e-2},
                    checkpoint={"interval": KILL_AFTER, "keep_last": 10}, nats={"ack_wait_s": 2.0})
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
