@@ -1,10 +1,10 @@
 """GRPO with a LoRA adapter against full fine-tuning, on the demo task (`make demo`'s model and data).
 
-    python -m examples.arithmetic.lora_vs_full --out runs/lora_vs_full --grpo-steps 150
+    python -m examples.arithmetic.lora_vs_full --out runs/lora_vs_full --grpo-steps 150 --lora-lr 2e-3 8e-3 2e-2
 
 1. Build the demo's tiny Llama and data, and warm it up with the demo's SFT run (reused if present).
-2. Run `rlstream run grpo.yaml` twice from the SFT checkpoint: full fine-tuning (the yaml's lr), then
-   `learner.lora` with r = 8 (alpha 16, q_proj + v_proj) at `--lora-lr`.
+2. Run `rlstream run grpo.yaml` from the SFT checkpoint: full fine-tuning (the yaml's lr), then
+   `learner.lora` with r = 8 (alpha 16, q_proj + v_proj) once per `--lora-lr`.
 3. Plot the reward on the held-out problems (mean over each step's rollouts, 10-step moving average)
    of both runs into one PNG, and print both runs' first/last figures and the bytes each published.
 """
@@ -46,7 +46,8 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "lora_vs_full"))
     p.add_argument("--grpo-steps", type=int, default=150)
     p.add_argument("--sft-steps", type=int, default=None)
-    p.add_argument("--lora-lr", type=float, default=2e-3, help="LoRA usually wants ~10x the full fine-tuning lr")
+    p.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3, 8e-3],
+                   help="one LoRA run per learning rate (LoRA usually wants ~10x the full fine-tuning lr)")
     p.add_argument("--reuse", action="store_true", help="keep a finished run of the same length instead of running it again")
     p.add_argument("--png", default=str(ROOT / "docs" / "lora_vs_full.png"))
     args = p.parse_args()
@@ -63,10 +64,9 @@ def main() -> None:
         run(HERE / "sft.yaml", sft_dir, model_dir, data["sft"], args.sft_steps or 80, [])
     start = (sft_dir / "checkpoints" / "latest").resolve()
 
-    runs = {
-        "full fine-tuning": (out / "grpo_full", []),
-        f"LoRA r=8 (lr {args.lora_lr:g})": (out / f"grpo_lora_lr{args.lora_lr:g}", ["learner.lora.r=8", "learner.lora.alpha=16", f"learner.lr={args.lora_lr}"]),
-    }
+    runs = {"full fine-tuning (lr 2e-4)": (out / "grpo_full", [])}
+    for lr in args.lora_lr:
+        runs[f"LoRA r=8 (lr {lr:g})"] = (out / f"grpo_lora_lr{lr:g}", ["learner.lora.r=8", "learner.lora.alpha=16", f"learner.lr={lr}"])
     results = {}
     for name, (run_dir, sets) in runs.items():
         done = run_dir / "summary.json"
