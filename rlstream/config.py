@@ -1126,6 +1126,9 @@ TRL_NAMES: dict[str, str] = {
     "reward_funcs": "reward_function.terms (function: module:name)",
     "reward_weights": "reward_function.terms[].weight",
     "vllm_gpu_memory_utilization": "producer.vllm.gpu_memory_utilization",
+    "peft_config": "learner.lora",
+    "lora_alpha": "learner.lora.alpha",
+    "lora_dropout": "learner.lora.dropout",
 }
 """Names TRL users type, and where the same knob lives here (for "did you mean")."""
 

@@ -79,6 +79,8 @@ def test_config_section_and_its_errors(tiny_model_dir):
         _cfg(tiny_model_dir, "RL_GRPO", learner={"reference_model_path": str(tiny_model_dir)})
     with pytest.raises(ConfigError, match="rank"):
         _cfg(tiny_model_dir, "RL_GRPO", learner={"lora": {"rank": 8}})
+    with pytest.raises(ConfigError, match="did you mean learner.lora.alpha"):  # PEFT's / TRL's spelling
+        _cfg(tiny_model_dir, "RL_GRPO", learner={"lora": {"lora_alpha": 8}})
 
 
 @pytest.mark.parametrize("mode", ["SFT", "DPO", *RL_MODES])
