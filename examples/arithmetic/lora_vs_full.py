@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3, 8e-3],
                    help="one LoRA run per learning rate (LoRA usually wants ~10x the full fine-tuning lr)")
+    p.add_argument("--all-linear-lr", type=float, nargs="*", default=[],
+                   help="also LoRA on every linear layer (more bytes per update) at these learning rates")
     p.add_argument("--reuse", action="store_true", help="keep a finished run of the same length instead of running it again")
     p.add_argument("--png", default=str(ROOT / "docs" / "lora_vs_full.png"))
     args = p.parse_args()
@@ -67,6 +69,10 @@ def main() -> None:
     runs = {"full fine-tuning (lr 2e-4)": (out / "grpo_full", [])}
     for lr in args.lora_lr:
         runs[f"LoRA r=8 (lr {lr:g})"] = (out / f"grpo_lora_lr{lr:g}", ["learner.lora.r=8", "learner.lora.alpha=16", f"learner.lr={lr}"])
+    for lr in args.all_linear_lr:
+        runs[f"LoRA r=8 all-linear (lr {lr:g})"] = (out / f"grpo_lora_all_linear_lr{lr:g}",
+                                                    ["learner.lora.r=8", "learner.lora.alpha=16", "learner.lora.target_modules=all-linear",
+                                                     f"learner.lr={lr}"])
     results = {}
     for name, (run_dir, sets) in runs.items():
         done = run_dir / "summary.json"
