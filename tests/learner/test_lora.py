@@ -26,7 +26,7 @@ import yaml
 from helpers.groups import make_cfg, publish_groups_sync, sample_groups
 from safetensors.torch import load_file
 
-from rlstream.config import ConfigError, parse_config
+from rlstream.config import ConfigError
 from rlstream.learner.batching import Row, collate, forward_logprobs
 from rlstream.learner.steps import build_learner, reference_logprobs, train_step
 from rlstream.schemas import PreferencePair, SFTExample, WeightsAnnouncement
@@ -137,7 +137,6 @@ def test_reference_is_the_base_model_exactly(tiny_model_dir, tmp_path, groups):
 def demo_model_dir(tmp_path_factory):
     """The demo's model (`make demo`: vocab 320, hidden 128, 2 layers, intermediate 384)."""
     from examples.arithmetic import task
-
     from rlstream.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("demo_model"), corpus=task.corpus(), vocab_size=320, num_layers=2,

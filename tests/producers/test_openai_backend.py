@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -199,8 +200,7 @@ async def test_lora_adapters_load_through_the_dynamic_lora_endpoint(lora_server,
         for source in versions:
             assert await backend.load_weights(source) is True
             assert backend.adapter_name == f"policy-v{source.version}"
-            with _u.urlopen(f"{lora_server}/v1/models", timeout=10) as resp:
-                served = {m["id"] for m in _json.loads(resp.read())["data"]}
+            served = await asyncio.to_thread(lambda: {m["id"] for m in _json.loads(_u.urlopen(f"{lora_server}/v1/models", timeout=10).read())["data"]})
             assert served == {"tiny", f"policy-v{source.version}"}  # the previous version was unloaded
             policy = _peft_model(tiny_model_dir, source, tmp_path / f"ref{source.version}")
             (group,) = await backend.generate([prompt], spec)
