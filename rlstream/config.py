@@ -645,6 +645,12 @@ class ProducerConfig(Strict):
     weights_fetch_tries: int = Field(3, ge=1, le=20)
     """Attempts at fetching announced weights (with backoff) before the producer keeps the
     weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
+    weights_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
+    """The longest a producer spends receiving one version of the weights (every try, waiting
+    for a shared file to appear included). Past it the transfer raises, ``alert/weight_fetch_timeouts``
+    and ``alert/weight_fetch_failures`` count it, and the producer generates on the weights it has."""
+    weights_parallel: int = Field(4, ge=1, le=64)
+    """Chunks fetched (object store) or checked (files) at once."""
     generation_timeout_s: float = Field(600.0, gt=0, le=7 * DAY_S)
     """A batch whose generation takes longer is treated as a hung backend: its prompts are
     nak'ed (another producer gets them), ``alert/generation_timeouts`` is raised and the
@@ -777,9 +783,34 @@ class LearnerConfig(Strict):
     device: str = "cpu"
     max_steps: int = Field(100, ge=1, le=1_000_000_000)
     publish_every: int = Field(1, ge=1, le=1_000_000_000)
-    weights_transport: Literal["object_store", "shared_path"] = "object_store"
+    weights_transport: Literal["object_store", "chunked", "local", "shared_path", "broadcast"] = "object_store"
+    """How new weights reach producers. object_store: one object in the run's bucket (small
+    models). chunked: ``weights_chunk_mb`` parts in the bucket, fetched ``producer.weights_parallel``
+    at once, each checked against its own SHA-256 (remote producers, larger models). local: one
+    file under ``local_path`` (shared memory), read in place by producers on the learner's
+    machine only. shared_path: an HF folder under ``shared_path``, a volume every producer mounts.
+    broadcast: a ``torch.distributed`` (gloo) broadcast from the learner to the producers that
+    join within ``broadcast_join_s``, in a group formed per version (rlstream.broker.broadcast)."""
     shared_path: str | None = None
     keep_versions: int = Field(2, ge=1, le=1000)
+    local_path: str = "/dev/shm/rlstream"
+    """weights_transport local: the folder (on the learner's machine) that holds the versions."""
+    weights_chunk_mb: int = Field(16, ge=1, le=4096)
+    """chunked, local and shared_path: bytes per checked chunk (MiB)."""
+    broadcast_host: str | None = None
+    """weights_transport broadcast: the address producers reach the learner at (default: its hostname)."""
+    broadcast_port: int = Field(0, ge=0, le=65535)
+    """weights_transport broadcast: the learner's store port (0: a free one, announced with each version)."""
+    broadcast_receivers: int = Field(1, ge=0, le=65536)
+    """weights_transport broadcast: producers the learner waits for before it closes a version's group."""
+    broadcast_join_s: float = Field(2.0, ge=0, le=DAY_S)
+    """weights_transport broadcast: the longest the learner waits for them; later ones take the next version."""
+    broadcast_timeout_s: float = Field(120.0, gt=0, le=DAY_S)
+    """weights_transport broadcast: the longest a version's broadcast may take before it fails."""
+    publish_in_background: bool = True
+    """Publish weights off the step: the step pays for the snapshot (serialising the state dict);
+    upload and announcement run in a background task while training goes on. At most one
+    publish runs and one waits; a newer version replaces the waiting one (``publish/superseded``)."""
     reference_model_path: str | None = None
     """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
     max_seq_len: int = Field(1024, ge=8, le=1 << 24)

@@ -260,3 +260,21 @@ def test_scored_group_v1_still_decodes():
     back = ScoredGroup.decode(msgpack.packb(wire))
     assert back.ref_logprobs.size == 0 and back.teacher_logprobs.size == 0 and back.annotated_by == {}
     assert back.rollout.group_size == 3
+
+
+def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size():
+    """WeightsAnnouncement v1 had no chunk_size, chunk_sha256 or host: they decode as 'not chunked'.
+    v2: 10 bytes in chunks of 4 are 3 chunks (4 + 4 + 2), so 3 digests, no fewer."""
+    wire = WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10, sha256="a" * 64).to_wire()
+    wire["v"] = 1
+    for name in ("chunk_size", "chunk_sha256", "host", "kind", "adapter_config"):  # v2, v3
+        del wire[name]
+    back = WeightsAnnouncement.decode(msgpack.packb(wire))
+    assert back.chunk_size == 0 and back.chunk_sha256 == [] and back.host == "" and back.chunks() == 0
+    ok = WeightsAnnouncement(id="w", policy_version=4, step=4, location="dist://h:1/v4", size=10, chunk_size=4,
+                             chunk_sha256=["b" * 64] * 3)
+    assert WeightsAnnouncement.decode(ok.encode()).chunks() == 3
+    short = WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10, chunk_size=4,
+                                chunk_sha256=["b" * 64] * 2)
+    with pytest.raises(RecordError, match=r"^chunk_sha256: 2 digests for 3 chunks"):
+        WeightsAnnouncement.decode(short.encode())

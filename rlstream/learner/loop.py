@@ -140,20 +140,19 @@ class Checkpoints:
             return None
 
 
-async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str) -> dict[str, float]:
-    """A new policy version: the full weights (or the LoRA adapter) out, then the version announced."""
+async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None,
+                   adapter_config: str | None = None) -> dict[str, float]:
+    """A new policy version: the full weights (or the LoRA adapter) out, then the version
+    announced (with a ``publisher``, only the snapshot here; the rest in its background task)."""
     from rlstream.learner.publish import publish_weights
 
-    learner = runner.learner
-    state = learner.state
+    state = runner.learner.state
     state.policy_version += 1
     full = await asyncio.to_thread(runner.full_state_dict)
-    adapter_config = None
-    if learner.lora:
-        from rlstream.learner import lora
-
-        adapter_config = lora.config_json(learner.model)
-    pub = await publish_weights(comp, learner.cfg.learner, full, version=state.policy_version, step=state.step,
+    if publisher is not None:
+        m = await publisher.submit(full, version=state.policy_version, step=state.step)
+        return {"time/publish_s": m["publish/snapshot_s"], **m}
+    pub = await publish_weights(comp, runner.learner.cfg.learner, full, version=state.policy_version, step=state.step,
                                 config_json=config_json, adapter_config=adapter_config)
     await source.published()
     return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
@@ -211,11 +210,42 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     learner = runner.learner
     cfg, state = learner.cfg, learner.state
     config_json = learner.model.config.to_json_string()
+    adapter_config = None
+    if learner.lora:
+        from rlstream.learner import lora
+
+        adapter_config = lora.config_json(learner.model)
     if comp is not None:
         await comp.state.put_int(LEARNER_STEP, state.step)
     # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
     # after a step counts in the next pass (``time/learner/checkpoint_s``). The step adds
     # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`).
+    publisher = None
+    if comp is not None and cfg.learner.publish_in_background:
+        from rlstream.learner.publish import BackgroundPublisher
+
+        async def published(_pub) -> None:
+            await source.published()
+
+        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config)
+    try:
+        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
+                          adapter_config)
+    finally:
+        if publisher is not None:
+            await publisher.close()
+    if comp is not None:
+        from rlstream.learner.publish import release_local
+
+        release_local(cfg.learner, comp.layout.run)
+    return ok
+
+
+async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
+                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str,
+                 adapter_config: str | None = None) -> bool:
+    learner = runner.learner
+    cfg, state = learner.cfg, learner.state
     phases = learner.phases
     phases.start()
     with open(metrics_path, "a") as metrics_file:
@@ -234,7 +264,7 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
             m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
             if comp is not None and m["optim/stepped"] > 0 and state.step % cfg.learner.publish_every == 0:
                 with phases.time("publish"):
-                    m.update(await _publish(runner, source, comp, config_json))
+                    m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))
             m.update(phases.finish())
             if cfg.is_online:
                 m.update(reward_term_metrics(taken.records))
@@ -244,6 +274,8 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
             if state.step % cfg.checkpoint.interval == 0:
                 with phases.time("checkpoint"):
                     await checkpoints.save()
+    if publisher is not None:  # the last version is out before the run reports its end
+        await publisher.flush()
     return await checkpoints.final()
 
 

@@ -41,25 +41,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import dataclasses
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception, get_object
+from rlstream.broker import Component, Consumer, Layout, Outgoing, format_exception
 from rlstream.broker.component import kept_in_progress, lanes
 from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
 from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
-from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RecordError, RolloutGroup, Sample, WeightsAnnouncement
+from rlstream.producers.weights import WeightsRefused, WeightsTimeout, check_announcement, fetch_weights, receive_weights  # noqa: F401 (the first, third and fourth: re-exported)
+from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup, Sample, WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -388,44 +388,14 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
     return 0, time.monotonic() - t0
 
 
-class WeightsRefused(ProducerError):
-    """An announcement that is not the run's own weights, or has no digest, or is too large."""
-
-
-def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
-    """Accept only the run's own weights: its object store bucket (or its folder under
-    ``learner.shared_path``), a SHA-256 digest, and a size within ``producer.max_weights_mb``.
-    The announcement itself comes from KV ``weights.latest``, which only the learner may write
-    (deploy/nats/accounts.conf); the digest then ties the bytes to it."""
-    limit = cfg.producer.max_weights_mb * 1024 * 1024
-    where = f"weights v{ann.policy_version} at {ann.location!r}"
-    if ann.run and ann.run != layout.run:
-        raise WeightsRefused(f"{where}: announced for run {ann.run!r}, this is {layout.run!r}")
-    if len(ann.sha256) != 64 or any(c not in "0123456789abcdef" for c in ann.sha256):
-        raise WeightsRefused(f"{where}: no SHA-256 digest (got {ann.sha256[:16]!r})")
-    if not 0 < ann.size <= limit:
-        raise WeightsRefused(f"{where}: size {ann.size} is not within 1..{limit} bytes (producer.max_weights_mb)")
-    if ann.location.startswith("object://"):
-        bucket, _, name = ann.location[len("object://"):].partition("/")
-        if bucket != layout.weights_bucket or not name or "/" in name:
-            raise WeightsRefused(f"{where}: not in the run's object store {layout.weights_bucket!r}")
-    elif ann.location.startswith("file://"):
-        shared = cfg.learner.shared_path
-        root = Path(shared, layout.run).resolve() if shared else None
-        path = Path(ann.location[len("file://"):]).resolve()
-        if root is None or path.parent != root:
-            raise WeightsRefused(f"{where}: not a folder of the run's learner.shared_path ({root})")
-    else:
-        raise WeightsRefused(f"{where}: unknown location")
-
-
 async def sync_weights(comp: Component, backend: GenerationBackend, loaded: int, stats: ProducerStats) -> int:
     """Load the newest announced weights if they are newer than ``loaded``; returns the
     version now loaded (the one to stamp on what we generate next).
 
-    Weights that cannot be had (refused, or a fetch failing ``producer.weights_fetch_tries``
-    times, e.g. pruned during a slow read) are skipped: the producer keeps what it has,
-    raises ``alert/weight_fetch_failures`` and tries again when the version moves."""
+    Weights that cannot be had (refused, a fetch failing ``producer.weights_fetch_tries``
+    times, e.g. pruned during a slow read, or not received within ``producer.weights_timeout_s``)
+    are skipped: the producer keeps what it has, raises ``alert/weight_fetch_failures`` (and
+    ``alert/weight_fetch_timeouts`` for a timeout) and tries again when the version moves."""
     version = await comp.state.policy_version()
     if version <= loaded or not backend.can_reload or version <= stats.skipped_version:
         return loaded
@@ -439,68 +409,31 @@ async def sync_weights(comp: Component, backend: GenerationBackend, loaded: int,
         return loaded
     t0 = time.monotonic()
     try:
-        source = await fetch_weights_with_retries(comp, announcement)
+        source = await receive_weights(comp, announcement)
     except ProducerError as exc:
         stats.skipped_version = max(version, announcement.policy_version)
         comp.reporter.inc("alert/weight_fetch_failures")
+        if isinstance(exc, WeightsTimeout):
+            comp.reporter.inc("alert/weight_fetch_timeouts")
         log.error("producer %s: keeping policy v%d: %s", comp.component_id, loaded, exc)
         return loaded
+    fetch_s = time.monotonic() - t0
+    if announcement.kind == "lora":  # the bytes are a LoRA adapter for the loaded base model
+        source = dataclasses.replace(source, adapter_config=announcement.adapter_config)
     if not await backend.load_weights(source):
         comp.reporter.info.update(weights_reload=False, weights_note=backend.reload_note)
         log.warning("producer %s: cannot load policy v%d: %s", comp.component_id, announcement.policy_version, backend.reload_note)
         return loaded
     dt = time.monotonic() - t0
     stats.reloads += 1
-    comp.reporter.update({"producer/weight_reload_s": dt, "producer/policy_version": announcement.policy_version})
-    log.info("producer %s: loaded policy v%d in %.2fs", comp.component_id, announcement.policy_version, dt)
+    comp.reporter.update({"producer/weight_reload_s": dt, "producer/weight_fetch_s": fetch_s,
+                          "producer/weight_fetch_mb_per_s": announcement.size / 2**20 / max(fetch_s, 1e-9),
+                          "producer/policy_version": announcement.policy_version})
+    log.info("producer %s: loaded policy v%d in %.2fs (fetched in %.2fs)", comp.component_id, announcement.policy_version,
+             dt, fetch_s)
     return announcement.policy_version
 
 
 async def fetch_weights_with_retries(comp: Component, announcement: WeightsAnnouncement) -> WeightsSource:
-    """:func:`fetch_weights`, tried ``producer.weights_fetch_tries`` times with backoff; a
-    refused announcement is not retried. Raises :class:`ProducerError` when all fail."""
-    check_announcement(comp.cfg, comp.layout, announcement)
-    tries = comp.cfg.producer.weights_fetch_tries
-    for attempt in range(1, tries + 1):
-        try:
-            return await fetch_weights(comp, announcement)
-        except Exception as exc:  # broker errors, a pruned object, a digest mismatch, a missing file
-            if attempt == tries:
-                raise ProducerError(f"fetching policy v{announcement.policy_version} failed {tries} times: {exc}") from exc
-            log.warning("producer %s: fetching policy v%d failed (%s); try %d of %d",
-                        comp.component_id, announcement.policy_version, exc, attempt + 1, tries)
-            await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
-    raise AssertionError("unreachable")
-
-
-def _sha256_file(path: Path, limit: int) -> str:
-    if path.stat().st_size > limit:
-        raise WeightsRefused(f"{path}: {path.stat().st_size} bytes, over producer.max_weights_mb")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-async def fetch_weights(comp: Component, announcement: WeightsAnnouncement) -> WeightsSource:
-    """The announced weights, checked against the announcement's digest and size (call
-    :func:`check_announcement` first)."""
-    location = announcement.location
-    limit = comp.cfg.producer.max_weights_mb * 1024 * 1024
-    adapter_config = announcement.adapter_config if announcement.kind == "lora" else None
-    if location.startswith("file://"):
-        path = location[len("file://"):]
-        weights_file = "adapter_model.safetensors" if adapter_config is not None else "model.safetensors"
-        digest = await asyncio.to_thread(_sha256_file, Path(path) / weights_file, limit)
-        if digest != announcement.sha256:
-            raise RecordError("weights.sha256", f"{location}: digest {digest[:12]}... differs from the announced {announcement.sha256[:12]}...")
-        return WeightsSource(announcement.policy_version, path=path, adapter_config=adapter_config)
-    bucket, _, name = location[len("object://"):].partition("/")
-    data = await get_object(comp.js, bucket, name, max_size=min(limit, announcement.size))
-    if len(data) != announcement.size:
-        raise RecordError("weights.size", f"{location}: {len(data)} bytes, announced {announcement.size}")
-    digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-    if digest != announcement.sha256:
-        raise RecordError("weights.sha256", f"{location}: digest {digest[:12]}... differs from the announced {announcement.sha256[:12]}...")
-    return WeightsSource(announcement.policy_version, data=data, adapter_config=adapter_config)
+    """:func:`rlstream.producers.weights.receive_weights` (kept under this name)."""
+    return await receive_weights(comp, announcement)

@@ -292,13 +292,24 @@ class SFTExample(Record, tag="sft_example", kw_only=True):
 
 class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     """New policy weights are available. ``location`` is ``object://<bucket>/<name>``
-    or ``file://<path>`` (a directory every producer mounts).
-    v1: up to ``format``. v2: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for
-    the base model, whose safetensors are ``adapter_model.safetensors``) and
-    ``adapter_config`` (the adapter's ``adapter_config.json`` text, for ``lora``)."""
+    or ``file://<path>`` (a directory every producer mounts, or one on the learner's machine).
+
+    v1: ``sha256`` is the digest of the whole safetensors file.
+    v2: + ``chunk_size``, ``chunk_sha256`` and ``host``. With ``chunk_size > 0`` the bytes are
+    checked chunk by chunk (``chunk_sha256[i]`` covers bytes ``[i*chunk_size, (i+1)*chunk_size)``,
+    so chunks are fetched and checked in parallel), and ``sha256`` is the digest of the
+    concatenated raw chunk digests (see :func:`rlstream.broker.weights.root_digest`); in the
+    object store chunk ``i`` is the object ``<name>.part<i:05d>``. ``host`` names the machine of a
+    ``file://`` location that only that machine can read (``learner.weights_transport: local``).
+    v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
+    (:mod:`rlstream.broker.broadcast`), with chunk digests.
+    v3: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for the base model, whose
+    safetensors are ``adapter_model.safetensors``) and ``adapter_config`` (the adapter's
+    ``adapter_config.json`` text, for ``lora``).
+    """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     v: int = VERSION
     id: str
@@ -310,18 +321,29 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     size: int = 0
     sha256: str = ""
     format: str = "safetensors"
-    kind: str = "full"  # v2
-    adapter_config: capped(str, 1 << 16) = ""  # v2
+    chunk_size: int = 0  # v2
+    chunk_sha256: capped(list[str]) = msgspec.field(default_factory=list)  # v2
+    host: str = ""  # v2
+    kind: str = "full"  # v3
+    adapter_config: capped(str, 1 << 16) = ""  # v3
+
+    def chunks(self) -> int:
+        """How many chunks ``size`` bytes make (0 without chunking)."""
+        return -(-self.size // self.chunk_size) if self.chunk_size > 0 else 0
 
     def check(self, limits: Limits, path: str) -> None:
+        _min(self.chunk_size, 0, f"{path}chunk_size")
+        if self.chunk_size and len(self.chunk_sha256) != self.chunks():
+            raise RecordError(f"{path}chunk_sha256", f"{len(self.chunk_sha256)} digests for {self.chunks()} chunks "
+                                                     f"of {self.chunk_size} bytes in {self.size}")
         if self.format != "safetensors":
             raise RecordError(f"{path}format", f"{self.format!r}; only 'safetensors' is accepted")
         if self.kind not in ("full", "lora"):
             raise RecordError(f"{path}kind", f"{self.kind!r}; expected 'full' or 'lora'")
         if self.kind == "lora" and not self.adapter_config:
             raise RecordError(f"{path}adapter_config", "a 'lora' announcement needs the adapter's adapter_config.json")
-        if not self.location.startswith(("object://", "file://")):
-            raise RecordError(f"{path}location", f"{self.location!r} must start with object:// or file://")
+        if not self.location.startswith(("object://", "file://", "dist://")):
+            raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file:// or dist://")
         _min(self.policy_version, 0, f"{path}policy_version")
         _min(self.step, 0, f"{path}step")
         _min(self.size, 0, f"{path}size")

@@ -226,7 +226,7 @@ def _base_logprobs(model_dir, prompt_ids, completion_ids) -> np.ndarray:
         return forward_logprobs(model, collate([Row(prompt_ids, completion_ids)], 0, 1024)).logprobs[0].numpy()
 
 
-def test_old_weights_announcement_decodes_as_full_weights():
+def test_old_weights_announcements_decode_as_full_weights():
     import msgspec
 
     # a v1 payload: the fields up to ``format``, written as v1 wrote them
@@ -234,6 +234,9 @@ def test_old_weights_announcement_decodes_as_full_weights():
           "location": "object://rl_r_weights/policy-v000003.safetensors", "size": 10, "sha256": "ab", "format": "safetensors"}
     ann = WeightsAnnouncement.decode(msgspec.msgpack.encode({"type": "weights", **v1}))
     assert ann.policy_version == 3 and ann.kind == "full" and ann.adapter_config == ""
+    v2 = {**v1, "v": 2, "chunk_size": 4, "chunk_sha256": ["b" * 64] * 3, "host": ""}  # v2: chunked, still no kind
+    ann = WeightsAnnouncement.decode(msgspec.msgpack.encode({"type": "weights", **v2}))
+    assert ann.chunks() == 3 and ann.kind == "full"
     new = WeightsAnnouncement(id="x", policy_version=1, step=1, location="object://b/n", kind="lora", adapter_config="{}")
     assert WeightsAnnouncement.decode(new.encode()).kind == "lora"
     from rlstream.schemas import RecordError

@@ -84,15 +84,17 @@ class WeightsSource:
         return self.adapter_config is not None
 
     def adapter_dir(self, scratch: Path) -> Path:
-        """A PEFT adapter directory holding this version: the shared one, or ``scratch/v<version>``
-        written from the bytes."""
-        if self.data is None:
-            if self.path is None:
-                raise ProducerError("weights source has neither bytes nor a path")
-            return Path(self.path)
+        """A PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
+        holding this version, written under ``scratch`` from the bytes or the transport's file."""
+        if self.data is not None:
+            data = self.data
+        elif self.path is not None:
+            data = safetensors_files(self.path)[0].read_bytes()  # an adapter: kilobytes to megabytes
+        else:
+            raise ProducerError("weights source has neither bytes nor a path")
         d = Path(scratch) / f"lora-v{self.version:06d}"
         d.mkdir(parents=True, exist_ok=True)
-        (d / "adapter_model.safetensors").write_bytes(self.data)
+        (d / "adapter_model.safetensors").write_bytes(data)
         (d / "adapter_config.json").write_text(self.adapter_config or "")
         return d
 
@@ -111,6 +113,57 @@ def safetensors_files(path: str | Path) -> list[Path]:
     if not files:
         raise ProducerError(f"no *.safetensors in {p}")
     return files
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+MAX_ST_HEADER = 100 * 1024 * 1024
+
+
+def safetensors_views(buffer) -> dict[str, Any]:
+    """The tensors of a safetensors file held in a writable buffer (bytes from the broker as a
+    bytearray, or a private mapping of a file), as torch tensors that share the buffer's memory:
+    no copy is made (a read-only buffer such as ``bytes`` is copied once), so the buffer must outlive them (``load_state_dict`` copies them into the
+    model). Offsets and sizes are checked against the buffer; a bad file raises
+    :class:`ProducerError`."""
+    import json
+
+    import torch
+
+    view = memoryview(buffer).cast("B")
+    if view.readonly:  # torch cannot share a read-only buffer: one copy
+        view = memoryview(bytearray(view))
+    if len(view) < 8:
+        raise ProducerError("weights: not a safetensors file (shorter than its header length)")
+    n = int.from_bytes(view[:8], "little")
+    if not 2 <= n <= min(MAX_ST_HEADER, len(view) - 8):
+        raise ProducerError(f"weights: safetensors header of {n} bytes does not fit the {len(view)}-byte file")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except ValueError as exc:
+        raise ProducerError(f"weights: safetensors header is not JSON: {exc}") from None
+    base, size = 8 + n, len(view) - 8 - n
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = getattr(torch, _ST_DTYPES[spec["dtype"]])
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ProducerError(f"weights: tensor {name!r} has a bad header entry {str(spec)[:200]}") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size or end - begin != count * itemsize:
+            raise ProducerError(f"weights: tensor {name!r} ({spec['dtype']} {shape}) does not fit its offsets {begin}..{end}")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(view, dtype=dtype, count=count, offset=base + begin).view(shape)
+    return out
 
 
 class GenerationBackend(Protocol):

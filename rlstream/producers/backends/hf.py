@@ -16,6 +16,7 @@ padded prompt gives the same log-probs as the unpadded one fed alone.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 
 import numpy as np
@@ -28,6 +29,7 @@ from rlstream.producers.backends.base import (
     WeightsSource,
     clean_logprobs,
     safetensors_files,
+    safetensors_views,
 )
 
 
@@ -147,19 +149,23 @@ class HFBackend(Backend):
         return True
 
     def load_weights_sync(self, source: WeightsSource) -> None:
-        import safetensors.torch
-
         if source.is_adapter:
             self._load_adapter(source)
             return
+        # The tensors are views of the received bytes or of a private mapping of each file
+        # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
         if source.data is not None:
-            state = safetensors.torch.load(source.data)
+            buffers = [source.data]
         elif source.path is not None:
-            state = {}
+            buffers = []
             for f in safetensors_files(source.path):
-                state.update(safetensors.torch.load_file(str(f)))
+                with open(f, "rb") as fh:
+                    buffers.append(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY))
         else:
             raise ProducerError("weights source has neither bytes nor a path")
+        state = {}
+        for buf in buffers:
+            state.update(safetensors_views(buf))
         with self._lock, self.torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             # tied weights (lm_head = embed_tokens) may be absent from a state dict
@@ -178,9 +184,9 @@ class HFBackend(Backend):
         from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 
         if source.data is not None:
-            state = safetensors.torch.load(source.data)
+            state = safetensors.torch.load(bytes(source.data))
         elif source.path is not None:
-            state = safetensors.torch.load_file(str(Path(source.path) / "adapter_model.safetensors"))
+            state = safetensors.torch.load_file(str(safetensors_files(source.path)[0]))
         else:
             raise ProducerError("weights source has neither bytes nor a path")
         config = json.loads(source.adapter_config)
