@@ -31,7 +31,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from rlstream import chat
-from rlstream.config import Config, is_hub_id
+from rlstream.config import GYM_PREFIX, Config, is_hub_id
 
 HEAD_ROWS = 4
 """Rows of the dataset the checks read (and the reward functions are called on)."""
@@ -119,7 +119,12 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
         return ["data_source.path: required, missing (a jsonl/json/parquet file, a datasets directory or a Hub id)"], []
     else:
         try:
-            rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
+            if ds.path.startswith(GYM_PREFIX):
+                from rlstream.envs.gym import rows_for
+
+                rows = rows_for(ds, limit=HEAD_ROWS)
+            else:
+                rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
         except DatasetError as exc:
             return [f"data_source.path: {exc}"], []
         except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)

@@ -229,6 +229,14 @@ class Scorer:
 
             def rule(flat, q=q):
                 return [rewards.overlong_penalty(n, **q) for n in flat.lengths]
+        elif t.rule == "reasoning_gym":
+            _check_params(t, set())
+            from rlstream.envs.gym import score_reply
+
+            def rule(flat):
+                if "reasoning_gym" not in flat.columns:
+                    raise RewardError("rule reasoning_gym needs prompts from data_source.path 'reasoning_gym:<task>' (no 'reasoning_gym' column)")
+                return [score_reply(c, {"reasoning_gym": spec}) for c, spec in zip(flat.completions, flat.columns["reasoning_gym"])]
         else:  # pragma: no cover - the config's Literal lists the rules
             raise RewardError(f"unknown rule {t.rule!r}")
 
