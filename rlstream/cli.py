@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("out", help="output directory (must not exist, or be empty)")
     sp.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repository (token from $HF_TOKEN or `hf auth login`)")
     sp.add_argument("--private", action="store_true", help="create the Hub repository private")
+    sp.add_argument("--base", help="a LoRA checkpoint's base model (default: the adapter config's base_model_name_or_path)")
     sp.set_defaults(fn=cmd_export_model)
 
     sp = sub.add_parser("eval", help="evaluate a checkpoint on the config's eval dataset with its reward terms (no broker)")

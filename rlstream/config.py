@@ -933,6 +933,30 @@ class CheckpointConfig(Strict):
     save_optimizer: bool = True
 
 
+class LoraSettings(Strict):
+    """``learner.lora``: train a LoRA adapter (``peft``) on the frozen base model, and publish
+    only the adapter (PEFT's ``adapter_model.safetensors`` + ``adapter_config.json``). The KL /
+    DPO reference is the base model with the adapter disabled (no second copy is loaded)."""
+
+    r: int = Field(8, ge=1, le=4096)
+    """Rank of the update matrices."""
+    alpha: float = Field(16.0, gt=0, le=1e6)
+    """Scaling numerator: the update is ``alpha / r * B @ A``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (the base path never drops)."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (suffixes) that get an adapter (default: the attention query and value
+    projections, as PEFT does for Llama), or ``all-linear`` (every linear layer but the output head)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, list) and (not v or not all(isinstance(m, str) and m for m in v)):
+            raise ValueError("learner.lora.target_modules must be a non-empty list of module names or 'all-linear'")
+        return v
+
+
 class LearnerConfig(Strict):
     engine: Literal["torch", "deepspeed"] = "torch"
     deepspeed: dict[str, Any] | str | None = None
@@ -1000,11 +1024,16 @@ class LearnerConfig(Strict):
     pad_to_multiple: int = Field(1, ge=1, le=4096)
     """Right-pad each micro-batch's sequence length up to a multiple of this (length
     bucketing): fewer distinct shapes for a compiled model, a little more padding."""
+    lora: LoraSettings | None = None
+    """Train and publish a LoRA adapter instead of the full weights (absent: full fine-tuning)."""
 
     @model_validator(mode="after")
     def _shared(self):
         if self.weights_transport == "shared_path" and not self.shared_path:
             raise ValueError("weights_transport 'shared_path' needs learner.shared_path")
+        if self.lora is not None and self.reference_model_path:
+            raise ValueError(f"learner.reference_model_path {self.reference_model_path!r} with learner.lora: the reference "
+                             "is the base model with the adapter disabled; remove one of them")
         return self
 
     def deepspeed_config(self, world_size: int | None = None, accumulation: int | None = None) -> dict[str, Any]:
@@ -1217,6 +1246,9 @@ class Config(Strict):
             raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
         if self.env is not None:
             self._check_env()
+        if self.learner.lora is not None and self.producer.weight_update == "in_flight":
+            raise ValueError("producer.weight_update 'in_flight' loads full weights under running requests; with "
+                             "learner.lora the adapters load between batches (set producer.weight_update: between_batches)")
         if self.learner.engine == "deepspeed":
             try:
                 self.learner.deepspeed_config(accumulation=self.accumulation_steps)
@@ -1409,6 +1441,9 @@ TRL_NAMES: dict[str, str] = {
     "reward_funcs": "reward_function.terms (function: module:name)",
     "reward_weights": "reward_function.terms[].weight",
     "vllm_gpu_memory_utilization": "producer.vllm.gpu_memory_utilization",
+    "peft_config": "learner.lora",
+    "lora_alpha": "learner.lora.alpha",
+    "lora_dropout": "learner.lora.dropout",
 }
 """Names TRL users type, and where the same knob lives here (for "did you mean")."""
 

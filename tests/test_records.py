@@ -392,7 +392,7 @@ def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size
     v2: 10 bytes in chunks of 4 are 3 chunks (4 + 4 + 2), so 3 digests, no fewer."""
     wire = WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10, sha256="a" * 64).to_wire()
     wire["v"] = 1
-    for name in ("chunk_size", "chunk_sha256", "host"):
+    for name in ("chunk_size", "chunk_sha256", "host", "kind", "adapter_config"):  # v2, v3
         del wire[name]
     back = WeightsAnnouncement.decode(msgpack.packb(wire))
     assert back.chunk_size == 0 and back.chunk_sha256 == [] and back.host == "" and back.chunks() == 0

@@ -3,7 +3,9 @@
 A checkpoint directory holds:
 
 - the HF model (``config.json``, ``model.safetensors``, generation config) and the tokenizer,
-  so ``AutoModelForCausalLM.from_pretrained(step_dir)`` works on it directly;
+  so ``AutoModelForCausalLM.from_pretrained(step_dir)`` works on it directly; under
+  ``learner.lora`` the adapter instead (``adapter_model.safetensors`` + ``adapter_config.json``,
+  ``PeftModel.from_pretrained(base, step_dir)``; ``rlstream export-model`` merges it);
 - ``trainer/optimizer.safetensors``: the optimizer's tensors, with its non-tensor state in
   ``learner_state.json`` (no pickle anywhere). Under DeepSpeed ZeRO 1-3 the optimizer state
   is partitioned over the ranks instead, and each rank writes its own partition:
@@ -206,7 +208,12 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
         tmp.mkdir()
     _barrier()
     model = engine.unwrapped
-    full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
+    if learner.cfg.learner.lora is not None:  # the adapter alone: the base model never changes
+        from rlstream.learner import lora
+
+        full = lora.adapter_state_dict(model, gathered=engine.gathers_weights)  # every rank: a collective under ZeRO-3
+    else:
+        full = engine.full_state_dict()  # every rank: a collective under ZeRO-3
     save_optimizer = learner.cfg.checkpoint.save_optimizer
     sharded = save_optimizer and engine.optimizer_sharded
     if sharded:
@@ -217,7 +224,11 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
                   metadata={SHARD_META_KEY: json.dumps(shard_meta)})
         _barrier()
     if engine.rank == 0:  # only rank 0 writes the model and the state
-        model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
+        if learner.cfg.learner.lora is not None:
+            save_file(full, str(tmp / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            (tmp / lora.ADAPTER_CONFIG).write_text(lora.config_json(model))
+        else:
+            model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
         if learner.tokenizer is not None:
             learner.tokenizer.save_pretrained(str(tmp))
         meta: dict[str, Any] = {}
@@ -272,15 +283,23 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
     doc.pop("saved_at", None)
     state = LearnerState.from_json(doc)
     engine = learner.engine
-    weights = load_file(str(step_dir / "model.safetensors"))
     model = engine.unwrapped
-    if engine.gathers_weights:
+    if learner.cfg.learner.lora is not None:
+        from rlstream.learner import lora
+
+        if not (step_dir / lora.ADAPTER_WEIGHTS).exists():
+            raise ValueError(f"{step_dir} holds full weights, not a LoRA adapter; this run has learner.lora set")
+        lora.load_adapter_state(model, load_file(str(step_dir / lora.ADAPTER_WEIGHTS)), gathered=engine.gathers_weights)
+    elif not (step_dir / "model.safetensors").exists():
+        raise ValueError(f"{step_dir} holds no model.safetensors (a LoRA checkpoint?); this run has no learner.lora")
+    elif engine.gathers_weights:
+        weights = load_file(str(step_dir / "model.safetensors"))
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             _load_weights(model, weights)
     else:
-        _load_weights(model, weights)
+        _load_weights(model, load_file(str(step_dir / "model.safetensors")))
     engine.weights_loaded()
     trainer_dir = step_dir / TRAINER_DIR
     opt_file = trainer_dir / "optimizer.safetensors"

@@ -9,6 +9,11 @@ run, taken from the run directory's ``config.resolved.json`` and ``summary.json`
 checkpoint sits in one. ``--push-to-hub REPO_ID`` then uploads the directory with
 ``huggingface_hub`` (the token comes from ``$HF_TOKEN`` or ``hf auth login``, never from the
 command line).
+
+A LoRA checkpoint (``learner.lora``: ``adapter_model.safetensors`` + ``adapter_config.json``) is
+merged: the base model (``--base``, else the adapter config's ``base_model_name_or_path``) is
+loaded, the adapter folded into its weights, and the result saved as a plain HF model
+directory that loads without ``peft``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 from rlstream.config import is_hub_id
 from rlstream.learner.checkpoint import STATE_FILE, TRAINER_DIR, latest_checkpoint
+from rlstream.learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 RESUME_ONLY = {STATE_FILE, TRAINER_DIR}
 """What a checkpoint holds for a resume only (never exported)."""
@@ -41,8 +47,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise ExportError(f"run directory {p} has no complete checkpoint")
         return found
     p = p.resolve()  # checkpoints/latest is a link to step_N
-    if not (p / "config.json").exists():
-        raise ExportError(f"{p} is not a checkpoint (no config.json)")
+    if not (p / "config.json").exists() and not (p / ADAPTER_CONFIG).exists():
+        raise ExportError(f"{p} is not a checkpoint (no config.json or adapter_config.json)")
     return p
 
 
@@ -86,15 +92,20 @@ def model_card(ckpt: Path, name: str) -> str:
     return "\n".join(front + [""] + lines)
 
 
-def export_model(checkpoint: str | Path, out: str | Path, *, name: str | None = None) -> Path:
-    """Copy the model and tokenizer files of a checkpoint to ``out`` with a model card."""
+def export_model(checkpoint: str | Path, out: str | Path, *, name: str | None = None, base: str | None = None) -> Path:
+    """Copy the model and tokenizer files of a checkpoint to ``out`` with a model card (a LoRA
+    checkpoint: the base model with the adapter merged in)."""
     ckpt = resolve_checkpoint(checkpoint)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty directory")
+    adapter = (ckpt / ADAPTER_CONFIG).exists()
+    merged = _merge_adapter(ckpt, base) if adapter else None
     out.mkdir(parents=True, exist_ok=True)
+    if merged is not None:
+        merged.save_pretrained(str(out), safe_serialization=True)
     for item in sorted(ckpt.iterdir()):
-        if item.name in RESUME_ONLY or item.name.endswith(".tmp"):
+        if item.name in RESUME_ONLY or item.name.endswith(".tmp") or item.name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             continue
         if item.is_dir():
             shutil.copytree(item, out / item.name)
@@ -102,6 +113,17 @@ def export_model(checkpoint: str | Path, out: str | Path, *, name: str | None = 
             shutil.copy2(item, out / item.name)
     (out / "README.md").write_text(model_card(ckpt, name or out.name))
     return out
+
+
+def _merge_adapter(ckpt: Path, base: str | None):
+    from rlstream.learner.lora import merge_into_base
+
+    base = base or json.loads((ckpt / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ExportError(f"{ckpt} is a LoRA adapter without base_model_name_or_path: pass --base")
+    if not Path(base).exists() and not is_hub_id(base):
+        raise ExportError(f"the adapter's base model {base} does not exist: pass --base")
+    return merge_into_base(ckpt, base)
 
 
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False) -> str:
@@ -116,7 +138,7 @@ def push_to_hub(folder: Path, repo_id: str, *, private: bool = False) -> str:
 
 def cli(args) -> int:
     try:
-        out = export_model(args.checkpoint, args.out, name=args.push_to_hub)
+        out = export_model(args.checkpoint, args.out, name=args.push_to_hub, base=getattr(args, "base", None))
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

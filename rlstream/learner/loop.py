@@ -143,9 +143,10 @@ class Checkpoints:
             return None
 
 
-async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None) -> dict[str, float]:
-    """A new policy version: the full weights out, then the version announced (with a
-    ``publisher``, only the snapshot here; the rest in its background task)."""
+async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None,
+                   adapter_config: str | None = None) -> dict[str, float]:
+    """A new policy version: the full weights (or the LoRA adapter) out, then the version
+    announced (with a ``publisher``, only the snapshot here; the rest in its background task)."""
     from rlstream.learner.publish import publish_weights
 
     state = runner.learner.state
@@ -155,7 +156,7 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
         m = await publisher.submit(full, version=state.policy_version, step=state.step)
         return {"time/publish_s": m["publish/snapshot_s"], **m}
     pub = await publish_weights(comp, runner.learner.cfg.learner, full, version=state.policy_version, step=state.step,
-                                config_json=config_json)
+                                config_json=config_json, adapter_config=adapter_config)
     await source.published()
     return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
 
@@ -213,6 +214,11 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     learner = runner.learner
     cfg, state = learner.cfg, learner.state
     config_json = learner.model.config.to_json_string()
+    adapter_config = None
+    if learner.lora:
+        from rlstream.learner import lora
+
+        adapter_config = lora.config_json(learner.model)
     if comp is not None:
         await comp.state.put_int(LEARNER_STEP, state.step)
     # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
@@ -225,10 +231,10 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
         async def published(_pub) -> None:
             await source.published()
 
-        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published)
+        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config)
     try:
         ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
-                          evaluator)
+                          evaluator, adapter_config)
     finally:
         if publisher is not None:
             await publisher.close()
@@ -240,7 +246,8 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
 
 
 async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
-                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str, evaluator=None) -> bool:
+                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str, evaluator=None,
+                 adapter_config: str | None = None) -> bool:
     learner = runner.learner
     cfg, state = learner.cfg, learner.state
     phases = learner.phases
@@ -272,7 +279,7 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
                 due = not deferred
             if comp is not None and due:
                 with phases.time("publish"):
-                    m.update(await _publish(runner, source, comp, config_json, publisher))
+                    m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))
                 if evaluator is not None and evaluator.due(state.policy_version):
                     if publisher is not None:  # the round's version is announced (never superseded) before its prompts
                         await publisher.flush()

@@ -1,5 +1,9 @@
 """Weights out: the full state_dict as safetensors, then the announcement, then the version.
 
+Under ``learner.lora`` the bytes are the adapter alone (PEFT's ``adapter_model.safetensors``),
+over the same transports; the announcement says ``kind: lora`` and carries the adapter's
+``adapter_config.json``.
+
 Order (the contract producers rely on): the bytes land first, then KV ``weights.latest`` =
 :class:`WeightsAnnouncement`, then KV ``policy.version``. So whoever sees a version can always
 fetch it. Only the newest ``learner.keep_versions`` are kept. Where the bytes land
@@ -151,22 +155,30 @@ def _write_chunked(directory: Path, data: bytes | bytearray, config_json: str, c
     return digests
 
 
-async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str) -> Published:
-    """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component."""
+async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str,
+                          adapter_config: str | None = None) -> Published:
+    """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component.
+    ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter."""
     t0 = time.perf_counter()
     data = await asyncio.to_thread(to_safetensors, state_dict)
-    return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0)
+    return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
+                               adapter_config=adapter_config)
+
+
+def _kind(adapter_config: str | None) -> dict:
+    """The announcement's fields saying what the bytes are: full weights, or a LoRA adapter."""
+    return {"kind": "lora", "adapter_config": adapter_config} if adapter_config else {}
 
 
 async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, step: int, config_json: str,
-                        started: float | None = None) -> Published:
+                        started: float | None = None, adapter_config: str | None = None) -> Published:
     """Put serialised weights where ``lcfg.weights_transport`` says, announce them, set the
     version, prune old versions. ``started``: when the publish began (for ``seconds``)."""
     t0 = time.perf_counter() if started is None else started
     layout: Layout = comp.layout
     transport = lcfg.weights_transport
     chunk = lcfg.weights_chunk_mb * 1024 * 1024
-    extra: dict = {}
+    extra: dict = _kind(adapter_config)
     if transport == "object_store":
         digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         name = object_name(version)
@@ -177,7 +189,7 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, st
         digests = await put_chunked(comp.js, layout.weights_bucket, name, data, chunk)
         location = f"object://{layout.weights_bucket}/{name}"
     elif transport == "broadcast":
-        return await _broadcast(comp, lcfg, data, version=version, step=step, started=t0)
+        return await _broadcast(comp, lcfg, data, version=version, step=step, started=t0, extra=extra)
     else:
         local = transport == "local"
         directory = shared_dir(lcfg.local_path if local else lcfg.shared_path, layout.run, version)
@@ -201,7 +213,7 @@ _servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The broadcast store server of each learner Component (one per run, kept across versions)."""
 
 
-async def _broadcast(comp, lcfg, data, *, version: int, step: int, started: float) -> Published:
+async def _broadcast(comp, lcfg, data, *, version: int, step: int, started: float, extra: dict) -> Published:
     """Announce first (the producers must hear of the version to join its group), then wait for
     them, close the group and broadcast; the bytes never rest anywhere."""
     from rlstream.broker.broadcast import BroadcastServer
@@ -215,7 +227,7 @@ async def _broadcast(comp, lcfg, data, *, version: int, step: int, started: floa
     layout: Layout = comp.layout
     ann = WeightsAnnouncement(id=f"{layout.run}-v{version}", policy_version=version, step=step,
                               location=server.location(version), size=len(data), sha256=root_digest(digests),
-                              run=layout.run, chunk_size=chunk, chunk_sha256=digests)
+                              run=layout.run, chunk_size=chunk, chunk_sha256=digests, **extra)
     await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
     await comp.state.set_policy_version(version)
     sent = await asyncio.to_thread(server.send, version, data, lcfg.broadcast_receivers, lcfg.broadcast_join_s)
@@ -264,8 +276,10 @@ class BackgroundPublisher:
     :meth:`flush` waits until everything queued is out.
     """
 
-    def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]]):
+    def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]],
+                 adapter_config: str | None = None):
         self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
+        self.adapter_config = adapter_config
         self.on_published = on_published
         self._waiting: tuple[bytes, int, int, float] | None = None
         self._wake = asyncio.Event()
@@ -312,7 +326,7 @@ class BackgroundPublisher:
             pub = None
             try:
                 pub = await publish_bytes(self.comp, self.lcfg, data, version=version, step=step,
-                                          config_json=self.config_json, started=t0)
+                                          config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
                 self.last, self.failures = pub, 0
             except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
                 self.failures += 1

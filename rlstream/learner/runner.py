@@ -32,13 +32,24 @@ class StepRunner(Protocol):
         """One optimizer step on ``batch``; its metrics."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight, on CPU, for a publish."""
+        """Every weight (the adapter alone under LoRA), on CPU, for a publish."""
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (raises ``CheckpointWriteError``)."""
 
     def close(self) -> None:
         """The loop is done (the other ranks, if any, may stop)."""
+
+
+def published_tensors(learner: Learner) -> dict[str, torch.Tensor]:
+    """What a publish sends: every weight, or under ``learner.lora`` the adapter alone (PEFT's
+    tensor names). A collective under ZeRO-3."""
+    engine = learner.engine
+    if learner.lora:
+        from rlstream.learner import lora
+
+        return lora.adapter_state_dict(engine.unwrapped, gathered=engine.gathers_weights)
+    return engine.full_state_dict()
 
 
 class LocalRunner:
@@ -63,12 +74,12 @@ class LocalRunner:
         return train_step(self.learner, batch)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.learner.engine.full_state_dict()
+        return published_tensors(self.learner)
 
     def join_publish(self) -> None:
         """A follower's part in rank 0's :meth:`full_state_dict` (a collective under ZeRO-3 only)."""
         if self.learner.engine.gathers_weights:
-            self.learner.engine.full_state_dict()
+            published_tensors(self.learner)
 
     def save(self) -> Path:
         return save_checkpoint(self.learner, self.run_dir)

@@ -60,6 +60,7 @@ class Learner:
     engine: Engine
     tokenizer: Any
     ref_model: torch.nn.Module | None
+    """The frozen reference (None: no reference, or LoRA's, which is the policy with its adapter disabled)."""
     critic: ValueHead | None
     """PPO's value model (None for algorithms without one)."""
     state: LearnerState = field(default_factory=LearnerState)
@@ -73,6 +74,34 @@ class Learner:
     @property
     def model(self) -> torch.nn.Module:
         return self.engine.unwrapped
+
+    @property
+    def lora(self) -> bool:
+        """The policy is a LoRA adapter on a frozen base (``learner.lora``)."""
+        return self.cfg.learner.lora is not None
+
+    @property
+    def has_reference(self) -> bool:
+        """The learner computes reference log-probs itself (a frozen copy, or LoRA's base)."""
+        return self.ref_model is not None or (self.lora and self.cfg.algorithm_params.needs_reference and self.cfg.reference is None)
+
+
+def reference_logprobs(learner: Learner, tb: TokenBatch) -> torch.Tensor:
+    """Reference log-probs [B, T] of ``tb`` (no gradient): the frozen copy's, or under LoRA the
+    policy's own forward with the adapter disabled (the base model exactly)."""
+    with torch.no_grad():
+        if learner.ref_model is not None:
+            return forward_logprobs(learner.ref_model, tb).logprobs
+        from rlstream.learner import lora
+
+        model = learner.model
+        was_training = model.training
+        model.eval()  # as the frozen copy: no dropout
+        try:
+            with lora.adapter_disabled(model):
+                return forward_logprobs(model, tb).logprobs
+        finally:
+            model.train(was_training)
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -92,6 +121,12 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype)
     if lcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if lcfg.lora is not None:  # the frozen embeddings' output must carry gradients to the adapters
+            model.enable_input_require_grads()
+    if lcfg.lora is not None:
+        from rlstream.learner import lora
+
+        model = lora.wrap(model, lcfg.lora, cfg.model_checkpoint_path)
     device = torch.device(lcfg.device)
     model.to(device).train()
     if mixed:
@@ -104,7 +139,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     params = cfg.algorithm_params
     ref_model = None
     # with the reference stage on, the reference log-probs arrive recorded in the groups
-    if params.needs_reference and cfg.reference is None:
+    if params.needs_reference and cfg.reference is None and lcfg.lora is None:
         ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
         ref_model.to(device).eval().requires_grad_(False)
         if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
@@ -288,11 +323,11 @@ class _Targets:
 def _targets(learner: Learner, tbs: list[TokenBatch]) -> _Targets:
     n = len(tbs)
     params = learner.cfg.algorithm_params
-    if learner.ref_model is None and params.needs_reference and any(tb.ref_logprobs is None for tb in tbs):
+    if not learner.has_reference and params.needs_reference and any(tb.ref_logprobs is None for tb in tbs):
         raise LearnerError("kl_coefficient > 0 without an in-learner reference model: every group needs ref_logprobs "
                            "(is the reference stage running, and does the learner read its subject?)")
     # the reference stage's recorded log-probs, else filled on first use from the in-learner model
-    ref = [tb.ref_logprobs if learner.ref_model is None else None for tb in tbs]
+    ref = [tb.ref_logprobs if not learner.has_reference else None for tb in tbs]
     if learner.critic is not None:
         v = learner.critic.targets(learner.engine.module, tbs, gamma=params.gamma, lam=params.lam)
         return _Targets(ref, list(v.prox_logprobs), list(v.advantages), list(v.old_values), list(v.returns))
@@ -329,9 +364,8 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
     for epoch in range(params.epochs_per_batch):
         def make_pass(i: int, tb: TokenBatch):
             def run(record: bool = True) -> torch.Tensor:
-                if learner.ref_model is not None and t.ref[i] is None:
-                    with torch.no_grad():
-                        t.ref[i] = forward_logprobs(learner.ref_model, tb).logprobs
+                if learner.has_reference and t.ref[i] is None:
+                    t.ref[i] = reference_logprobs(learner, tb)
                 out = forward_logprobs(module, tb, keep_logits=True, hidden=critic is not None)
                 if t.prox[i] is None:
                     t.prox[i] = out.logprobs.detach()
@@ -416,8 +450,8 @@ def dpo_step(learner: Learner, pairs: list[PreferencePair]) -> dict[str, float]:
 
     def make_pass(n: int, tb: TokenBatch):
         def run(record: bool = True):
-            with torch.no_grad():  # the reference, on first use: a rank forwards only its shard
-                ref = sequence_logps(forward_logprobs(learner.ref_model, tb).logprobs, tb.mask)
+            # the reference, on first use: a rank forwards only its shard
+            ref = sequence_logps(reference_logprobs(learner, tb), tb.mask)
             logps = sequence_logps(forward_logprobs(learner.engine.module, tb).logprobs, tb.mask)
             loss, metrics = losses.dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], cfg.algorithm_params, normalizer=float(len(pairs)))
             if record:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -606,6 +607,8 @@ async def _sync_weights(comp: Component, backend: GenerationBackend, loaded: int
         log.error("producer %s: keeping policy v%d: %s", comp.component_id, loaded, exc)
         return loaded
     fetch_s = time.monotonic() - t0
+    if announcement.kind == "lora":  # the bytes are a LoRA adapter for the loaded base model
+        source = dataclasses.replace(source, adapter_config=announcement.adapter_config)
     if in_flight:
         await backend.update_in_flight(source)
         stats.in_flight_updates += 1

@@ -499,10 +499,13 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     ``file://`` location that only that machine can read (``learner.weights_transport: local``).
     v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
     (:mod:`rlstream.broker.broadcast`), with chunk digests.
+    v3: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for the base model, whose
+    safetensors are ``adapter_model.safetensors``) and ``adapter_config`` (the adapter's
+    ``adapter_config.json`` text, for ``lora``).
     """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     v: int = VERSION
     id: str
@@ -517,6 +520,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     chunk_size: int = 0  # v2
     chunk_sha256: capped(list[str]) = msgspec.field(default_factory=list)  # v2
     host: str = ""  # v2
+    kind: str = "full"  # v3
+    adapter_config: capped(str, 1 << 16) = ""  # v3
 
     def chunks(self) -> int:
         """How many chunks ``size`` bytes make (0 without chunking)."""
@@ -529,6 +534,10 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
                                                      f"of {self.chunk_size} bytes in {self.size}")
         if self.format != "safetensors":
             raise RecordError(f"{path}format", f"{self.format!r}; only 'safetensors' is accepted")
+        if self.kind not in ("full", "lora"):
+            raise RecordError(f"{path}kind", f"{self.kind!r}; expected 'full' or 'lora'")
+        if self.kind == "lora" and not self.adapter_config:
+            raise RecordError(f"{path}adapter_config", "a 'lora' announcement needs the adapter's adapter_config.json")
         if not self.location.startswith(("object://", "file://", "dist://")):
             raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file:// or dist://")
         _min(self.policy_version, 0, f"{path}policy_version")

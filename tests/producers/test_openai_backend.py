@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -30,17 +31,23 @@ def test_endpoint_forms():
     assert completions_url("http://rl-lb:8000/generate") == "http://rl-lb:8000/v1/completions"
 
 
-def serve(tiny_model_dir, tmp_path_factory, dev_mode: bool):
-    """`vllm serve` of the tiny model; with ``dev_mode`` it has the weight-reload endpoint."""
+def serve(tiny_model_dir, tmp_path_factory, dev_mode: bool, lora: bool = False):
+    """`vllm serve` of the tiny model; with ``dev_mode`` it has the weight-reload endpoint, with
+    ``lora`` vLLM's dynamic LoRA endpoints (``/v1/load_lora_adapter``)."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("vllm-serve") / "serve.log", "w+")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VLLM_SERVER_DEV_MODE", None)
+    env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    extra = []
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        extra = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
-         "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)],
+         "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -143,5 +150,72 @@ async def test_a_server_that_cannot_reload_weights_says_so_and_keeps_serving(ser
         (group,) = await backend.generate([prompt], spec)
         for c in group:  # still the served (base) weights' log-probs
             np.testing.assert_allclose(c.logprobs, teacher_forced(base, prompt, c.token_ids), atol=1e-4)
+    finally:
+        await backend.close()
+
+
+@pytest.fixture
+def lora_server(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False, lora=True)
+
+
+def _adapters(tiny_model_dir, tmp_path):
+    """Two adapter versions of a LoRA learner (steps 1 and 2), as it publishes them."""
+    from helpers.groups import make_cfg, sample_groups
+
+    from rlstream.learner import lora
+    from rlstream.learner.publish import serialize
+    from rlstream.learner.runner import published_tensors
+    from rlstream.learner.steps import build_learner, train_step
+
+    cfg = make_cfg(tiny_model_dir, "RL_GRPO", algo={"group_size": 4},
+                   learner={"lr": 5e-2, "micro_batch_size": 4, "batch_groups": 2, "lora": {"r": 8, "alpha": 16}})
+    learner = build_learner(cfg, tmp_path)
+    groups = sample_groups(tiny_model_dir, 4, 4, seed=2)
+    out = []
+    for version, batch in ((1, groups[:2]), (2, groups[2:])):
+        train_step(learner, batch)
+        out.append(WeightsSource(version, data=serialize(published_tensors(learner))[0], adapter_config=lora.config_json(learner.model)))
+    return out
+
+
+def _peft_model(tiny_model_dir, source: WeightsSource, d):
+    from peft import PeftModel
+
+    adapter = source.adapter_dir(d)
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32), str(adapter)).eval()
+
+
+async def test_lora_adapters_load_through_the_dynamic_lora_endpoint(lora_server, tiny_model_dir, tmp_path):
+    # each version is loaded as `policy-v<N>` with POST /v1/load_lora_adapter, requests name it,
+    # the old one is unloaded; the log-probs are the learner's policy under that adapter
+    import json as _json
+    import urllib.request as _u
+
+    versions = _adapters(tiny_model_dir, tmp_path / "run")
+    backend = OpenAIBackend(lora_server, tokenizer_path=str(tiny_model_dir), retries=1)
+    try:
+        prompt = backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0]
+        spec = SamplingSpec(n=3, max_new_tokens=8, temperature=1.0, seed=3)
+        for source in versions:
+            assert await backend.load_weights(source) is True
+            assert backend.adapter_name == f"policy-v{source.version}"
+            served = await asyncio.to_thread(lambda: {m["id"] for m in _json.loads(_u.urlopen(f"{lora_server}/v1/models", timeout=10).read())["data"]})
+            assert served == {"tiny", f"policy-v{source.version}"}  # the previous version was unloaded
+            policy = _peft_model(tiny_model_dir, source, tmp_path / f"ref{source.version}")
+            (group,) = await backend.generate([prompt], spec)
+            for c in group:
+                np.testing.assert_allclose(c.logprobs, teacher_forced(policy, prompt, c.token_ids), atol=1e-4)
+    finally:
+        await backend.close()
+
+
+async def test_a_server_without_dynamic_lora_says_so(server_without_reload, tiny_model_dir, tmp_path):
+    versions = _adapters(tiny_model_dir, tmp_path / "run")
+    backend = OpenAIBackend(server_without_reload, tokenizer_path=str(tiny_model_dir), retries=1)
+    try:
+        assert await backend.load_weights(versions[0]) is False
+        assert backend.can_reload is False and backend.adapter_name is None
+        assert "/v1/load_lora_adapter" in backend.reload_note and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in backend.reload_note
     finally:
         await backend.close()

