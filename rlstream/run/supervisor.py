@@ -1,7 +1,11 @@
 """The supervisor of ``rlstream run``: it starts the component processes and watches them.
 
 A process that exits with an error, or whose heartbeat goes stale, is restarted (the
-learner with ``--resume``), up to ``MAX_RESTARTS`` times. A process that exits with 2 (a
+learner with ``--resume``) after a backoff that grows with its recent restarts. The budget is
+windowed (``supervisor.max_restarts`` restarts of one component within
+``supervisor.restart_window_s``, 5 in 300 s by default): a component that keeps failing ends
+the run, while one lost now and then in a long run (a node lost, a kill) is always restarted.
+A process that exits with 2 (a
 usage, config or dataset error, which a restart cannot fix) is never restarted: the run
 stops and prints the process's last error line. The run also stops when it cannot
 progress (``progress`` in the config): when most of a window of groups went to the
@@ -42,7 +46,6 @@ EXIT_NO_PROGRESS = 3
 EXIT_INTERRUPTED = 130
 PROGRESS_EVERY_S = 2.0
 EXHAUSTED_AFTER_S = 20.0
-MAX_RESTARTS = 5
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
 """Exit codes a component uses to say why it wants a restart (for the run's log)."""
 
@@ -86,6 +89,8 @@ class Child:
     once: bool = False  # the feeder: exits 0 when done, not restarted then
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    """Monotonic times of its restarts within the budget's window (older ones are dropped)."""
     started_at: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False
@@ -228,16 +233,18 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                                                       f"{last_error_line(c.log_path)}  [log {c.log_path}]")
                         stop.set()
                         break
-                    if c.restarts >= MAX_RESTARTS:
-                        outcome = Outcome(1, f"{c.name} exited with {code} {c.restarts + 1} times; giving up: "
+                    delay = restart_delay(c, cfg.supervisor, time.monotonic())
+                    if delay is None:
+                        outcome = Outcome(1, f"{c.name} exited with {code} {len(c.restart_times) + 1} times in "
+                                             f"{cfg.supervisor.restart_window_s:g}s; giving up: "
                                              f"{last_error_line(c.log_path)}  [log {c.log_path}]")
                         stop.set()
                         break
-                    c.restarts += 1
                     why = f" ({EXIT_MEANINGS[code]})" if code in EXIT_MEANINGS else ""
-                    log.warning("%s exited with %s%s; restarting (%d/%d), log %s: %s", c.name, code, why, c.restarts, MAX_RESTARTS,
-                                c.log_path, last_error_line(c.log_path))
-                    await asyncio.sleep(min(2.0 * c.restarts, 10.0))
+                    log.warning("%s exited with %s%s; restarting in %.1fs (%d/%d within %gs, %d in all), log %s: %s", c.name,
+                                code, why, delay, len(c.restart_times), cfg.supervisor.max_restarts,
+                                cfg.supervisor.restart_window_s, c.restarts, c.log_path, last_error_line(c.log_path))
+                    await asyncio.sleep(delay)
                     c.start(env, resume=(c is learner))
                     if c is learner:
                         display.note, seen_steps = resume_note, figures.step_events
@@ -300,6 +307,19 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
         log.error("%s", outcome.reason)
         print(f"error: {outcome.reason}", file=sys.stderr, flush=True)
     return outcome
+
+
+def restart_delay(c: Child, budget, now: float) -> float | None:
+    """Count a restart of ``c`` at ``now`` against ``budget`` (:class:`SupervisorConfig`): the
+    wait before it, ``restart_backoff_s`` times its restarts within ``restart_window_s`` (this
+    one included), capped at ``restart_backoff_max_s``; or None when ``max_restarts`` restarts
+    already fall inside the window (the run gives up on it)."""
+    c.restart_times = [t for t in c.restart_times if now - t < budget.restart_window_s]
+    if len(c.restart_times) >= budget.max_restarts:
+        return None
+    c.restart_times.append(now)
+    c.restarts += 1
+    return min(budget.restart_backoff_s * len(c.restart_times), budget.restart_backoff_max_s)
 
 
 class ProgressWatch:
