@@ -34,7 +34,7 @@ from pathlib import Path
 
 from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
-from rlstream.broker.server import die_with_parent
+from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.rundir import RunDir
@@ -107,8 +107,7 @@ class Child:
         out = open(self.log_path, "ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start {' '.join(argv[2:])}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
         self.started_at = time.monotonic()
 
