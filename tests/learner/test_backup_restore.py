@@ -17,9 +17,13 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from helpers.groups import make_cfg, publish_groups_sync, sample_groups
-from test_loop_resume import KILL_AFTER, STEPS, _env, _learner_cmd, _metrics, _write_cfg
+from helpers.learner_runs import KILL_AFTER, STEPS
+from helpers.learner_runs import learner_cmd as _learner_cmd
+from helpers.learner_runs import learner_env as _env
+from helpers.learner_runs import read_metrics as _metrics
+from helpers.learner_runs import write_cfg as _write_cfg
+from safetensors.torch import load_file
 
 BUCKET = "rlstream-backups"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -6,43 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from helpers.groups import make_cfg, publish_groups_sync, sample_groups
+from helpers.learner_runs import KILL_AFTER, STEPS
+from helpers.learner_runs import learner_cmd as _learner_cmd
+from helpers.learner_runs import learner_env as _env
+from helpers.learner_runs import read_metrics as _metrics
+from helpers.learner_runs import write_cfg as _write_cfg
 from safetensors.torch import load_file
-
-STEPS = 6
-KILL_AFTER = 2
-
-
-def _learner_cmd(config: Path, url: str, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rlstream.cli", "learner", str(config), "--nats", url, "--run-dir", str(run_dir),
-            "--max-steps", str(STEPS), *extra]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RLSTREAM_LOG": "WARNING"}
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _write_cfg(tmp_path: Path, name: str, model_dir: Path, run: str) -> Path:
-    cfg = make_cfg(model_dir, "RL_GRPO", run=run, algo={"group_size": 4, "max_staleness": 100},
-                   learner={"batch_groups": 2, "micro_batch_size": 4}, checkpoint={"interval": KILL_AFTER, "keep_last": 10},
-                   nats={"ack_wait_s": 2.0})
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    return path
 
 
 async def _ack_floor(url: str, cfg) -> int:
