@@ -853,7 +853,8 @@ class SupervisorConfig(Strict):
     heartbeat_timeout_s: float = Field(120.0, gt=0)
     """A component whose process lives but whose heartbeat is older than this (and that has
     run this long) is killed with SIGKILL, and restarted like one that exited. Checked every
-    10 s."""
+    10 s. Only a heartbeat the process wrote itself counts: a restarted one that has not
+    written its first yet gets 300 s (a predecessor's old heartbeat does not judge it)."""
     max_restarts: int = Field(5, ge=0, le=10_000)
     """Restarts of one component allowed within ``restart_window_s``: the failure after that
     many restarts in the window ends the run (exit 1). Restarts older than the window no

@@ -46,6 +46,8 @@ EXIT_NO_PROGRESS = 3
 EXIT_INTERRUPTED = 130
 PROGRESS_EVERY_S = 2.0
 EXHAUSTED_AFTER_S = 20.0
+STARTUP_GRACE_S = 300.0
+"""How long a (re)started component may take to write its first heartbeat."""
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
 """Exit codes a component uses to say why it wants a restart (for the run's log)."""
 
@@ -92,6 +94,8 @@ class Child:
     restart_times: list[float] = field(default_factory=list)
     """Monotonic times of its restarts within the budget's window (older ones are dropped)."""
     started_at: float = 0.0
+    started_wall: float = 0.0
+    """``time.time()`` at its start: heartbeats older than this are a predecessor's."""
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False
     private_env: dict[str, str] = field(default_factory=dict, repr=False)
@@ -109,7 +113,7 @@ class Child:
         out.flush()
         self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
-        self.started_at = time.monotonic()
+        self.started_at, self.started_wall = time.monotonic(), time.time()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -268,11 +272,10 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                         broker_misses += 1
                         log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
                         continue
-                    stale_s = cfg.supervisor.heartbeat_timeout_s
                     for c in children:
-                        beat = beats.get(f"{c.kind}.{c.name}")
-                        if c.alive() and beat and time.monotonic() - c.started_at > stale_s and beat["age_s"] > stale_s:
-                            log.warning("%s heartbeat is %.0fs old; killing it for a restart", c.name, beat["age_s"])
+                        why = heartbeat_verdict(c, beats.get(f"{c.kind}.{c.name}"), cfg.supervisor.heartbeat_timeout_s)
+                        if why:
+                            log.warning("%s %s; killing it for a restart", c.name, why)
                             c.signal(signal.SIGKILL)
                     # the dataset is used up: fed, produced, scored and trained, and nothing moves
                     if await exhausted_now(js, layout, children, figures):
@@ -306,6 +309,22 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
         log.error("%s", outcome.reason)
         print(f"error: {outcome.reason}", file=sys.stderr, flush=True)
     return outcome
+
+
+def heartbeat_verdict(c: Child, beat: dict | None, stale_s: float) -> str | None:
+    """Why ``c`` counts as hung (its heartbeat, ``{"ts", "age_s", ...}`` from the run state), or
+    None. Only a heartbeat this process wrote judges it: one older than its start is a killed
+    predecessor's, and a restarted component that is still starting (imports, loading a
+    model; slow on a loaded machine) has not written its own yet. Such a process is given
+    ``STARTUP_GRACE_S`` (or ``stale_s`` if longer) to write one."""
+    if not (c.alive() and beat):
+        return None
+    ran = time.monotonic() - c.started_at
+    if beat.get("ts", 0.0) >= c.started_wall:
+        return f"heartbeat is {beat['age_s']:.0f}s old" if ran > stale_s and beat["age_s"] > stale_s else None
+    if ran > max(stale_s, STARTUP_GRACE_S):
+        return f"wrote no heartbeat in the {ran:.0f}s since its start"
+    return None
 
 
 def restart_delay(c: Child, budget, now: float) -> float | None:

@@ -1,13 +1,14 @@
-"""The supervisor's restart budget (``supervisor.max_restarts`` per ``restart_window_s``), run
-through :func:`rlstream.run.supervisor.supervise` against a real nats-server, with small Python
-processes as the components: each start appends its wall time to a file, then the process
-waits and exits with the code the test asks for."""
+"""The supervisor, run through :func:`rlstream.run.supervisor.supervise` against a real
+nats-server, with small Python processes as the components: each start appends its wall time to
+a file, then the process waits and exits with the code the test asks for. Its restart budget
+(``supervisor.max_restarts`` per ``restart_window_s``), and its heartbeat check."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,29 @@ def test_the_budget_is_validated(tiny_model_dir):
     data = make_cfg(tiny_model_dir).model_dump(mode="json", exclude_none=True)
     with pytest.raises(ConfigError, match="supervisor.restart_window_s"):
         parse_config({**data, "supervisor": {"restart_window_s": 0}})
+
+
+def test_a_restarted_component_is_not_judged_by_its_predecessor_s_heartbeat(tiny_model_dir, tmp_path, nats_server, run_id):
+    # The heartbeat in the KV is an old one, from another process (a predecessor killed before
+    # this one started). A component still starting up (on a loaded machine that takes longer
+    # than heartbeat_timeout_s) has not written its own yet: it must not be killed for the old
+    # one. The health check runs every 10 s, so the component lives 13 s, then finishes.
+    from rlstream.broker import RunState, connect, ensure_layout
+
+    base = make_cfg(tiny_model_dir, run=run_id)
+    cfg = base.model_copy(update={"supervisor": base.supervisor.model_copy(update={"heartbeat_timeout_s": 1.0})})
+
+    async def old_heartbeat():
+        nc = await connect(url=nats_server.url)
+        try:
+            js = nc.jetstream()
+            state = await RunState.open(js, await ensure_layout(js, run_id, cfg.nats))
+            await state.put_json("heartbeat.learner.learner", {"ts": time.time() - 3600, "pid": 1})
+        finally:
+            await nc.close()
+
+    asyncio.run(old_heartbeat())
+    learner, starts = _learner(tmp_path, wait_s=13.0, ok_at=1)
+    outcome = _supervise(cfg, tmp_path, nats_server.url, [learner])
+    assert outcome.code == 0, outcome
+    assert learner.restarts == 0 and learner.exit_codes == [0], learner.exit_codes
