@@ -121,7 +121,8 @@ def test_a_component_whose_heartbeat_went_silent_is_killed_and_restarted(tiny_mo
     data = write_data(tmp_path / "data")
     run_dir = tmp_path / "run"
     steps = 6
-    proc = subprocess.Popen(run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, ["supervisor.heartbeat_timeout_s=15"]),
+    proc = subprocess.Popen(run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, ["supervisor.heartbeat_timeout_s=15",
+                                                                                          "nats.ack_wait_s=10"]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     frozen = None
     try:
