@@ -1,6 +1,6 @@
 """The supervisor of `rlstream run`, as its docs describe it: a component that keeps failing is
 restarted with a growing backoff and given up on after supervisor.max_restarts restarts within
-supervisor.restart_window_s (the run then fails; tests/test_supervisor_budget.py checks the window); the
+supervisor.restart_window_s (the run then fails; tests/test_supervisor.py checks the window); the
 learner exits 1 when its final checkpoint cannot be written (so a supervisor restarts it with
 --resume); and killing `rlstream run` itself with SIGKILL leaves no component behind."""
 
