@@ -47,3 +47,29 @@ def test_chaos_quick_loses_nothing_and_trains_nothing_twice(tmp_path):
     assert verdict["finished"] is True, out[-6000:]
     assert verdict["ok"] is True and proc.returncode == 0, out[-6000:]
     assert json.loads((tmp_path / "chaos" / "verdict.json").read_text()) == verdict
+
+
+def test_chaos_interrupted_still_writes_its_verdict(tmp_path):
+    # SIGTERM before the first learner step: the bench stops the run, checks what there is and
+    # writes a verdict that says it was interrupted (and is not ok), on stdout and to verdict.json.
+    work = tmp_path / "chaos"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--seed", str(SEED), "--work", str(work)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    try:
+        for line in proc.stdout:  # the run has started once the bench waits for its first step
+            lines.append(line)
+            if "waiting for the first learner step" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + out
+    verdict = json.loads(out.strip().splitlines()[-1])
+    assert verdict["interrupted"] == "SIGTERM" and verdict["ok"] is False and proc.returncode == 1, out[-4000:]
+    assert not verdict["error"] and verdict["prompts_lost"] == 0, out[-4000:]  # the history was still checked
+    assert json.loads((work / "verdict.json").read_text()) == verdict
