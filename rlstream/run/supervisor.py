@@ -5,9 +5,8 @@ learner with ``--resume``) after a backoff that grows with its recent restarts. 
 windowed (``supervisor.max_restarts`` restarts of one component within
 ``supervisor.restart_window_s``, 5 in 300 s by default): a component that keeps failing ends
 the run, while one lost now and then in a long run (a node lost, a kill) is always restarted.
-A process that exits with 2 (a
-usage, config or dataset error, which a restart cannot fix) is never restarted: the run
-stops and prints the process's last error line. The run also stops when it cannot
+A process that exits with 2 (a usage, config or dataset error, which a restart cannot fix) is
+never restarted: the run stops and prints the process's last error line. The run also stops when it cannot
 progress (``progress`` in the config): when most of a window of groups went to the
 dead-letter stream (it shows the most frequent reasons), or when no learner step came for
 ``progress.max_step_gap_s``. Otherwise it ends when the learner exits 0, when the dataset is
