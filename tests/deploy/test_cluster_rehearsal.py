@@ -24,11 +24,9 @@ N_PROMPTS = 1500
 PUBLISH_CHUNK = 100
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One cluster for the module: each test works on its own run's streams, and the test that
-    kills a node restarts it and waits until its replicas are current again."""
-    c = LocalCluster(tmp_path_factory.mktemp("cluster") / "cluster", size=3)
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path / "cluster", size=3)
     c.start()
     yield c
     c.stop()
