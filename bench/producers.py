@@ -94,7 +94,7 @@ async def scaling_rate(n: int, model_dir: Path, tmp: Path, url: str, latency: fl
 
     run_id = f"bench-scale-{n}-{os.getpid()}"
     data = write_prompts(tmp / f"scale-{n}.jsonl", int(n * 8 / latency * (seconds + 4)) + 64)
-    cfg = make_cfg(run_id, model_dir, data, backend="fake", fake_latency_s=latency)
+    cfg = make_cfg(run_id, model_dir, data, backend="fake", latency_s=latency)
     comps = [Component(cfg, url, "producer", f"p{i}", handle_signals=False) for i in range(n)]
     for c in comps:
         await c.__aenter__()

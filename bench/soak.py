@@ -50,7 +50,7 @@ def main() -> None:
     run_dir = WORK / "run"
     subprocess.call(["rm", "-rf", str(run_dir)])
     sets = [f"model_checkpoint_path={model}", f"data_source.path={data['rl']}", "data_source.epochs=1000",
-            f"producer.backend={BACKEND}", "producer.fake_latency_s=0.02", "producer.fake_vocab_size=200", "producer.count=2",
+            f"producer.backend={BACKEND}", "producer.latency_s=0.02", "producer.vocab_size=200", "producer.count=2",
             "producer.batch_prompts=8", "scorer.count=2", "reward_function.terms=[{rule: exact_match}]",
             f"learner.batch_groups={batch_groups}", "learner.micro_batch_size=64", "checkpoint.interval=250",
             "algorithm_params.max_staleness=4", "run=soak"]

@@ -123,3 +123,70 @@ def extract_prompt(chosen: Messages, rejected: Messages) -> tuple[Messages, Mess
     if n == 0:
         raise ChatError("chosen and rejected share no leading turns: there is no prompt to extract")
     return chosen[:n], chosen[n:], rejected[n:]
+
+
+# ---- multi-turn episodes: the template's tokens around the model's turns --------------------
+
+PLACEHOLDER = "x"
+"""Stands in for a model turn's text when the tokens the template puts around a turn are found."""
+
+
+class EpisodeTemplate:
+    """The chat template's tokens around the model's turns of one episode, as token deltas.
+
+    The model's own tokens are never rendered: a turn is kept exactly as sampled, and only the
+    tokens the template adds are computed, each time by rendering a *fixed* conversation (the
+    episode's opening messages, then one assistant turn holding :data:`PLACEHOLDER`) with and
+    without what comes next, and taking the suffix:
+
+    - :attr:`prompt_ids`: the opening messages with the generation prompt (and ``tools``);
+    - :meth:`close`: what ends a model turn (ChatML: ``<|im_end|>`` ``\\n``), less the part the
+      model already sampled (its end-of-turn token, when it stopped on it);
+    - :meth:`observation`: the environment's messages and the next generation prompt.
+
+    The next model turn is generated from ``prompt_ids`` plus every token so far. A template
+    whose rendering of a turn depends on what follows (so the fixed prefix is not a prefix of
+    the longer rendering) is refused with a :class:`ChatError`.
+    """
+
+    def __init__(self, tokenizer, messages: Messages, tools: list[dict[str, Any]] | None = None):
+        _template(tokenizer)
+        self.tokenizer = tokenizer
+        self.kw: dict[str, Any] = {"tools": tools} if tools else {}
+        if messages and messages[-1]["role"] == "assistant":
+            raise ChatError("an episode cannot open with an assistant turn: the model speaks first")
+        self.prompt_ids = _ids(tokenizer, messages, add_generation_prompt=True, **self.kw)
+        self.base = [*messages, {"role": "assistant", "content": PLACEHOLDER}]
+        self.base_ids = _ids(tokenizer, self.base, **self.kw)
+        if self.base_ids[:len(self.prompt_ids)] != self.prompt_ids:
+            raise ChatError("the chat template renders the generation prompt differently from an assistant turn's start")
+        turn = self.base_ids[len(self.prompt_ids):]
+        text = tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"]
+        if turn[:len(text)] != text:
+            raise ChatError(f"the chat template does not render an assistant turn's text {PLACEHOLDER!r} as its own tokens")
+        self.close_ids: list[int] = turn[len(text):]
+
+    @property
+    def end_of_turn(self) -> int | None:
+        """The special token that closes a model turn (a stop token for sampling), if there is one."""
+        if self.close_ids and self.close_ids[0] in set(self.tokenizer.all_special_ids):
+            return self.close_ids[0]
+        return None
+
+    def close(self, sampled: list[int]) -> list[int]:
+        """The template's end of a model turn after ``sampled``, less what the model already sampled
+        of it (the longest start of it that ``sampled`` ends with)."""
+        c = self.close_ids
+        for k in range(min(len(c), len(sampled)), 0, -1):
+            if sampled[-k:] == c[:k]:
+                return c[k:]
+        return list(c)
+
+    def observation(self, messages: Messages) -> list[int]:
+        """The tokens of the environment's ``messages`` after a closed model turn, with the
+        next generation prompt."""
+        full = _ids(self.tokenizer, [*self.base, *messages], add_generation_prompt=True, **self.kw)
+        if full[:len(self.base_ids)] != self.base_ids:
+            raise ChatError("the chat template re-renders earlier turns when a message is added; "
+                            "its episodes cannot be extended token by token")
+        return full[len(self.base_ids):]

@@ -12,6 +12,8 @@ when all is well):
   (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
   dataset column and the term's ``params``), and returns a reward list when called once on
   the first rows; every rule's parameters are valid and its answer column is there;
+- the environment (``env.name``) imports and builds, starts an episode from the first row, and
+  the chat template renders it turn by turn;
 - a DeepSpeed JSON file parses, and ``deepspeed`` is installed;
 - with ``endpoints=True``: the NATS URL, the sampling endpoint and the reward endpoint
   accept a TCP connection.
@@ -31,7 +33,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from rlstream import chat
-from rlstream.config import Config, is_hub_id
+from rlstream.config import GYM_PREFIX, Config, is_hub_id
 
 HEAD_ROWS = 4
 """Rows of the dataset the checks read (and the reward functions are called on)."""
@@ -119,7 +121,12 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
         return ["data_source.path: required, missing (a jsonl/json/parquet file, a datasets directory or a Hub id)"], []
     else:
         try:
-            rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
+            if ds.path.startswith(GYM_PREFIX):
+                from rlstream.envs.gym import rows_for
+
+                rows = rows_for(ds, limit=HEAD_ROWS)
+            else:
+                rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
         except DatasetError as exc:
             return [f"data_source.path: {exc}"], []
         except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)
@@ -130,13 +137,13 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
             from rlstream.producers.feeder import check_rows
 
             check_rows(rows, cfg, where=str(ds.path))
-        elif cfg.training_mode == "SFT":
-            has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
-            require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
-        elif cfg.training_mode == "DPO":
+        elif cfg.algorithm_params.trains_on_pairs:
             # conversational pairs may leave the prompt implicit (their shared leading turns), as in TRL
             implicit = ds.prompt_column not in rows[0] and chat.is_conversational(rows[0].get(ds.chosen_column))
             require_columns(rows, ([] if implicit else [ds.prompt_column]) + [ds.chosen_column, ds.rejected_column], ds.path)
+        else:
+            has_messages = ds.messages_column in rows[0] and ds.prompt_column not in rows[0]
+            require_columns(rows, [ds.messages_column] if has_messages else [ds.prompt_column, ds.completion_column], ds.path)
     except DatasetError as exc:
         return [f"data_source: {exc}"], rows
     return [], rows
@@ -223,6 +230,34 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def check_env(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
+    """The environment builds from ``env.name`` and ``env.kwargs``, starts an episode from the
+    first row, and the tokenizer's chat template renders its opening turn by turn."""
+    from rlstream.envs import EnvError, load_environment
+
+    try:
+        env = load_environment(cfg.env.name, cfg.env.kwargs)
+    except (EnvError, ValueError) as exc:
+        return [str(exc) if str(exc).startswith("env") else f"env.name {cfg.env.name!r}: {exc}"]
+    if not rows:
+        return []
+    from transformers import AutoTokenizer
+
+    from rlstream.producers.feeder import check_rows
+    from rlstream.schemas import Prompt
+
+    try:
+        ((text, messages, columns),) = check_rows(rows[:1], cfg)
+        prompt = Prompt(id="preflight", text=text, messages=messages, columns=columns)
+        episode = asyncio.run(env.start(prompt))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_checkpoint_path)
+        chat.EpisodeTemplate(tokenizer, episode.messages, getattr(episode, "tools", None))
+        asyncio.run(episode.close())
+    except Exception as exc:  # the environment's own failure, reported before any process starts
+        return [f"env: {cfg.env.name} on the first row: {_first_line(exc)}"]
+    return []
+
+
 def check_deepspeed(cfg: Config) -> list[str]:
     lc = cfg.learner
     problems = []
@@ -254,7 +289,7 @@ def _reachable(url: str, default_port: int, timeout: float = 3.0) -> str | None:
 
 def check_endpoints(cfg: Config) -> list[str]:
     checks = [("nats.url", cfg.nats.url, 4222), ("data_source.sampling_endpoint", cfg.data_source.sampling_endpoint, 80),
-              ("producer.endpoint", cfg.producer.endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
+              ("producer.endpoint", cfg.producer.remote_endpoint, 80), ("reward_function.endpoint", cfg.reward_function.endpoint, 80)]
     problems = []
     for field, url, port in checks:
         if url:
@@ -280,6 +315,8 @@ def preflight(cfg: Config, *, endpoints: bool = False) -> list[str]:
     problems += data_problems
     if cfg.is_rl or cfg.data_source.type == "on_policy":
         problems += check_rewards(cfg, rows)
+    if cfg.env is not None:
+        problems += check_env(cfg, rows)
     problems += check_deepspeed(cfg)
     if endpoints:
         problems += check_endpoints(cfg)

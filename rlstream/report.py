@@ -249,6 +249,8 @@ def sample_rows(groups: Iterable[Any], step: int, policy_version: int, advantage
                 row["advantage"] = advantages[len(rows)]
             row.update({"policy_version": int(r.policy_version), "staleness": int(policy_version - r.policy_version),
                         "finish_reason": reason, "length": int(lengths[i])})
+            if getattr(r, "is_episode", False):  # a multi-turn episode: its turns, model and environment apart
+                row["turns"] = r.episode_turns()[i]
             rows.append(row)
     return rows
 

@@ -176,3 +176,29 @@ def test_the_length_check_counts_lines(tmp_path, source, flagged):
         assert bool(long_functions(tmp_path)) is flagged
     finally:
         PACKAGE = saved
+
+
+def mode_comparisons(root: Path, skip: tuple[str, ...] = ("config.py",)) -> list[str]:
+    """``x.training_mode == ...`` (or ``!=``, ``in``, ``not in``) outside the config: code that
+    asks a mode's name where its params class answers a typed trait (``AlgorithmTraits``)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "training_mode" for s in sides):
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return out
+
+
+def test_modes_are_asked_through_their_traits():
+    found = mode_comparisons(PACKAGE)
+    assert not found, "compare no training_mode string; add or use a trait of AlgorithmTraits (rlstream/config.py):\n" + "\n".join(found)
+
+
+def test_the_trait_check_sees_a_mode_comparison(tmp_path):
+    (tmp_path / "m.py").write_text("def f(cfg):\n    return cfg.training_mode == 'DPO'\n")
+    (tmp_path / "ok.py").write_text("def f(cfg):\n    return cfg.algorithm_params.trains_on_pairs\n")
+    assert mode_comparisons(tmp_path) == [f"{tmp_path.name}/m.py:2"]

@@ -305,3 +305,47 @@ def test_webdataset_source_needs_urls_resolves_them_and_serves_every_mode(tmp_pa
     path.write_text(yaml.safe_dump({**base, "training_mode": "SFT",
                                     "data_source": {"type": "webdataset", "urls": ["shards/t-{000..009}.tar", "pipe:cat x.tar"]}}))
     assert load_config(path).data_source.urls == [str(tmp_path / "shards/t-{000..009}.tar"), "pipe:cat x.tar"]
+
+
+def test_each_producer_backend_has_only_its_own_settings():
+    rl = {"training_mode": "RL_GRPO", "model_checkpoint_path": "m"}
+    assert parse_config(rl).producer.backend == "hf"  # no backend given: hf
+    hf = parse_config({**rl, "producer": {"device": "cuda:1", "dtype": "bfloat16", "count": 2}}).producer
+    assert (hf.backend, hf.device, hf.dtype, hf.count) == ("hf", "cuda:1", "bfloat16", 2)
+    vllm = parse_config({**rl, "producer": {"backend": "vllm", "vllm": {"max_model_len": 256}}}).producer
+    assert vllm.vllm == {"max_model_len": 256} and not hasattr(vllm, "endpoint") and not hasattr(vllm, "device")
+    fake = parse_config({**rl, "producer": {"backend": "fake", "latency_s": 0.5, "vocab_size": 64}}).producer
+    assert (fake.latency_s, fake.vocab_size) == (0.5, 64) and not hasattr(fake, "dtype")
+    # a setting of another backend: one line naming the backend it belongs to
+    for producer, line in [
+        ({"backend": "hf", "endpoint": "http://x:8000"}, "producer.endpoint: a setting of backend 'openai', not of 'hf'"),
+        ({"vllm": {"max_model_len": 64}}, "producer.vllm: a setting of backend 'vllm', not of 'hf'"),
+        ({"backend": "openai", "endpoint": "http://x", "dtype": "bfloat16"}, "producer.dtype: a setting of backend 'hf' or 'vllm', not of 'openai'"),
+        ({"backend": "vllm", "latency_s": 1}, "producer.latency_s: a setting of backend 'fake', not of 'vllm'"),
+        # the fake backend's knobs lost their prefix: the old spelling names the new one
+        ({"backend": "fake", "fake_latency_s": 1}, "producer.fake_latency_s: renamed producer.latency_s (a setting of backend 'fake')"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            parse_config({**rl, "producer": producer})
+        lines = str(err.value).splitlines()
+        assert len(lines) == 2 and lines[1].strip().startswith(line), lines
+    with pytest.raises(ConfigError, match=r"producer\.batch_promts: unknown key .*did you mean producer\.batch_prompts"):
+        parse_config({**rl, "producer": {"backend": "vllm", "batch_promts": 4}})
+    # overrides pick the backend before validation, as in `rlstream run --set producer.backend=fake`
+    assert parse_config(apply_overrides(rl, ["producer.backend=fake", "producer.hang_s=5"])).producer.hang_s == 5
+
+
+def test_a_config_resolved_before_the_backend_split_still_loads():
+    """config.resolved.json of an older run (replay reads it) lists every backend's settings,
+    at their defaults but for its own backend's: it loads as that backend."""
+    old_producer = {"backend": "hf", "count": 1, "batch_prompts": 8, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
+                    "top_k": 0, "stop": [], "device": "cpu", "dtype": "bfloat16", "vllm": {}, "endpoint": None,
+                    "model_name": None, "request_timeout_s": 300.0, "request_retries": 3, "max_connections": 64, "seed": None,
+                    "pipeline_batches": None, "in_progress_s": None, "max_weights_mb": 16384, "weights_fetch_tries": 3,
+                    "generation_timeout_s": 600.0, "drain_timeout_s": 20.0, "fake_latency_s": 0.0, "fake_vocab_size": 512,
+                    "fake_hang_file": None, "fake_hang_s": 3600.0}
+    p = parse_config({"training_mode": "RL_GRPO", "model_checkpoint_path": "m", "producer": old_producer}).producer
+    assert (p.backend, p.dtype, p.max_new_tokens) == ("hf", "bfloat16", 6)
+    # but a value that says something is still refused
+    with pytest.raises(ConfigError, match="producer.endpoint: a setting of backend 'openai'"):
+        parse_config({"training_mode": "RL_GRPO", "model_checkpoint_path": "m", "producer": {**old_producer, "endpoint": "http://x"}})

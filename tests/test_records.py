@@ -260,3 +260,146 @@ def test_scored_group_v1_still_decodes():
     back = ScoredGroup.decode(msgpack.packb(wire))
     assert back.ref_logprobs.size == 0 and back.teacher_logprobs.size == 0 and back.annotated_by == {}
     assert back.rollout.group_size == 3
+
+
+def make_episode_group() -> RolloutGroup:
+    """Two episodes: sample 0 has 3 turns (model 2, env 3, model 1 tokens), sample 1 one model turn of 4."""
+    g = RolloutGroup.from_samples(
+        id="e1", prompt_id="p1", prompt_ids=np.array([5, 6], np.int32), policy_version=1,
+        samples=[Sample(np.array([10, 11, 20, 21, 22, 12], np.int32), np.array([-.5, -.25, 0, 0, 0, -1], np.float32), "stop", "7"),
+                 Sample(np.array([13, 14, 15, 16], np.int32), np.array([-.1, -.2, -.3, -.4], np.float32), "length", "5")],
+        loss_mask=np.array([1, 1, 0, 0, 0, 1, 1, 1, 1, 1], np.uint8),
+        turn_counts=np.array([3, 1], np.int32), turn_ends=np.array([2, 5, 6, 4], np.int32),
+        turn_rewards=np.array([0.25, 0, 1, 0], np.float32), env_rewards=np.array([1, 0], np.float32),
+        episode_messages=[[{"role": "assistant", "content": "5"}, {"role": "user", "content": "higher"},
+                           {"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "5"}]],
+    )
+    return g
+
+
+def test_rollout_v4_episode_round_trip():
+    g = make_episode_group()
+    data = g.encode()
+    back = RolloutGroup.decode(data)
+    assert back.v == RolloutGroup.VERSION and back.is_episode and back.encode() == data
+    assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
+    assert back.sample_turns() == [[(0, 2, True), (2, 5, False), (5, 6, True)], [(0, 4, True)]]
+    assert [r.tolist() for r in back.sample_turn_rewards()] == [[0.25, 0, 1], [0]]
+    assert back.env_rewards.tolist() == [1, 0] and back.episode_messages[0][1] == {"role": "user", "content": "higher"}
+    assert back.episode_turns() == [
+        [{"kind": "model", "tokens": 2, "text": "5"}, {"kind": "env", "tokens": 3, "text": "user: higher"},
+         {"kind": "model", "tokens": 1, "text": "7"}],
+        [{"kind": "model", "tokens": 4, "text": "5"}]]
+    single = make_group()
+    assert single.episode_turns()[1] == [{"kind": "model", "tokens": 6, "text": "text 1"}]
+    assert not single.is_episode and single.sample_turn_rewards() is None
+    assert single.sample_turns()[2] == [(0, 7, True)] and single.sample_masks()[0].tolist() == [1] * 5
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda w: w.update(loss_mask=pack_array([1, 1, 0], np.dtype("u1"))), "loss_mask"),
+    (lambda w: w.update(loss_mask=pack_array([2] * 10, np.dtype("u1"))), "loss_mask"),
+    (lambda w: w.update(turn_ends=pack_array([2, 5, 7, 4], INT32)), "turn_ends"),
+    (lambda w: w.update(turn_ends=pack_array([5, 2, 6, 4], INT32)), "turn_ends"),
+    (lambda w: w.update(turn_counts=pack_array([3], INT32)), "turn_counts"),
+    (lambda w: w.update(turn_rewards=pack_array([1.0], FLOAT32)), "turn_rewards"),
+    (lambda w: w.update(env_rewards=pack_array([1.0, 2.0, 3.0], FLOAT32)), "env_rewards"),
+    (lambda w: w.update(episode_messages=[[{"role": "user"}], []]), "episode_messages"),
+])
+def test_rollout_v4_inconsistent_turns_are_refused_by_name(change, field):
+    wire = make_episode_group().to_wire()
+    change(wire)
+    with pytest.raises(RecordError, match=rf"^{field}"):
+        RolloutGroup.decode(msgpack.packb(wire))
+
+
+def test_rollout_v3_and_v2_payloads_still_decode_as_single_turn():
+    for version, dropped in ((3, ()), (2, ("prompt_messages",))):
+        wire = make_group().to_wire()
+        wire["v"] = version
+        for name in ("loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages",
+                     "version_runs", "run_lengths", "run_versions", *dropped):
+            del wire[name]
+        back = RolloutGroup.decode(msgpack.packb(wire))
+        assert not back.is_episode and back.loss_mask.size == 0 and back.episode_messages is None
+        assert [m.tolist() for m in back.sample_masks()] == [[1] * 5, [1] * 6, [1] * 7]
+
+
+def test_rollout_v4_episode_payload_still_decodes_without_version_runs():
+    wire = make_episode_group().to_wire()
+    wire["v"] = 4
+    for name in ("version_runs", "run_lengths", "run_versions"):
+        del wire[name]
+    back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert back.is_episode and back.version_runs.size == 0
+    assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
+
+
+def _inflight_group() -> RolloutGroup:
+    """Three samples of 5, 6, 7 tokens: v3 throughout; v3 x2 then v4 x4; v3 x1, v4 x3, v5 x3."""
+    g = make_group(version=3)
+    samples = g.samples
+    versions = [None, np.array([3, 3, 4, 4, 4, 4]), np.array([3, 4, 4, 4, 5, 5, 5])]
+    return g.with_samples([s._replace(versions=v) for s, v in zip(samples, versions)])
+
+
+def test_rollout_v5_run_length_encodes_per_token_versions():
+    g = _inflight_group()
+    # runs per sample: [5@3], [2@3, 4@4], [1@3, 3@4, 3@5] -> 1 + 2 + 3 runs
+    assert g.version_runs.tolist() == [1, 2, 3]
+    assert g.run_lengths.tolist() == [5, 2, 4, 1, 3, 3]
+    assert g.run_versions.tolist() == [3, 3, 4, 3, 4, 5]
+    assert g.policy_version == 3 and g.newest_version() == 5
+    back = RolloutGroup.decode(g.encode())
+    assert back.token_versions().tolist() == [3] * 5 + [3, 3, 4, 4, 4, 4] + [3, 4, 4, 4, 5, 5, 5]
+    assert back.samples[2].versions.tolist() == [3, 4, 4, 4, 5, 5, 5]
+    # the oldest token sets policy_version, even where the producer stamped a newer one
+    late = make_group(version=9).with_samples([s._replace(versions=np.full(len(s.completion_ids), 7)) for s in g.samples])
+    assert late.policy_version == 7 and late.version_runs.size == 0  # one version throughout: no runs needed
+
+
+def test_rollout_without_runs_has_every_token_at_policy_version():
+    g = make_group(version=2)
+    assert g.version_runs.size == 0 and g.token_versions().tolist() == [2] * 18
+    assert all(s.versions is None for s in g.samples)
+
+
+def test_rollout_v3_and_v4_still_decode_without_version_runs():
+    wire = make_group().to_wire()
+    wire["v"] = 3
+    for name in ("version_runs", "run_lengths", "run_versions"):
+        del wire[name]
+    back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+    assert back.version_runs.size == 0 and back.token_versions().tolist() == [2] * 18
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"version_runs": np.array([1, 2], np.int32)}, "version_runs"),
+    ({"run_lengths": np.array([5, 2, 4, 1, 3, 2], np.int32)}, "run_lengths"),  # sample 2 covers 6 of 7 tokens
+    ({"run_lengths": np.array([5, 2, 4, 1, 3], np.int32)}, "run_lengths"),
+    ({"run_versions": np.array([3, 3, 4, 2, 4, 5], np.int32)}, "run_versions"),  # 2 < policy_version 3
+    ({"run_lengths": np.array([5, 6, 0, 1, 3, 3], np.int32)}, "run_lengths"),  # an empty run
+])
+def test_rollout_inconsistent_version_runs_are_rejected_by_name(change, field):
+    wire = _inflight_group().to_wire()
+    wire.update({k: pack_array(v, INT32) for k, v in change.items()})
+    with pytest.raises(RecordError, match=rf"^{field}"):
+        RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size():
+    """WeightsAnnouncement v1 had no chunk_size, chunk_sha256 or host: they decode as 'not chunked'.
+    v2: 10 bytes in chunks of 4 are 3 chunks (4 + 4 + 2), so 3 digests, no fewer."""
+    wire = WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10, sha256="a" * 64).to_wire()
+    wire["v"] = 1
+    for name in ("chunk_size", "chunk_sha256", "host"):
+        del wire[name]
+    back = WeightsAnnouncement.decode(msgpack.packb(wire))
+    assert back.chunk_size == 0 and back.chunk_sha256 == [] and back.host == "" and back.chunks() == 0
+    ok = WeightsAnnouncement(id="w", policy_version=4, step=4, location="dist://h:1/v4", size=10, chunk_size=4,
+                             chunk_sha256=["b" * 64] * 3)
+    assert WeightsAnnouncement.decode(ok.encode()).chunks() == 3
+    short = WeightsAnnouncement(id="w", policy_version=4, step=4, location="object://b/v4", size=10, chunk_size=4,
+                                chunk_sha256=["b" * 64] * 2)
+    with pytest.raises(RecordError, match=r"^chunk_sha256: 2 digests for 3 chunks"):
+        WeightsAnnouncement.decode(short.encode())

@@ -12,13 +12,24 @@ consumer; :func:`list_objects` reads the stream's meta subjects with one STREAM.
 get per live object instead of nats-py's ``store.list()`` (a watcher whose ordered consumer is
 never deleted); :func:`delete_object` purges the object's meta subject along with its chunks, so
 pruned versions leave no tombstones and the stream holds only the objects that exist.
+
+Chunked transfer (:func:`put_chunked`, :func:`get_chunked`): large weights are stored as
+parts ``<name>.part<i:05d>`` of a fixed size, each uploaded pipelined (:func:`put_part`) and
+hashed in a thread while the others upload; a reader fetches several parts at once into one
+buffer and checks each against the digest its announcement carries, so a corrupted or
+missing part is refused by name and a slow one never holds the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -91,20 +102,33 @@ async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 
     if info.size is None or info.size < 0 or (max_size is not None and info.size > max_size):
         raise BrokerError(f"object {bucket}/{name}: size {info.size} is over the limit of {max_size} bytes")
     buf = bytearray(info.size)
+    h = hashlib.sha256()
+    await _read_chunks(js, bucket, name, info, memoryview(buf), batch, timeout, h)
+    digest = info.digest or ""
+    want = base64.urlsafe_b64decode(digest.split("=", 1)[1]) if "=" in digest else None
+    if want is not None and h.digest() != want:
+        raise BrokerError(f"object {bucket}/{name}: SHA-256 digest mismatch")
+    return bytes(buf)
+
+
+async def _read_chunks(js: JetStreamContext, bucket: str, name: str, info: ObjectInfo, out: memoryview, batch: int,
+                       timeout: float, hasher=None) -> None:
+    """Every chunk of the object ``info`` into ``out`` (exactly ``info.size`` bytes), hashed
+    into ``hasher`` when given. ``timeout``: the longest wait for one message."""
     if info.size == 0:
-        return bytes(buf)
+        return
     stream = f"OBJ_{bucket}"
     subject = f"$O.{bucket}.C.{info.nuid}"
     api = f"{getattr(js, '_prefix', None) or '$JS.API'}.DIRECT.GET.{stream}"
     nc = js._nc
-    h = hashlib.sha256()
+    chunk = (info.options.max_chunk_size if info.options and info.options.max_chunk_size else CHUNK_SIZE)
     offset = 0
     seq = 1
     while offset < info.size:
         inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, pending_msgs_limit=4 * batch, pending_bytes_limit=(4 * batch + 8) * CHUNK_SIZE)
+        sub = await nc.subscribe(inbox, pending_msgs_limit=4 * batch, pending_bytes_limit=(4 * batch + 8) * chunk)
         try:
-            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": batch * CHUNK_SIZE}
+            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": batch * chunk}
             await nc.publish(api, json.dumps(request).encode(), reply=inbox)
             while True:
                 try:
@@ -121,14 +145,145 @@ async def get_object(js: JetStreamContext, bucket: str, name: str, batch: int = 
                 n = len(msg.data)
                 if offset + n > info.size:
                     raise BrokerError(f"object {bucket}/{name}: more data than its size {info.size}")
-                buf[offset:offset + n] = msg.data
-                h.update(msg.data)
+                out[offset:offset + n] = msg.data
+                if hasher is not None:
+                    hasher.update(msg.data)
                 offset += n
                 seq = int(headers["Nats-Sequence"]) + 1
         finally:
             await sub.unsubscribe()
-    digest = info.digest or ""
-    want = base64.urlsafe_b64decode(digest.split("=", 1)[1]) if "=" in digest else None
-    if want is not None and h.digest() != want:
-        raise BrokerError(f"object {bucket}/{name}: SHA-256 digest mismatch")
-    return bytes(buf)
+
+
+# ---- chunked transfer: parts fetched in parallel, each checked against its own digest ------------
+
+PART_SUFFIX = ".part"
+
+
+def part_name(name: str, index: int) -> str:
+    """The object holding chunk ``index`` of ``name``."""
+    return f"{name}{PART_SUFFIX}{index:05d}"
+
+
+def chunk_digests(data, chunk_size: int, threads: int | None = None) -> list[str]:
+    """SHA-256 (hex) of each ``chunk_size`` slice of ``data`` (bytes, bytearray, mmap), hashed
+    in parallel threads (hashlib releases the GIL on large buffers)."""
+    view = memoryview(data).cast("B")
+    n = -(-len(view) // chunk_size)
+    if n <= 1:
+        return [hashlib.sha256(view).hexdigest()] if n else []
+    with ThreadPoolExecutor(max_workers=min(n, threads or min(8, os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda i: hashlib.sha256(view[i * chunk_size:(i + 1) * chunk_size]).hexdigest(), range(n)))
+
+
+def host_id() -> str:
+    """This machine, as a ``local`` weights announcement names it: hostname and boot id
+    (containers on one host have their own hostname, and their own /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def root_digest(chunk_sha256: list[str]) -> str:
+    """One digest for a chunked file: SHA-256 of its chunk digests' raw bytes, in order."""
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in chunk_sha256)).hexdigest()
+
+
+async def put_part(js: JetStreamContext, bucket: str, name: str, data, sha256: bytes, *, window: int = 32,
+                   timeout: float = 30.0) -> None:
+    """Store ``data`` as the object ``name`` whose SHA-256 the caller already has: its 1 MiB
+    messages are published pipelined (up to ``window`` unacknowledged, each ack awaited at most
+    ``timeout`` seconds), then the meta message, as nats-py's ``ObjectStore.put`` writes it, which
+    publishes one message at a time and hashes on the event loop."""
+    view = memoryview(data).cast("B")
+    nuid = js._nc._nuid.next().decode()
+    stream = f"OBJ_{bucket}"
+    chunk_subject = f"$O.{bucket}.C.{nuid}"
+    in_flight: list[asyncio.Future] = []
+    chunks = 0
+    try:
+        for offset in range(0, len(view), CHUNK_SIZE):
+            in_flight.append(await js.publish_async(chunk_subject, bytes(view[offset:offset + CHUNK_SIZE])))
+            chunks += 1
+            if len(in_flight) >= window:
+                await asyncio.wait_for(in_flight.pop(0), timeout)
+        for fut in in_flight:
+            await asyncio.wait_for(fut, timeout)
+        info = ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=len(view), chunks=chunks,
+                          mtime=datetime.now(timezone.utc).isoformat(),
+                          digest=f"SHA-256={base64.urlsafe_b64encode(sha256).decode()}",
+                          options=ObjectMetaOptions(max_chunk_size=CHUNK_SIZE))
+        await js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers={"Nats-Rollup": "sub"})
+    except BaseException:
+        for fut in in_flight:
+            fut.cancel()
+        await js.purge_stream(stream, subject=chunk_subject)
+        raise
+
+
+async def put_chunked(js: JetStreamContext, bucket: str, name: str, data, chunk_size: int, parallel: int = 4) -> list[str]:
+    """Store ``data`` as objects ``part_name(name, i)`` of ``chunk_size`` bytes each, ``parallel``
+    at once; each part is hashed in a thread while others upload. Returns the chunk digests (hex)."""
+    view = memoryview(data).cast("B")
+    n = -(-len(view) // chunk_size)
+    gate = asyncio.Semaphore(parallel)
+    digests = [""] * n
+
+    async def one(i: int) -> None:
+        part = view[i * chunk_size:(i + 1) * chunk_size]
+        async with gate:
+            raw = await asyncio.to_thread(lambda: hashlib.sha256(part).digest())
+            digests[i] = raw.hex()
+            await put_part(js, bucket, part_name(name, i), part, raw)
+
+    await _all(n, one, f"weights-put-{name}")
+    return digests
+
+
+async def _all(n: int, one, name: str) -> None:
+    """``one(i)`` for every i as named tasks; the first failure cancels the others and raises."""
+    tasks = [asyncio.create_task(one(i), name=f"{name}-{i}") for i in range(n)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def get_chunked(js: JetStreamContext, bucket: str, name: str, size: int, chunk_size: int, chunk_sha256: list[str],
+                      parallel: int = 4, timeout: float = 5.0, batch: int = 64) -> bytearray:
+    """The ``size`` bytes stored by :func:`put_chunked`, parts read ``parallel`` at once into one
+    buffer, each checked against ``chunk_sha256`` (hashing runs in a thread while other parts
+    arrive). A part that is missing, has another size or digest is refused with a
+    :class:`BrokerError` naming it; ``timeout`` bounds the wait for any one message."""
+    n = -(-size // chunk_size) if chunk_size > 0 else 0
+    if len(chunk_sha256) != n:
+        raise BrokerError(f"object {bucket}/{name}: {len(chunk_sha256)} chunk digests for {n} chunks")
+    store = await js.object_store(bucket)
+    buf = bytearray(size)
+    out = memoryview(buf)
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(i: int) -> None:
+        part = part_name(name, i)
+        lo, hi = i * chunk_size, min(size, (i + 1) * chunk_size)
+        async with gate:
+            try:
+                info = await asyncio.wait_for(store.get_info(part), timeout)
+            except NotFoundError:
+                raise BrokerError(f"object {bucket}/{name}: chunk {i} of {n} ({part}) is missing") from None
+            except asyncio.TimeoutError:
+                raise BrokerError(f"object {bucket}/{name}: no answer for chunk {i} of {n} ({part}) within {timeout:g}s") from None
+            if not info.nuid or info.size != hi - lo:
+                raise BrokerError(f"object {bucket}/{name}: chunk {i} of {n} ({part}) holds {info.size} bytes, expected {hi - lo}")
+            await _read_chunks(js, bucket, part, info, out[lo:hi], batch, timeout)
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(out[lo:hi]).hexdigest())
+        if digest != chunk_sha256[i]:
+            raise BrokerError(f"object {bucket}/{name}: chunk {i} of {n} ({part}) fails its SHA-256 check "
+                              f"(got {digest[:12]}..., announced {chunk_sha256[i][:12]}...)")
+
+    await _all(n, one, f"weights-get-{name}")  # the first failure ends the others
+    return buf

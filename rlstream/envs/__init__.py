@@ -4,8 +4,66 @@ An :class:`~rlstream.envs.base.Environment` starts an :class:`~rlstream.envs.bas
 from a dataset row; the producer samples the model's turn, hands its text to the episode,
 and appends what comes back (a tool result, a user turn, a game state) until the episode
 ends with a reward or ``max_turns`` is reached.
+
+``env.name`` in the config is a built-in name from :data:`ENVIRONMENTS` or an import path
+``package.module:factory``; :func:`load_environment` builds it with ``env.kwargs``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from rlstream.envs.base import Environment, Episode, Turn
 
-__all__ = ["Environment", "Episode", "Turn"]
+ENVIRONMENTS: dict[str, str] = {
+    "guess_number": "rlstream.envs.guess_number:GuessNumber",
+    "tools": "rlstream.envs.toolenv:ToolEnvironment",
+}
+"""Built-in environments: name -> ``package.module:factory``."""
+
+
+class EnvError(RuntimeError):
+    """An environment that cannot be loaded or used as configured."""
+
+
+def resolve(name: str) -> str:
+    """The import path of ``name`` (a built-in name or already ``package.module:factory``)."""
+    if ":" in name:
+        return name
+    if name not in ENVIRONMENTS:
+        raise EnvError(f"env.name {name!r} is not a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) "
+                       "nor 'package.module:factory'")
+    return ENVIRONMENTS[name]
+
+
+def load_factory(name: str) -> Any:
+    """The factory ``name`` points at, imported (an :class:`EnvError` in one line if it is not there)."""
+    path = resolve(name)
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvError(f"env.name {name!r}: cannot import {module_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvError(f"env.name {name!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise EnvError(f"env.name {name!r}: {path} is not callable")
+    return obj
+
+
+def load_environment(name: str, kwargs: dict[str, Any] | None = None) -> Environment:
+    """Build the environment ``name`` with ``kwargs``."""
+    factory = load_factory(name)
+    try:
+        env = factory(**(kwargs or {}))
+    except TypeError as exc:
+        raise EnvError(f"env {name!r} cannot be built with env.kwargs {sorted(kwargs or {})}: {exc}") from None
+    if not callable(getattr(env, "start", None)):
+        raise EnvError(f"env {name!r}: {resolve(name)} returned {type(env).__name__}, which has no start(prompt)")
+    return env
+
+
+__all__ = ["ENVIRONMENTS", "EnvError", "Environment", "Episode", "Turn", "load_environment", "load_factory", "resolve"]

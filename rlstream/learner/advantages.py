@@ -31,6 +31,14 @@ How each function relates to its paper:
   moving average over the groups the learner considered), and the learner takes further
   groups until its batch is full. Every dropped group is counted and acked with the next
   checkpoint, like a trained one: nothing is lost, nothing waits for a round trip.
+- :func:`turn_returns` / :func:`per_turn_group_relative` (multi-turn episodes with
+  ``env.per_turn_rewards``): each model turn ``k`` of an episode gets the discounted return to
+  go ``R_k = sum_{j >= k} gamma^(j - k) r_j`` of its turn rewards (``r_j`` what the environment
+  gave for turn ``j``; the last turn's is the sample's scored reward), and its advantage is
+  group-relative over every model turn of the group: ``(R_k - mean) / (std + eps)``, population
+  std over all the group's turns (``scale=False``: centred only). This is one of several
+  turn-level credit assignments in use (e.g. "turn-level GRPO"); the group baseline mixes
+  turns at different depths, which is unbiased only up to the baseline's dependence on depth.
 - :func:`staleness_keep` / :func:`staleness_histogram`: the off-policy filter of the
   asynchronous learner (samples older than ``max_staleness`` policy versions are dropped).
 - :func:`distill_advantages` (on-policy distillation: Agarwal et al. 2024, "On-Policy
@@ -61,6 +69,8 @@ __all__ = [
     "whiten",
     "compute_advantages",
     "dynamic_sampling_mask",
+    "turn_returns",
+    "per_turn_group_relative",
     "update_keep_rate",
     "admission_window",
     "overlong_mask",
@@ -207,6 +217,31 @@ def compute_advantages(params: Any, rewards: Tensor) -> Tensor:
     if kind == "gae":
         raise ValueError("advantage_type 'gae' needs a value model: compute it with advantages.gae(rewards, values, mask, ...)")
     raise ValueError(f"unknown advantage_type {kind!r}")
+
+
+def turn_returns(rewards: list[float], gamma: float) -> list[float]:
+    """Discounted return to go of each turn: ``R_k = r_k + gamma * R_{k+1}``, ``R_last = r_last``."""
+    out = [0.0] * len(rewards)
+    acc = 0.0
+    for k in reversed(range(len(rewards))):
+        acc = float(rewards[k]) + gamma * acc
+        out[k] = acc
+    return out
+
+
+def per_turn_group_relative(returns: list[list[float]], *, scale: bool = True, eps: float = 1e-6) -> list[list[float]]:
+    """Group-relative advantages of turns: ``returns[i][k]`` is sample ``i``'s return to go at its
+    model turn ``k``; normalised over all turns of all samples of the group (population std)."""
+    flat = torch.tensor([r for sample in returns for r in sample], dtype=torch.float32)
+    if flat.numel() == 0:
+        return [[] for _ in returns]
+    centred = flat - flat.mean()
+    adv = centred / (flat.std(unbiased=False) + eps) if scale else centred
+    out, i = [], 0
+    for sample in returns:
+        out.append(adv[i:i + len(sample)].tolist())
+        i += len(sample)
+    return out
 
 
 def dynamic_sampling_mask(rewards: Tensor, eps: float = 1e-8) -> Tensor:

@@ -1,7 +1,8 @@
 """Turning groups of turns into padded tensors, and a forward pass into per-token log-probs.
 
 A *row* is one sequence: prompt token ids followed by completion token ids. Only the
-completion tokens are trained on. Rows are right-padded into ``input_ids`` [B, L]; the
+completion tokens are trained on, and of a multi-turn episode only the model's (its
+``loss_mask``: the environment's tokens are inputs, never targets). Rows are right-padded into ``input_ids`` [B, L]; the
 completion positions of each row are gathered into [B, T] tensors (T = the longest
 completion in the micro-batch), so every per-token tensor the losses see has the same
 [B, T] layout with a float ``mask`` [B, T] (1 = a real completion token).
@@ -43,6 +44,7 @@ class Row:
     advantage: float = 0.0
     finish_reason: str = "stop"
     policy_version: int = 0
+    """The version that sampled the completion (its oldest token's, with ``token_versions``)."""
     keep: bool = True
     """False: the row is in the batch but its loss is masked (e.g. overlong filtering)."""
     extra: dict = field(default_factory=dict)
@@ -50,6 +52,14 @@ class Row:
     """Frozen reference log-probs of the completion tokens [C], recorded by the reference stage."""
     teacher_logprobs: np.ndarray | None = None
     """Teacher log-probs of the completion tokens [C], recorded by the teacher stage (DISTILL)."""
+    loss_mask: np.ndarray | None = None
+    """[C] 0/1: which completion tokens are the model's (a multi-turn episode's environment
+    tokens are 0); None = all of them."""
+    token_advantages: np.ndarray | None = None
+    """[C] a per-token advantage (per-turn rewards of an episode); None = ``advantage`` on every token."""
+    token_versions: np.ndarray | None = None
+    """The version that sampled each completion token [C] (weights updated in flight); None:
+    every token at ``policy_version``."""
 
 
 @dataclass(slots=True)
@@ -68,9 +78,10 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None  # [R, L] long: positions restarting at 0 per document
     segments: torch.Tensor | None = None      # [R, L] long: document index in the row, -1 on padding
     doc_row: torch.Tensor | None = None       # [D] long: the input row holding each document
-    policy_versions: torch.Tensor | None = None  # [B] long: the weights that sampled each row (RL)
+    policy_versions: torch.Tensor | None = None  # [B, T] long: the weights that sampled each token (RL; 0 where padded)
     ref_logprobs: torch.Tensor | None = None     # [B, T] float: recorded reference log-probs (when every row has them)
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float: recorded teacher log-probs (DISTILL)
+    token_advantages: torch.Tensor | None = None  # [B, T] float: per-token advantages (when every row has them)
 
     @property
     def num_tokens(self) -> int:
@@ -121,15 +132,27 @@ def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> Toke
         attention[i, :n + c] = 1
         gather_idx[i, :c] = torch.arange(n - 1, n - 1 + c)
         targets[i, :c] = torch.from_numpy(comp)
-        if row.keep:
-            mask[i, :c] = 1.0
+        mask[i, :c] = _token_mask(row, c)
         if row.old_logprobs is not None:
             old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    versions = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
-    recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs")}
+    versions = torch.zeros((B, T), dtype=torch.long)
+    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
+        versions[i, :c] = (torch.from_numpy(np.asarray(row.token_versions[:c], dtype=np.int64)) if row.token_versions is not None
+                           else row.policy_version)
+    recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
     return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
+
+
+def _token_mask(row: Row, c: int) -> torch.Tensor:
+    """The loss mask of a row's first ``c`` completion tokens: 0 everywhere for a dropped row,
+    else its ``loss_mask`` (1 on model tokens, 0 on environment tokens), else all 1."""
+    if not row.keep:
+        return torch.zeros(c)
+    if row.loss_mask is None:
+        return torch.ones(c)
+    return torch.from_numpy(np.asarray(row.loss_mask[:c], dtype=np.float32))
 
 
 def _per_token(rows: list[Row], fitted: list[tuple[np.ndarray, int]], name: str, T: int) -> torch.Tensor | None:
@@ -205,8 +228,7 @@ def _collate_packed(rows: list[Row], fitted: list[tuple[np.ndarray, int]], layou
             doc_row[d] = r
             gather_idx[d, :c] = torch.arange(start + n - 1, start + n - 1 + c)
             targets[d, :c] = torch.from_numpy(comp)
-            if rows[i].keep:
-                mask[d, :c] = 1.0
+            mask[d, :c] = _token_mask(rows[i], c)
             if rows[i].old_logprobs is not None:
                 old[d, :c] = torch.tensor(np.asarray(rows[i].old_logprobs[:c], dtype=np.float32))
             start, d = end, d + 1

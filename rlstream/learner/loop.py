@@ -140,13 +140,17 @@ class Checkpoints:
             return None
 
 
-async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str) -> dict[str, float]:
-    """A new policy version: the full weights out, then the version announced."""
+async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None) -> dict[str, float]:
+    """A new policy version: the full weights out, then the version announced (with a
+    ``publisher``, only the snapshot here; the rest in its background task)."""
     from rlstream.learner.publish import publish_weights
 
     state = runner.learner.state
     state.policy_version += 1
     full = await asyncio.to_thread(runner.full_state_dict)
+    if publisher is not None:
+        m = await publisher.submit(full, version=state.policy_version, step=state.step)
+        return {"time/publish_s": m["publish/snapshot_s"], **m}
     pub = await publish_weights(comp, runner.learner.cfg.learner, full, version=state.policy_version, step=state.step,
                                 config_json=config_json)
     await source.published()
@@ -210,6 +214,30 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
     # after a step counts in the next pass (``time/learner/checkpoint_s``). The step adds
     # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`).
+    publisher = None
+    if comp is not None and cfg.learner.publish_in_background:
+        from rlstream.learner.publish import BackgroundPublisher
+
+        async def published(_pub) -> None:
+            await source.published()
+
+        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published)
+    try:
+        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json)
+    finally:
+        if publisher is not None:
+            await publisher.close()
+    if comp is not None:
+        from rlstream.learner.publish import release_local
+
+        release_local(cfg.learner, comp.layout.run)
+    return ok
+
+
+async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
+                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str) -> bool:
+    learner = runner.learner
+    cfg, state = learner.cfg, learner.state
     phases = learner.phases
     phases.start()
     with open(metrics_path, "a") as metrics_file:
@@ -228,7 +256,7 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
             m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
             if comp is not None and m["optim/stepped"] > 0 and state.step % cfg.learner.publish_every == 0:
                 with phases.time("publish"):
-                    m.update(await _publish(runner, source, comp, config_json))
+                    m.update(await _publish(runner, source, comp, config_json, publisher))
             m.update(phases.finish())
             if cfg.is_online:
                 m.update(reward_term_metrics(taken.records))
@@ -238,6 +266,8 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
             if state.step % cfg.checkpoint.interval == 0:
                 with phases.time("checkpoint"):
                     await checkpoints.save()
+    if publisher is not None:  # the last version is out before the run reports its end
+        await publisher.flush()
     return await checkpoints.final()
 
 

@@ -134,14 +134,14 @@ class ShardBatches:
         from rlstream.webdata import source_tag, stream_for
 
         self.ds = cfg.data_source
-        self.dpo = cfg.training_mode == "DPO"
+        self.pairs = cfg.algorithm_params.trains_on_pairs
         self.tokenizer = tokenizer
         self.stream = stream_for(self.ds, cursor or None)
         self.tag = source_tag(self.ds.urls)
 
     def _example(self, row: dict[str, Any], example_id: str):
         ds = self.ds
-        if self.dpo:
+        if self.pairs:
             require_columns([row], dpo_columns(ds, row), example_id)
             return dpo_pair(row, example_id, ds, self.tokenizer, example_id)
         use_messages = ds.messages_column in row

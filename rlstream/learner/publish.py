@@ -1,31 +1,62 @@
 """Weights out: the full state_dict as safetensors, then the announcement, then the version.
 
-Order (the contract producers rely on): the bytes land first (object store object
-``policy-v{version:06d}.safetensors``, or an HF directory ``{shared_path}/{run}/policy-v{version:06d}/``
-renamed into place), then KV ``weights.latest`` = :class:`WeightsAnnouncement`, then KV
-``policy.version``. So whoever sees a version can always fetch it. Only the newest
-``learner.keep_versions`` are kept.
+Order (the contract producers rely on): the bytes land first, then KV ``weights.latest`` =
+:class:`WeightsAnnouncement`, then KV ``policy.version``. So whoever sees a version can always
+fetch it. Only the newest ``learner.keep_versions`` are kept. Where the bytes land
+(``learner.weights_transport``):
+
+| transport | where | checked by | for |
+| --- | --- | --- | --- |
+| ``object_store`` | object ``policy-v{version:06d}.safetensors`` in the run's bucket | SHA-256 of the whole file | small models |
+| ``chunked`` | objects ``policy-v{version:06d}.safetensors.part{i:05d}`` of ``weights_chunk_mb`` | SHA-256 per chunk | remote producers, larger models |
+| ``local`` | ``{local_path}/{run}/policy-v{version:06d}/`` (shared memory) on this machine | SHA-256 per chunk | producers on the learner's machine |
+| ``shared_path`` | ``{shared_path}/{run}/policy-v{version:06d}/``, fsynced | SHA-256 per chunk | a volume every producer mounts |
+| ``broadcast`` | nowhere: a gloo broadcast to the producers that joined the version's group | SHA-256 per chunk | clusters (:mod:`rlstream.broker.broadcast`) |
+
+Folders are written under a ``.tmp`` name and renamed into place, so a reader never sees half
+a version. Chunk digests are computed in threads while the chunks are written or uploaded.
+
+:class:`BackgroundPublisher` takes publishing off the learner's step: the step pays only for
+the snapshot (serialising the state dict, which copies it); upload and announcement run in a
+named task while the next step trains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import shutil
+import socket
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import torch
 from safetensors.torch import save as st_save
 
 from rlstream.broker.layout import WEIGHTS_LATEST, Layout
-from rlstream.broker.weights import delete_object, list_objects, put_object
+from rlstream.broker.weights import (
+    PART_SUFFIX,
+    chunk_digests,
+    delete_object,
+    host_id,
+    list_objects,
+    put_chunked,
+    put_object,
+    root_digest,
+)
 from rlstream.schemas import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
+
+MAX_PUBLISH_FAILURES = 3
+"""Background publishes failing in a row before the learner stops with the error."""
 
 
 def object_name(version: int) -> str:
@@ -48,36 +79,117 @@ def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _write_shared(directory: Path, data: bytes, config_json: str) -> None:
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def to_safetensors(state_dict: dict[str, torch.Tensor]) -> bytearray:
+    """The safetensors file of ``state_dict`` with one copy of the tensors (``safetensors.torch.save``
+    makes two: each tensor to bytes, then the file): the header is laid out first, then every
+    tensor is copied straight into its place in one buffer. Readable by any safetensors reader."""
+    header, offset = {}, 0
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        if t.dtype not in _ST_NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)  # tensors start 8-byte aligned
+    buf = bytearray(8 + len(head) + offset)
+    buf[:8] = len(head).to_bytes(8, "little")
+    buf[8:8 + len(head)] = head
+    base = 8 + len(head)
+    if offset:
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        for name, spec in header.items():
+            begin, end = spec["data_offsets"]
+            if end > begin:
+                src = state_dict[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                flat[base + begin:base + end].copy_(src)
+    return buf
+
+
+def _write_chunked(directory: Path, data: bytes | bytearray, config_json: str, chunk_size: int, durable: bool) -> list[str]:
+    """``model.safetensors`` (+ ``config.json``) into ``directory``, renamed into place; chunks
+    are written and hashed by parallel threads. Returns the chunk digests."""
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for name, payload in (("model.safetensors", data), ("config.json", config_json.encode())):
-        with open(tmp / name, "wb") as f:
-            f.write(payload)
+    # shared memory: only this user's processes on this machine (a mounted volume keeps the
+    # umask's modes: producers in other pods may run under another uid)
+    tmp.mkdir(parents=True, mode=0o777 if durable else 0o700)
+    view = memoryview(data)
+    n = -(-len(view) // chunk_size)
+    fd = os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if durable else 0o600)
+    try:
+        os.ftruncate(fd, len(view))
+
+        def one(i: int) -> str:
+            part = view[i * chunk_size:(i + 1) * chunk_size]
+            written = 0
+            while written < len(part):
+                written += os.pwrite(fd, part[written:], i * chunk_size + written)
+            return hashlib.sha256(part).hexdigest()
+
+        with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1, 8))) as pool:
+            digests = list(pool.map(one, range(n)))
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    with open(tmp / "config.json", "w") as f:
+        f.write(config_json)
+        if durable:
             f.flush()
             os.fsync(f.fileno())
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
+    return digests
 
 
 async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str) -> Published:
     """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component."""
     t0 = time.perf_counter()
+    data = await asyncio.to_thread(to_safetensors, state_dict)
+    return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0)
+
+
+async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, step: int, config_json: str,
+                        started: float | None = None) -> Published:
+    """Put serialised weights where ``lcfg.weights_transport`` says, announce them, set the
+    version, prune old versions. ``started``: when the publish began (for ``seconds``)."""
+    t0 = time.perf_counter() if started is None else started
     layout: Layout = comp.layout
-    data, digest = await asyncio.to_thread(serialize, state_dict)
-    if lcfg.weights_transport == "shared_path":
-        directory = shared_dir(lcfg.shared_path, layout.run, version)
-        await asyncio.to_thread(_write_shared, directory, data, config_json)
-        location = f"file://{directory}"
-    else:
+    transport = lcfg.weights_transport
+    chunk = lcfg.weights_chunk_mb * 1024 * 1024
+    extra: dict = {}
+    if transport == "object_store":
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         name = object_name(version)
-        await put_object(comp.js, layout.weights_bucket, name, data)
+        await put_object(comp.js, layout.weights_bucket, name, bytes(data))  # nats-py's put takes bytes
         location = f"object://{layout.weights_bucket}/{name}"
+    elif transport == "chunked":
+        name = object_name(version)
+        digests = await put_chunked(comp.js, layout.weights_bucket, name, data, chunk)
+        location = f"object://{layout.weights_bucket}/{name}"
+    elif transport == "broadcast":
+        return await _broadcast(comp, lcfg, data, version=version, step=step, started=t0)
+    else:
+        local = transport == "local"
+        directory = shared_dir(lcfg.local_path if local else lcfg.shared_path, layout.run, version)
+        digests = await asyncio.to_thread(_write_chunked, directory, data, config_json, chunk, not local)
+        location = f"file://{directory}"
+        if local:
+            extra["host"] = host_id()
+    if transport != "object_store":
+        digest = root_digest(digests)
+        extra.update(chunk_size=chunk, chunk_sha256=digests)
     ann = WeightsAnnouncement(id=f"{layout.run}-v{version}", policy_version=version, step=step, location=location,
-                              size=len(data), sha256=digest, run=layout.run)
+                              size=len(data), sha256=digest, run=layout.run, **extra)
     await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
     await comp.state.set_policy_version(version)
     seconds = time.perf_counter() - t0
@@ -85,12 +197,39 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     return Published(ann, seconds, len(data))
 
 
+_servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The broadcast store server of each learner Component (one per run, kept across versions)."""
+
+
+async def _broadcast(comp, lcfg, data, *, version: int, step: int, started: float) -> Published:
+    """Announce first (the producers must hear of the version to join its group), then wait for
+    them, close the group and broadcast; the bytes never rest anywhere."""
+    from rlstream.broker.broadcast import BroadcastServer
+
+    server = _servers.get(comp)
+    if server is None:
+        host = lcfg.broadcast_host or socket.getfqdn()
+        server = _servers[comp] = await asyncio.to_thread(BroadcastServer, host, lcfg.broadcast_port, lcfg.broadcast_timeout_s)
+    chunk = lcfg.weights_chunk_mb * 1024 * 1024
+    digests = await asyncio.to_thread(chunk_digests, data, chunk)
+    layout: Layout = comp.layout
+    ann = WeightsAnnouncement(id=f"{layout.run}-v{version}", policy_version=version, step=step,
+                              location=server.location(version), size=len(data), sha256=root_digest(digests),
+                              run=layout.run, chunk_size=chunk, chunk_sha256=digests)
+    await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
+    await comp.state.set_policy_version(version)
+    sent = await asyncio.to_thread(server.send, version, data, lcfg.broadcast_receivers, lcfg.broadcast_join_s)
+    comp.reporter.set("publish/broadcast_receivers", float(sent))
+    return Published(ann, time.perf_counter() - started, len(data))
+
+
 async def prune_versions(comp, lcfg, newest: int) -> list[str]:
     """Delete versions older than the newest ``keep_versions``; returns what was removed."""
     keep_from = newest - lcfg.keep_versions + 1
     removed = []
-    if lcfg.weights_transport == "shared_path":
-        base = Path(lcfg.shared_path) / comp.layout.run
+    if lcfg.weights_transport in ("shared_path", "local"):
+        root = lcfg.shared_path if lcfg.weights_transport == "shared_path" else lcfg.local_path
+        base = Path(root) / comp.layout.run
         for d in sorted(base.glob("policy-v*")):
             if d.name.endswith(".tmp"):
                 continue
@@ -99,7 +238,104 @@ async def prune_versions(comp, lcfg, newest: int) -> list[str]:
                 removed.append(str(d))
         return removed
     for name in await list_objects(comp.js, comp.layout.weights_bucket):
-        if name.startswith("policy-v") and name.endswith(".safetensors") and int(name[8:14]) < keep_from:
+        whole = name.endswith(".safetensors") or PART_SUFFIX in name
+        if name.startswith("policy-v") and whole and int(name[8:14]) < keep_from:
             await delete_object(comp.js, comp.layout.weights_bucket, name)
             removed.append(name)
     return removed
+
+
+def release_local(lcfg, run: str) -> None:
+    """At the learner's clean exit: the run's versions in shared memory (``weights_transport:
+    local``) are removed, since they would hold RAM until the machine restarts."""
+    if lcfg.weights_transport == "local":
+        shutil.rmtree(Path(lcfg.local_path) / run, ignore_errors=True)
+
+
+class BackgroundPublisher:
+    """Publishing off the step, bounded: one publish runs, at most one waits.
+
+    :meth:`submit` serialises the state dict in a thread (the snapshot: the optimizer may
+    change the parameters as soon as it returns) and queues the bytes; a named task uploads,
+    announces and prunes. A version queued while another still waits replaces it (the waiting
+    one would be stale on arrival; ``publish/superseded`` counts these). A failed publish is
+    logged and counted (``alert/publish_failures``): producers keep the previous version and the
+    next publish tries again; :data:`MAX_PUBLISH_FAILURES` in a row raise from :meth:`submit`.
+    :meth:`flush` waits until everything queued is out.
+    """
+
+    def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]]):
+        self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
+        self.on_published = on_published
+        self._waiting: tuple[bytes, int, int, float] | None = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self.failures = 0
+        self.error: BaseException | None = None
+        self.last: Published | None = None
+        self.superseded = 0
+
+    async def submit(self, state_dict: dict[str, torch.Tensor], *, version: int, step: int) -> dict[str, float]:
+        """Snapshot and queue version ``version``; returns the step's publish metrics
+        (the snapshot's seconds, the last finished publish's seconds and MB/s)."""
+        if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
+            raise self._task.exception()  # the publisher itself died (e.g. re-admitting producers failed)
+        if self.failures >= MAX_PUBLISH_FAILURES:
+            raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
+        t0 = time.perf_counter()
+        data = await asyncio.to_thread(to_safetensors, state_dict)
+        snapshot_s = time.perf_counter() - t0
+        if self._waiting is not None:
+            self.superseded += 1
+        self._waiting = (data, version, step, t0)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="learner-weights-publisher")
+        m = {"publish/snapshot_s": snapshot_s, "publish/superseded": float(self.superseded),
+             "publish/failures": float(self.failures)}
+        if self.last is not None:
+            m["publish/seconds"] = self.last.seconds
+            m["publish/mb_per_s"] = self.last.bytes / 2**20 / max(self.last.seconds, 1e-9)
+        return m
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._waiting is None:
+                continue
+            data, version, step, t0 = self._waiting
+            self._waiting = None
+            pub = None
+            try:
+                pub = await publish_bytes(self.comp, self.lcfg, data, version=version, step=step,
+                                          config_json=self.config_json, started=t0)
+                self.last, self.failures = pub, 0
+            except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
+                self.failures += 1
+                self.error = exc
+                self.comp.reporter.inc("alert/publish_failures")
+                log.error("publishing weights v%d failed (%d in a row): %s", version, self.failures, exc)
+            del data
+            await self.on_published(pub)
+            if self._waiting is None:
+                self._idle.set()
+
+    async def flush(self) -> None:
+        """Wait until the queued version is out (or failed)."""
+        if self._task is not None and not self._task.done():
+            idle = asyncio.create_task(self._idle.wait(), name="learner-weights-flush")
+            done, _ = await asyncio.wait({idle, self._task}, return_when=asyncio.FIRST_COMPLETED)
+            if idle not in done:
+                idle.cancel()
+                self._task.result()  # the publisher itself died: raise its error
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -76,10 +76,6 @@ class BatchSource(Protocol):
 # ---- offline datasets ----------------------------------------------------------------------
 
 
-LOADERS = {"SFT": load_sft, "DPO": load_dpo}
-"""Dataset loader per offline training mode."""
-
-
 class OfflineSource:
     """An SFT or DPO dataset, batch after batch in epoch order (``data_source.epochs``)."""
 
@@ -90,7 +86,8 @@ class OfflineSource:
     @classmethod
     async def open(cls, learner: Learner) -> "OfflineSource":
         cfg = learner.cfg
-        examples = await asyncio.to_thread(LOADERS[cfg.training_mode], cfg.data_source, learner.tokenizer)
+        load = load_dpo if cfg.algorithm_params.trains_on_pairs else load_sft
+        examples = await asyncio.to_thread(load, cfg.data_source, learner.tokenizer)
         return cls(learner, examples)
 
     async def take(self, stop: asyncio.Event) -> Taken | None:
@@ -173,6 +170,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             buf.mark_handled(d)
             continue
         state.groups_consumed += 1
+        # admitted by its oldest token (``policy_version`` is the oldest token's version)
         stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
         filtered = False
         if group_filter and not stale:
@@ -233,7 +231,7 @@ class StreamSource:
         await consumer.sub.unsubscribe()
 
     async def take(self, stop: asyncio.Event) -> Taken | None:
-        taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.published)
+        taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.dropped)
         if taken is None:
             return None
         return Taken([d.record for d in taken.deliveries], taken.deliveries)
@@ -262,6 +260,16 @@ class StreamSource:
         group filter's expected drops)."""
         state = self.learner.state
         await self.comp.state.set_admit(admit_bound(self.learner.cfg, state.groups_consumed, state.keep_rate))
+
+    async def dropped(self) -> None:
+        """A group was dropped (too stale, or filtered): admit a replacement, and report the
+        buffer at once. When the data ends with dropped groups, no later step reports the
+        emptied buffer, and ``rlstream run``, which takes the learner's last ``buffer/depth``
+        to tell that the data is used up, would wait forever."""
+        await self.published()
+        state = self.learner.state
+        await self.comp.reporter.emit({**self.metrics(), "buffer/dropped_stale": float(state.dropped_stale),
+                                       "buffer/dropped_filtered": float(state.dropped_filtered)})
 
     def metrics(self) -> dict[str, float]:
         return {"buffer/depth": float(self.buf.depth)}

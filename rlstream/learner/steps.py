@@ -221,16 +221,54 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
         # per-token log-probs recorded by the reference / teacher stages (None when absent)
         ref = g.per_sample(g.ref_logprobs) or [None] * len(reasons)
         teacher = g.per_sample(g.teacher_logprobs) or [None] * len(reasons)
-        for s, r, a, k, rl, tl in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher):
+        masks, token_adv, advantages = episode_tokens(cfg, g, rewards, advantages)
+        for s, r, a, k, rl, tl, m, ta in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher,
+                                             masks, token_adv):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
-                            policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl))
+                            policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl,
+                            loss_mask=m, token_advantages=ta, token_versions=s.versions))
     return rows, torch.cat(all_rewards) if all_rewards else torch.zeros(0)
+
+
+def episode_tokens(cfg: Config, g: ScoredGroup, rewards: torch.Tensor, advantages: torch.Tensor):
+    """A multi-turn group's per-sample loss masks (model tokens 1, environment tokens 0) and,
+    with ``env.per_turn_rewards``, per-token advantages from each model turn's return to go
+    (``advantages.turn_returns`` / ``per_turn_group_relative``; the last turn's reward is the
+    sample's scored reward). Returns (masks, token advantages, per-sample advantages); Nones
+    for a single-turn group."""
+    r = g.rollout
+    n = r.group_size
+    if not r.is_episode and len(r.loss_mask) == 0:
+        return [None] * n, [None] * n, advantages
+    masks = r.sample_masks()
+    env = cfg.env
+    if env is None or not env.per_turn_rewards or not r.is_episode:
+        return masks, [None] * n, advantages
+    recorded = r.sample_turn_rewards() or [np.zeros(c, np.float32) for c in r.turn_counts.tolist()]
+    turns = r.sample_turns()
+    returns = []
+    for i, (spans, tr) in enumerate(zip(turns, recorded)):
+        model = [k for k, (_, _, is_model) in enumerate(spans) if is_model]
+        per_turn = [float(tr[k]) for k in model]
+        per_turn[-1] = float(rewards[i])
+        returns.append(adv.turn_returns(per_turn, env.gamma))
+    turn_adv = adv.per_turn_group_relative(returns, scale=cfg.algorithm_params.advantage_type == "group_relative")
+    token_adv = []
+    for spans, ta, length in zip(turns, turn_adv, r.lengths.tolist()):
+        out = np.zeros(length, np.float32)
+        for (a, b, _), value in zip([s for s in spans if s[2]], ta):
+            out[a:b] = value
+        token_adv.append(out)
+    first = torch.tensor([ta[0] if ta else 0.0 for ta in turn_adv], dtype=torch.float32)
+    return masks, token_adv, first
 
 
 def generation_budget(groups: list[ScoredGroup]) -> int | None:
     """The producers' ``max_new_tokens`` for these groups, from each rollout's ``sampling``
     (the largest, if they differ); None when no record says (the loss then uses the batch width)."""
-    budgets = [int(g.rollout.sampling["max_new_tokens"]) for g in groups if "max_new_tokens" in (g.rollout.sampling or {})]
+    # an episode's model tokens: up to max_new_tokens per turn, max_turns turns
+    budgets = [int(g.rollout.sampling["max_new_tokens"]) * int(g.rollout.sampling.get("max_turns", 1))
+               for g in groups if "max_new_tokens" in (g.rollout.sampling or {})]
     return max(budgets) if budgets else None
 
 
@@ -258,7 +296,7 @@ def _targets(learner: Learner, tbs: list[TokenBatch]) -> _Targets:
     if learner.critic is not None:
         v = learner.critic.targets(learner.engine.module, tbs, gamma=params.gamma, lam=params.lam)
         return _Targets(ref, list(v.prox_logprobs), list(v.advantages), list(v.old_values), list(v.returns))
-    token_adv = [distill_token_advantages(params, tb) for tb in tbs] if params.distills else [None] * n
+    token_adv = [distill_token_advantages(params, tb) for tb in tbs] if params.distills else [tb.token_advantages for tb in tbs]
     return _Targets(ref, [None] * n, token_adv, [None] * n, [None] * n)
 
 
@@ -321,7 +359,8 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
             break
     out = losses.finish_offpolicy_metrics(_merged(learner, acc, weights), drop_parts=True)
     out.pop("policy/tokens", None)
-    versions = torch.tensor([g.rollout.policy_version for g in groups])
+    # per token: a sample whose weights changed in flight is as stale as each of its tokens
+    versions = torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups else torch.zeros(0, dtype=torch.long)
     out.update(adv.staleness_stats(versions, learner.state.policy_version))
     out["reward/mean"] = float(rewards.mean()) if rewards.numel() else 0.0
     out["samples"] = float(len(rows))

@@ -30,7 +30,9 @@ the page's cookie carries it.
 
 The page draws every chart against wall time or the learner step (``?x=step``, or the
 selector in the header), and shows the samples: prompt, completion, reward and each reward
-term, policy version, staleness; filtered by text and sorted latest, worst or best.
+term, policy version, staleness; filtered by text and sorted latest, worst or best. A
+multi-turn episode's completion is shown turn by turn (its row's ``turns``): the model's turns
+apart from the environment's, each with its token count.
 """
 
 from __future__ import annotations
@@ -209,7 +211,8 @@ def select_samples(rows: list[dict], *, q: str = "", step: int | None = None, or
     if order not in ("latest", "worst", "best"):
         raise ValueError(f"order must be latest, worst or best, not {order!r}")
     steps = sorted({r.get("step", 0) for r in rows})
-    fixed = {"step", "group_id", "prompt", "completion", "reward", "advantage", "policy_version", "staleness", "finish_reason", "length"}
+    fixed = {"step", "group_id", "prompt", "completion", "reward", "advantage", "policy_version", "staleness", "finish_reason", "length",
+             "turns"}
     terms = []
     for r in rows:
         terms.extend(k for k in r if k not in fixed and k not in terms)

@@ -82,8 +82,23 @@ class TextPrinter:
             parts = [("  ", ""), (f"[{i}]", "bold"), (f" {s.finish_reason:<6} {len(s.completion_ids):>4} tok  mean_lp={lp:.3f}", "")]
             if rewards is not None:
                 parts.append((f"  reward={float(rewards[i]):.4g}", "green"))
-            parts.append((f"  {_short(body)!r}", "dim"))
+            if not rollout.is_episode:
+                parts.append((f"  {_short(body)!r}", "dim"))
             lines.append(Text.assemble(*parts))
+            if rollout.is_episode:
+                lines += self._turns(rollout.episode_turns()[i])
+        return lines
+
+    @staticmethod
+    def _turns(turns: list[dict]) -> list[Text]:
+        """A multi-turn episode turn by turn: the model's turns (trained on) apart from the
+        environment's (loss-masked; 0 tokens: sent with the end, not in the sequence)."""
+        lines = []
+        for k, t in enumerate(turns):
+            model = t["kind"] == "model"
+            label = "model" if model else "env  "
+            lines.append(Text.assemble(("      ", ""), (f"{k:>2} {label}", "bold cyan" if model else "bold magenta"),
+                                       (f" {t['tokens']:>4} tok  ", ""), (repr(_short(t["text"])), "" if model else "magenta")))
         return lines
 
     def show(self, subject: str, seq: int | None, when: float, record: Any | None, error: str | None, size: int) -> None:

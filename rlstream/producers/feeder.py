@@ -32,6 +32,8 @@ from typing import Any
 from rlstream import chat
 from rlstream.broker import Component, Layout, Outgoing, Publisher
 from rlstream.data import DatasetError, read_rows
+from rlstream.envs.gym import is_gym_source
+from rlstream.envs.gym import rows_for as gym_rows
 from rlstream.schemas import Prompt
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None, publish
     else:
         if not ds.path:
             raise DatasetError("data_source.path is not set: nothing to feed")
-        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name) if not is_gym_source(ds.path) else gym_rows(ds)
         base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
         total, source = len(base) * ds.epochs, Path(ds.path).name
         prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)

@@ -99,7 +99,7 @@ class ArrayOf:
     """Annotation of a 1-D numpy field: its dtype and the value check it gets.
 
     ``check``: ``"tokens"`` (ids in ``[0, vocab)``), ``"logprobs"`` (finite, <= 0),
-    ``"finite"``, or ``None``.
+    ``"finite"``, ``"mask"`` (0 or 1), or ``None``.
     """
 
     dtype: np.dtype
@@ -120,6 +120,8 @@ TokenIds = Annotated[np.ndarray, ArrayOf(INT32, "tokens")]
 LogProbs = Annotated[np.ndarray, ArrayOf(FLOAT32, "logprobs")]
 Floats = Annotated[np.ndarray, ArrayOf(FLOAT32, "finite")]
 Counts = Annotated[np.ndarray, ArrayOf(INT32)]
+UINT8 = np.dtype("u1")
+Mask = Annotated[np.ndarray, ArrayOf(UINT8, "mask")]  # 0/1 per token
 MaybeFloats = Annotated[np.ndarray, ArrayOf(FLOAT32)]  # NaN where there is no value (a reward term that did not apply)
 Columns = Annotated[dict[str, Any], FreeForm()]
 
@@ -204,7 +206,12 @@ def check_finite(arr: np.ndarray, name: str, limits: Limits = DEFAULT_LIMITS) ->
         raise RecordError(name, "contains NaN or infinite values")
 
 
-CHECKS = {"tokens": check_token_ids, "logprobs": check_logprobs, "finite": check_finite}
+def check_mask(arr: np.ndarray, name: str, limits: Limits = DEFAULT_LIMITS) -> None:
+    if arr.size and int(_MAX(arr)) > 1:
+        raise RecordError(name, f"value {int(arr.max())} in a 0/1 mask")
+
+
+CHECKS = {"tokens": check_token_ids, "logprobs": check_logprobs, "finite": check_finite, "mask": check_mask}
 
 
 def values_ok(by_check: dict[str, list[np.ndarray]], limits: Limits) -> bool:

@@ -30,7 +30,9 @@ from rlstream.schemas.codec import (
     Counts,
     Floats,
     Limits,
+    UINT8,
     LogProbs,
+    Mask,
     MaybeFloats,
     Record,
     RecordError,
@@ -97,6 +99,9 @@ class Sample(NamedTuple):
     logprobs: np.ndarray
     finish_reason: str = "stop"
     text: str = ""
+    versions: np.ndarray | None = None
+    """[T] int: the policy version that sampled each token; None = all at the group's
+    ``policy_version`` (weights updated in flight change it mid-sample)."""
 
 
 class RolloutGroup(Record, tag="rollout_group", kw_only=True):
@@ -108,10 +113,31 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     v1: up to ``texts``. v2: + timings (seconds per phase, e.g. ``generate``).
     v3: + prompt_messages (the prompt's chat turns when it was conversational; reward
     functions get them as TRL's ``prompts``).
+    v4: multi-turn episodes (all empty for a single completion). A sample's completion is
+    then its turns back to back: model turns (the sampled ids, as sampled) and environment
+    turns (the chat template's rendering of what the environment said, log-prob 0.0):
+
+    - ``loss_mask`` [sum(lengths)] uint8, flat like ``completion_ids``: 1 on model tokens,
+      0 on environment tokens; empty = every token is the model's.
+    - ``turn_counts`` [G] turns of each sample, ``turn_ends`` [sum(turn_counts)] the end of
+      each turn, as an offset into its sample's completion (the last is the sample's length).
+      Turns alternate, model first: turn 0, 2, 4... are the model's, 1, 3... the environment's.
+    - ``turn_rewards`` [sum(turn_counts)] the reward the environment gave for each model turn
+      (0 where it gave none, and on environment turns); empty when none was recorded.
+    - ``env_rewards`` [G] each episode's reward (0 for an episode cut at ``max_turns`` or
+      aborted); the ``env`` reward rule reads it.
+    - ``episode_messages`` [G] each episode's conversation after the prompt, as chat turns
+      (the model's turns as ``assistant``, the environment's as ``user``/``tool``, including
+      any it sent with the end), for reward functions, tail and the dashboard.
+    For an episode, ``texts`` hold the last model turn (what text rules score).
+    v5: + the policy version of every completion token, run-length encoded (weights updated
+    in flight switch versions inside a sample): ``version_runs`` [G] runs per sample,
+    ``run_lengths`` and ``run_versions`` [sum(version_runs)], in sample order. Empty = every
+    token at ``policy_version``. With runs, ``policy_version`` is the oldest token's version.
     """
 
     SCHEMA: ClassVar[str] = "rollout_group"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 5
 
     v: int = VERSION
     id: str
@@ -131,19 +157,51 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     texts: capped(list[str])
     timings: capped(dict[str, float], MAX_NAMES) = msgspec.field(default_factory=dict)  # v2
     prompt_messages: capped(list[capped(dict[str, str], 4)], 4096) | None = None  # v3
+    loss_mask: Mask = msgspec.field(default_factory=lambda: np.zeros(0, UINT8))  # v4
+    turn_counts: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v4
+    turn_ends: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v4
+    turn_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
+    env_rewards: Floats = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v4
+    episode_messages: capped(list[capped(list[capped(dict[str, str], 8)], 4096)]) | None = None  # v4
+    version_runs: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
+    run_lengths: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
+    run_versions: Counts = msgspec.field(default_factory=lambda: np.zeros(0, INT32))  # v5
 
     @classmethod
     def from_samples(cls, samples: Iterable[Sample], **fields: Any) -> "RolloutGroup":
-        """A group from per-sample arrays; ``fields`` are the other fields."""
+        """A group from per-sample arrays; ``fields`` are the other fields. Samples with
+        per-token ``versions`` are run-length encoded, and ``policy_version`` becomes the
+        oldest token's version (the given one stands for samples without versions)."""
         samples = list(samples)
         ids = [np.asarray(s.completion_ids, INT32) for s in samples]
         lps = [np.asarray(s.logprobs, FLOAT32) for s in samples]
+        if any(s.versions is not None for s in samples):
+            base = int(fields.get("policy_version", 0))
+            per = [np.full(len(a), base, np.int64) if s.versions is None else np.asarray(s.versions, np.int64)
+                   for s, a in zip(samples, ids)]
+            runs = [version_runs(v) for v in per]
+            tokens = np.concatenate(per) if per else np.zeros(0, np.int64)
+            fields["policy_version"] = int(tokens.min()) if tokens.size else base
+            if tokens.size and (tokens != fields["policy_version"]).any():
+                fields["version_runs"] = np.fromiter((len(r[0]) for r in runs), dtype=INT32, count=len(runs))
+                fields["run_lengths"] = np.concatenate([r[0] for r in runs]).astype(INT32)
+                fields["run_versions"] = np.concatenate([r[1] for r in runs]).astype(INT32)
         return cls(
             lengths=np.fromiter((len(a) for a in ids), dtype=INT32, count=len(ids)),
             completion_ids=np.concatenate(ids) if ids else np.zeros(0, INT32),
             logprobs=np.concatenate(lps) if lps else np.zeros(0, FLOAT32),
             finish_reasons=[s.finish_reason for s in samples], texts=[s.text for s in samples], **fields,
         )
+
+    def token_versions(self) -> np.ndarray:
+        """The policy version of every completion token, [sum(lengths)] int64, in flat order."""
+        if not len(self.version_runs):
+            return np.full(len(self.completion_ids), self.policy_version, np.int64)
+        return np.repeat(self.run_versions.astype(np.int64), self.run_lengths)
+
+    def newest_version(self) -> int:
+        """The newest version that sampled any token (``policy_version`` without runs)."""
+        return int(self.run_versions.max()) if len(self.run_versions) else self.policy_version
 
     def with_samples(self, samples: Iterable[Sample], **changes: Any) -> "RolloutGroup":
         """A copy of this group holding ``samples`` instead, with ``changes`` to its other fields."""
@@ -154,6 +212,65 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     def group_size(self) -> int:
         return len(self.lengths)
 
+    @property
+    def is_episode(self) -> bool:
+        """True for a group of multi-turn episodes (v4 turn fields present)."""
+        return len(self.turn_counts) > 0
+
+    def _split(self, flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+        ends = list(itertools.accumulate(counts))
+        return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+    def sample_masks(self) -> list[np.ndarray]:
+        """Per sample, its loss mask (uint8 [length]; all ones when the record has none)."""
+        lengths = self.lengths.tolist()
+        if len(self.loss_mask) == 0:
+            return [np.ones(n, UINT8) for n in lengths]
+        return self._split(self.loss_mask, lengths)
+
+    def sample_turns(self) -> list[list[tuple[int, int, bool]]]:
+        """Per sample, its turns as ``(start, end, is_model)`` offsets into its completion
+        (one model turn spanning the completion for a single-turn group)."""
+        if not self.is_episode:
+            return [[(0, n, True)] for n in self.lengths.tolist()]
+        out = []
+        for ends in self._split(self.turn_ends, self.turn_counts.tolist()):
+            starts = [0, *ends.tolist()[:-1]]
+            out.append([(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(starts, ends.tolist()))])
+        return out
+
+    def episode_turns(self) -> list[list[dict[str, Any]]]:
+        """Per sample, its turns for people to read: ``{"kind": "model" | "env", "tokens": n,
+        "text": ...}``, the model's turn as it said it, the environment's as ``role: content``
+        lines. Messages the environment sent with the end have a turn of 0 tokens. A single
+        completion is one model turn."""
+        spans_all = self.sample_turns()
+        convs = self.episode_messages or [None] * len(spans_all)
+        out = []
+        for spans, text, conv in zip(spans_all, self.texts, convs):
+            if conv is None:
+                out.append([{"kind": "model" if m else "env", "tokens": b - a, "text": text if m else ""} for a, b, m in spans])
+                continue
+            turns, k = [], 0
+            for a, b, is_model in spans:
+                taken = []
+                if is_model and k < len(conv) and conv[k]["role"] == "assistant":
+                    taken, k = [conv[k]], k + 1
+                while not is_model and k < len(conv) and conv[k]["role"] != "assistant":
+                    taken.append(conv[k])
+                    k += 1
+                turns.append(_turn("model" if is_model else "env", b - a, taken))
+            if k < len(conv):
+                turns.append(_turn("env", 0, conv[k:]))
+            out.append(turns)
+        return out
+
+    def sample_turn_rewards(self) -> list[np.ndarray] | None:
+        """Per sample, the reward of each turn ([turn_counts[i]]); None when none was recorded."""
+        if not self.is_episode or len(self.turn_rewards) == 0:
+            return None
+        return self._split(self.turn_rewards, self.turn_counts.tolist())
+
     def num_tokens(self) -> int:
         return len(self.completion_ids)
 
@@ -162,7 +279,8 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         """Per-sample views on the flat arrays (built on each access: keep the list if you reuse it)."""
         ends = list(itertools.accumulate(self.lengths.tolist()))
         ids, lps = self.completion_ids, self.logprobs
-        return [Sample(ids[a:b], lps[a:b], r, t)
+        versions = self.token_versions() if len(self.version_runs) else None
+        return [Sample(ids[a:b], lps[a:b], r, t, None if versions is None else versions[a:b])
                 for a, b, r, t in zip([0, *ends[:-1]], ends, self.finish_reasons, self.texts)]
 
     def check(self, limits: Limits, path: str) -> None:
@@ -190,9 +308,83 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         if len(self.texts) != g:
             raise RecordError(f"{path}texts", f"has {len(self.texts)} entries, expected {g}")
         _min(self.policy_version, 0, f"{path}policy_version")
+        self._check_episode(lengths, total, path)
+        self._check_version_runs(lengths, path)
+
+    def _check_episode(self, lengths: list[int], total: int, path: str) -> None:
+        """The v4 fields: each empty, or of the length its docstring gives."""
+        g = len(lengths)
+        if len(self.loss_mask) not in (0, total):
+            raise RecordError(f"{path}loss_mask", f"has {len(self.loss_mask)} elements, expected 0 or {total}")
+        for name, n in (("turn_counts", g), ("env_rewards", g)):
+            if len(getattr(self, name)) not in (0, n):
+                raise RecordError(f"{path}{name}", f"has {len(getattr(self, name))} elements, expected 0 or {n}")
+        if self.episode_messages is not None:
+            if len(self.episode_messages) != g:
+                raise RecordError(f"{path}episode_messages", f"has {len(self.episode_messages)} entries, expected {g}")
+            for i, conv in enumerate(self.episode_messages):
+                for j, m in enumerate(conv):
+                    if not ("role" in m and "content" in m):
+                        raise RecordError(f"{path}episode_messages[{i}][{j}]", "expected {role: str, content: str}")
+        counts = self.turn_counts.tolist()
+        if not counts:
+            if len(self.turn_ends) or len(self.turn_rewards):
+                raise RecordError(f"{path}turn_ends", "turn ends without turn_counts")
+            return
+        if min(counts) < 1:
+            raise RecordError(f"{path}turn_counts", "a sample needs at least one turn")
+        if len(self.turn_ends) != sum(counts):
+            raise RecordError(f"{path}turn_ends", f"has {len(self.turn_ends)} elements, expected {sum(counts)}")
+        if len(self.turn_rewards) not in (0, sum(counts)):
+            raise RecordError(f"{path}turn_rewards", f"has {len(self.turn_rewards)} elements, expected 0 or {sum(counts)}")
+        for i, (ends, n) in enumerate(zip(self._split(self.turn_ends, counts), lengths)):
+            e = ends.tolist()
+            if e[-1] != n or e[0] < 0 or any(b < a for a, b in zip(e, e[1:])):
+                raise RecordError(f"{path}turn_ends", f"sample {i}: {e} must rise to its length {n}")
+
+    def _check_version_runs(self, lengths: list[int], path: str) -> None:
+        runs, run_lengths, run_versions = self.version_runs, self.run_lengths, self.run_versions
+        if not (len(runs) or len(run_lengths) or len(run_versions)):
+            return
+        if len(runs) != len(lengths):
+            raise RecordError(f"{path}version_runs", f"has {len(runs)} entries, expected {len(lengths)} (or none)")
+        n = int(runs.sum()) if runs.min() >= 0 else -1
+        if n < 0:
+            raise RecordError(f"{path}version_runs", "negative run count")
+        for name, arr in (("run_lengths", run_lengths), ("run_versions", run_versions)):
+            if len(arr) != n:
+                raise RecordError(f"{path}{name}", f"has {len(arr)} elements, expected {n} (sum of version_runs)")
+        if n and run_lengths.min() < 1:
+            raise RecordError(f"{path}run_lengths", "a run must hold at least one token")
+        if n and run_versions.min() < self.policy_version:
+            raise RecordError(f"{path}run_versions", f"a version below policy_version {self.policy_version} (the oldest token's)")
+        per_sample = np.bincount(np.repeat(np.arange(len(runs)), runs), weights=run_lengths, minlength=len(runs)).astype(np.int64)
+        bad = np.flatnonzero(per_sample != np.asarray(lengths))
+        if len(bad):
+            i = int(bad[0])
+            raise RecordError(f"{path}run_lengths", f"sample {i}: runs cover {int(per_sample[i])} tokens, its length is {lengths[i]}")
 
 
-_SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts"})
+def _turn(kind: str, tokens: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+    if kind == "model":
+        text = "".join(m["content"] for m in messages)
+    else:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return {"kind": kind, "tokens": tokens, "text": text}
+
+
+_SAMPLE_FIELDS = frozenset({"lengths", "completion_ids", "logprobs", "finish_reasons", "texts",
+                            "loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages",
+                            "version_runs", "run_lengths", "run_versions"})
+
+
+def version_runs(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Run-length encoding of per-token versions [T]: (run lengths, run versions)."""
+    v = np.asarray(versions, np.int64)
+    if not v.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    return np.diff(np.r_[starts, v.size]), v[starts]
 
 
 class ScoredGroup(Record, tag="scored_group", kw_only=True):
@@ -292,10 +484,21 @@ class SFTExample(Record, tag="sft_example", kw_only=True):
 
 class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     """New policy weights are available. ``location`` is ``object://<bucket>/<name>``
-    or ``file://<path>`` (a directory every producer mounts). v1."""
+    or ``file://<path>`` (a directory every producer mounts, or one on the learner's machine).
+
+    v1: ``sha256`` is the digest of the whole safetensors file.
+    v2: + ``chunk_size``, ``chunk_sha256`` and ``host``. With ``chunk_size > 0`` the bytes are
+    checked chunk by chunk (``chunk_sha256[i]`` covers bytes ``[i*chunk_size, (i+1)*chunk_size)``,
+    so chunks are fetched and checked in parallel), and ``sha256`` is the digest of the
+    concatenated raw chunk digests (see :func:`rlstream.broker.weights.root_digest`); in the
+    object store chunk ``i`` is the object ``<name>.part<i:05d>``. ``host`` names the machine of a
+    ``file://`` location that only that machine can read (``learner.weights_transport: local``).
+    v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
+    (:mod:`rlstream.broker.broadcast`), with chunk digests.
+    """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     v: int = VERSION
     id: str
@@ -307,12 +510,23 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     size: int = 0
     sha256: str = ""
     format: str = "safetensors"
+    chunk_size: int = 0  # v2
+    chunk_sha256: capped(list[str]) = msgspec.field(default_factory=list)  # v2
+    host: str = ""  # v2
+
+    def chunks(self) -> int:
+        """How many chunks ``size`` bytes make (0 without chunking)."""
+        return -(-self.size // self.chunk_size) if self.chunk_size > 0 else 0
 
     def check(self, limits: Limits, path: str) -> None:
+        _min(self.chunk_size, 0, f"{path}chunk_size")
+        if self.chunk_size and len(self.chunk_sha256) != self.chunks():
+            raise RecordError(f"{path}chunk_sha256", f"{len(self.chunk_sha256)} digests for {self.chunks()} chunks "
+                                                     f"of {self.chunk_size} bytes in {self.size}")
         if self.format != "safetensors":
             raise RecordError(f"{path}format", f"{self.format!r}; only 'safetensors' is accepted")
-        if not self.location.startswith(("object://", "file://")):
-            raise RecordError(f"{path}location", f"{self.location!r} must start with object:// or file://")
+        if not self.location.startswith(("object://", "file://", "dist://")):
+            raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file:// or dist://")
         _min(self.policy_version, 0, f"{path}policy_version")
         _min(self.step, 0, f"{path}step")
         _min(self.size, 0, f"{path}size")

@@ -11,6 +11,7 @@ resolves their parameters from the config and combines them with weights.
 | ``format``       | 1.0 if a regular expression matches the completion                     |
 | ``length_penalty`` | ``-coef * clip((len - free) / (max - free), 0, 1)`` over completion tokens |
 | ``overlong``     | DAPO's soft overlong punishment over completion tokens                  |
+| ``env``          | a multi-turn episode's reward as its environment gave it (``RolloutGroup.env_rewards``; in ``scoring.py``) |
 
 math-verify guards its parser with ``signal.alarm``, which only works in a process's main
 thread: :func:`math_scores` is what a process pool runs (timeouts on); in a thread it must

@@ -84,8 +84,19 @@ class Flat:
 
     @property
     def trl_completions(self) -> list[Any]:
-        chat = [bool(g.prompt_messages) for g, n in zip(self.groups, self.sizes) for _ in range(n)]
-        return [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(self.completions, chat)]
+        """An episode's completion is its conversation after the prompt (TRL's multi-turn
+        form: the model's turns as ``assistant`` and the environment's in between)."""
+        out: list[Any] = []
+        i = 0
+        for g, n in zip(self.groups, self.sizes):
+            for j in range(n):
+                c = self.completions[i]
+                if g.episode_messages is not None:
+                    out.append([dict(m) for m in g.episode_messages[j]])
+                else:
+                    out.append([{"role": "assistant", "content": c}] if g.prompt_messages else c)
+                i += 1
+        return out
 
     @property
     def lengths(self) -> list[int]:
@@ -93,6 +104,16 @@ class Flat:
         if self._ids is not None:
             return [len(ids) for ids in self._ids]
         return [n for g in self.groups for n in g.lengths.tolist()]
+
+    @property
+    def budgets(self) -> list[int | None]:
+        """Each completion's generation budget: its producer's ``max_new_tokens``, as the rollout
+        records it in ``sampling`` (None when the record does not say)."""
+        out: list[int | None] = []
+        for g, n in zip(self.groups, self.sizes):
+            budget = (g.sampling or {}).get("max_new_tokens")
+            out.extend([int(budget) if isinstance(budget, (int, float)) else None] * n)
+        return out
 
 
 def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | None = None) -> Flat:
@@ -114,7 +135,7 @@ def flatten(groups: list[RolloutGroup], decode: Callable[[np.ndarray], str] | No
         reasons.extend(why)
         for k in names:
             columns[k].extend([g.columns.get(k)] * n)
-    version = max((g.policy_version for g in groups), default=0)
+    version = max((g.newest_version() for g in groups), default=0)
     return Flat(prompts, completions, reasons, columns, ScorerState(global_step=version, policy_version=version), sizes, groups)
 
 
@@ -142,22 +163,51 @@ def _answers(flat: Flat, column: str) -> list[str]:
     return [str(v) for v in values]
 
 
-def overlong_settings(cfg: Config, params: dict[str, Any]) -> dict[str, Any]:
-    """DAPO's overlong shaping scaled to this config: the term's params win; then the
-    algorithm's defaults (``algorithm_params.overlong_*`` in RL_DAPO); then
-    ``producer.max_new_tokens`` for the max length, a fifth of it for the buffer, factor 1."""
+def overlong_settings(cfg: Config, params: dict[str, Any], budget: int | None) -> dict[str, Any]:
+    """DAPO's overlong shaping scaled to the rollout: the term's params win; then the
+    algorithm's defaults (``algorithm_params.overlong_*`` in RL_DAPO); then the completion's
+    generation budget ``budget`` (its producer's ``max_new_tokens``, recorded on the rollout)
+    for the max length, a fifth of it for the buffer, factor 1."""
     q = {**cfg.algorithm_params.overlong_shaping, **{k: v for k, v in params.items() if v is not None}}
-    max_length = q.get("max_length") or cfg.producer.max_new_tokens
+    max_length = q.get("max_length") or budget
+    if max_length is None:
+        raise RewardError("overlong: the rollout does not record its max_new_tokens (sampling); set the term's params.max_length")
     buffer = q.get("buffer")
     if buffer is None:
         buffer = max_length // 5
     return {"max_length": int(max_length), "buffer": int(buffer), "factor": float(q.get("factor", 1.0))}
 
 
+def _per_budget(flat: Flat, settings: Callable[[int | None], dict[str, Any]], rule: Callable[..., float]) -> list[float]:
+    """``rule(length, **settings(budget))`` for each completion, the settings built once per budget."""
+    cache: dict[int | None, dict[str, Any]] = {}
+    out = []
+    for n, budget in zip(flat.lengths, flat.budgets):
+        if budget not in cache:
+            cache[budget] = settings(budget)
+            try:
+                rule(0, **cache[budget])
+            except ValueError as exc:  # settings that do not fit this budget (a buffer beyond it)
+                raise RewardError(f"{exc} (generation budget {budget})") from None
+        out.append(rule(n, **cache[budget]))
+    return out
+
+
 def _check_params(term: RewardTerm, allowed: set[str]) -> None:
     unknown = set(term.params) - allowed
     if unknown:
         raise RewardError(f"reward term {term.name!r} ({term.rule}): unknown params {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def env_rewards(flat: Flat) -> list[float]:
+    """The ``env`` rule: each episode's reward as its environment gave it (``RolloutGroup.env_rewards``)."""
+    out: list[float] = []
+    for g in flat.groups:
+        if len(g.env_rewards) != g.group_size:
+            raise RewardError(f"rollout {g.id} carries no environment reward: the env rule scores multi-turn "
+                              "episodes (is the producers' config missing its env section?)")
+        out.extend(float(r) for r in g.env_rewards.tolist())
+    return out
 
 
 class Scorer:
@@ -217,18 +267,42 @@ class Scorer:
                 return [rewards.format_reward(c, **p) for c in flat.completions]
         elif t.rule == "length_penalty":
             _check_params(t, {"max_length", "free_tokens", "coef"})
-            q = {"max_length": self.cfg.producer.max_new_tokens, **p}
-            rewards.length_penalty(0, **q)  # bad settings fail at start
 
-            def rule(flat, q=q):
-                return [rewards.length_penalty(n, **q) for n in flat.lengths]
+            def length_settings(budget: int | None, p=p, name=t.name) -> dict[str, Any]:
+                # the max length defaults to the completion's generation budget, recorded on the rollout
+                if p.get("max_length") is None and budget is None:
+                    raise RewardError(f"reward term {name!r} (length_penalty): the rollout does not record its "
+                                      "max_new_tokens (sampling); set params.max_length")
+                return {"max_length": budget, **p}
+
+            if "max_length" in p:
+                rewards.length_penalty(0, **p)  # bad settings fail at start
+
+            def rule(flat, settings=length_settings):
+                return _per_budget(flat, settings, rewards.length_penalty)
         elif t.rule == "overlong":
             _check_params(t, {"max_length", "buffer", "factor"})
-            q = overlong_settings(self.cfg, p)
-            rewards.overlong_penalty(0, **q)  # bad settings fail at start
 
-            def rule(flat, q=q):
-                return [rewards.overlong_penalty(n, **q) for n in flat.lengths]
+            def shaping(budget: int | None, p=p) -> dict[str, Any]:
+                return overlong_settings(self.cfg, p, budget)
+
+            explicit = {**self.cfg.algorithm_params.overlong_shaping, **p}
+            if explicit.get("max_length") is not None:
+                rewards.overlong_penalty(0, **shaping(None))  # bad settings fail at start
+
+            def rule(flat, settings=shaping):
+                return _per_budget(flat, settings, rewards.overlong_penalty)
+        elif t.rule == "reasoning_gym":
+            _check_params(t, set())
+            from rlstream.envs.gym import score_reply
+
+            def rule(flat):
+                if "reasoning_gym" not in flat.columns:
+                    raise RewardError("rule reasoning_gym needs prompts from data_source.path 'reasoning_gym:<task>' (no 'reasoning_gym' column)")
+                return [score_reply(c, {"reasoning_gym": spec}) for c, spec in zip(flat.completions, flat.columns["reasoning_gym"])]
+        elif t.rule == "env":
+            _check_params(t, set())
+            rule = env_rewards
         else:  # pragma: no cover - the config's Literal lists the rules
             raise RewardError(f"unknown rule {t.rule!r}")
 

@@ -24,7 +24,8 @@ K8S = ROOT / "deploy" / "k8s"
 NATS = ROOT / "deploy" / "nats"
 KUBE_VERSION = "1.30.0"
 TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / "overlays" / "spot",
-           "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup"}
+           "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup",
+           "distill": K8S / "overlays" / "distill"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
 EXTERNAL_SECRETS = {"nats-tls", "rlstream-backup-s3"}
 CRD_GROUPS = {"keda.sh", "kubeflow.org"}
@@ -102,10 +103,11 @@ def test_schema_validation_catches_a_broken_manifest():
 def test_scaled_objects_target_the_run_consumers(render):
     _, objs = render
     cfg = parse_config(_config(objs))
-    lay = Layout(cfg.run)
+    lay = Layout(cfg.run, cfg.annotators)
     accounts = (NATS / "accounts.conf").read_text()
     scaled = [o for o in objs if o["kind"] == "ScaledObject"]
-    assert {o["metadata"]["name"] for o in scaled} == {"producers", "scorers"}
+    # one per scalable stage: producers, scorers and each annotating stage the config turns on
+    assert {o["metadata"]["name"] for o in scaled} == {"producers", "scorers", *cfg.annotators}
     for so in scaled:
         assert so["apiVersion"] == "keda.sh/v1alpha1"
         spec = so["spec"]
@@ -414,7 +416,8 @@ def test_network_policies_deny_by_default_and_keep_nats_monitoring_private(rende
     peers = _allowed_from(objs, nats, 4222, "client")
     assert peers is not None and all(set(p) == {"podSelector"} for p in peers)
     reach = lambda who, peers: any(_selects(p["podSelector"], pods[who]) for p in peers if "podSelector" in p)
-    for who in ("Job/feeder", "Deployment/producers", "Deployment/scorers", "PyTorchJob/learner/Master"):
+    stages = [f"Deployment/{s}" for s in parse_config(_config(objs)).annotators]
+    for who in ("Job/feeder", "Deployment/producers", "Deployment/scorers", "PyTorchJob/learner/Master", *stages):
         assert reach(who, peers), f"{who} cannot reach NATS"
     assert not reach("Deployment/reward-server", peers)
     # the reward server: from the scorers only
@@ -554,3 +557,32 @@ def test_backup_cronjob_backs_up_the_learners_run_dir_from_the_same_volume():
     # the config the backup copies is the run's ConfigMap
     cfg_mount = next(m for m in c["volumeMounts"] if args.configs[0].startswith(m["mountPath"]))
     assert next(v for v in spec["volumes"] if v["name"] == cfg_mount["name"])["configMap"]["name"] == "rlstream-config"
+
+
+def test_distill_overlay_runs_the_reference_and_teacher_stages_in_the_chain(tmp_path):
+    """The annotating stages have Deployments: each runs `rlstream <stage> CONFIG` under its own
+    NATS user, reads the config that turns the chain on, sees the teacher's model on the
+    volume, and the base has no stage (its config has no stage section: a stage would exit 2)."""
+    assert not {"reference", "teacher"} & {o["metadata"]["name"] for o in build(TARGETS["base"]) if o["kind"] == "Deployment"}
+    objs = build(TARGETS["distill"])
+    cfg_text = find(objs, "ConfigMap", "rlstream-config")["data"]["config.yaml"]
+    cfg = parse_config(yaml.safe_load(cfg_text))
+    assert cfg.training_mode == "DISTILL" and cfg.annotators == ("reference", "teacher")
+    lay = Layout(cfg.run, cfg.annotators)
+    assert lay.learner_input == (lay.annotated_stream("teacher"), lay.annotated("teacher"))
+    (tmp_path / "config.yaml").write_text(cfg_text)
+    for stage in cfg.annotators:
+        dep = find(objs, "Deployment", stage)
+        spec = dep["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        args = build_parser().parse_args(_expand(_rlstream_argv(c), {"POD_NAME": "p-0"}))
+        assert args.command == stage and args.id == "p-0"
+        stage_cfg = load_config(tmp_path / "config.yaml", args.set)
+        assert stage_cfg.nats.user == stage and stage_cfg.nats.password_env == "NATS_PASSWORD"
+        # the stage's model (the teacher's path, or the policy for the reference) is on a mounted volume
+        model = getattr(stage_cfg, stage).model_path or stage_cfg.model_checkpoint_path
+        assert any(model.startswith(m["mountPath"]) for m in c["volumeMounts"]), (stage, model)
+        # KEDA scales it on its own consumer's backlog
+        so = find(objs, "ScaledObject", stage)
+        (trigger,) = so["spec"]["triggers"]
+        assert (trigger["metadata"]["stream"], trigger["metadata"]["consumer"]) == (lay.consumers()[stage][0], stage)

@@ -3,7 +3,7 @@ whose generation will not finish in time. Within ``producer.drain_timeout_s`` th
 nak's the prompts in hand and exits; another producer takes them at once (long before
 ``nats.ack_wait_s`` would have given them back); every prompt is produced exactly once.
 
-The fake backend's ``fake_hang_file`` blocks the batch's worker thread for 600 s, the way a
+The fake backend's ``hang_file`` blocks the batch's worker thread for 600 s, the way a
 long generation holds a real backend: the file disappearing means the batch is in hand.
 """
 

@@ -1,7 +1,7 @@
 """A producer backend that hangs: the generation timeout gives the prompts back and the
 producer exits for a restart; nothing is lost and nothing is produced twice.
 
-The fake backend's ``fake_hang_file`` blocks a batch's worker thread (like a stuck engine)
+The fake backend's ``hang_file`` blocks a batch's worker thread (like a stuck engine)
 the first time the file is seen; the test creates it once.
 """
 

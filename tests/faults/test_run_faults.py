@@ -117,8 +117,8 @@ def test_hung_producer_backend_is_timed_out_and_restarted_by_the_run(tiny_model_
     hang = tmp_path / "hang-now"
     steps = 10
     cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, [
-        "producer.backend=fake", "producer.fake_vocab_size=64", "producer.fake_latency_s=0.05",
-        f"producer.fake_hang_file={hang}", "producer.generation_timeout_s=3", "producer.count=1",
+        "producer.backend=fake", "producer.vocab_size=64", "producer.latency_s=0.05",
+        f"producer.hang_file={hang}", "producer.generation_timeout_s=3", "producer.count=1",
         "checkpoint.interval=4", "nats.ack_wait_s=10"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

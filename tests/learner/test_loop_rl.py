@@ -152,3 +152,60 @@ def test_dynamic_sampling_keeps_batches_full_and_widens_admission(tiny_model_dir
     # the 8 consumed groups (4 trained, 4 dropped) were acked with the final checkpoint; the 8 fetched
     # but not consumed stay unacked for the next learner
     assert info.ack_floor.stream_seq == 8 and info.num_ack_pending == len(groups) - 8
+
+
+def _switched(g, at: int, old: int, new: int, suffix: str):
+    """``g`` as if its weights moved from ``old`` to ``new`` after ``at`` tokens of every sample."""
+    samples = [s._replace(versions=np.where(np.arange(len(s.completion_ids)) < at, old, new)) for s in g.rollout.samples]
+    ro = g.rollout.with_samples(samples, id=g.id + suffix, prompt_id=g.id + suffix, policy_version=new)
+    return replace(g, id=ro.id, rollout=ro)
+
+
+def test_in_flight_groups_are_admitted_by_their_oldest_token(tiny_model_dir, tmp_path, nats_server, run_id, recorded):
+    # max_staleness 0: after version 1, a group whose first 2 tokens came from v0 is too old even
+    # though the rest came from v1; a group sampled wholly by v1 is trained
+    cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 8, "max_staleness": 0},
+                   learner={"batch_groups": 2, "micro_batch_size": 8})
+    mixed = [_switched(g, 2, 0, 1, "-mixed") for g in recorded[2:4]]
+    assert all(g.rollout.policy_version == 0 and g.rollout.newest_version() == 1 for g in mixed)
+    fresh = [_switched(g, 0, 1, 1, "-v1") for g in recorded[4:6]]
+    asyncio.run(publish_groups(nats_server.url, cfg, recorded[:2] + mixed + fresh))
+    run_dir = tmp_path / "run"
+    assert asyncio.run(main(cfg, nats_server.url, "learner", run_dir=run_dir, max_steps=2)) == 0
+    metrics = _metrics(run_dir)
+    assert metrics[1]["group_ids"] == [g.id for g in fresh]
+    assert metrics[1]["buffer/dropped_stale"] == 2.0
+
+
+def test_staleness_and_lag_are_per_token(tiny_model_dir):
+    """Rows whose tokens came from several versions: the batch's versions are per token, and so
+    are the lag and staleness metrics."""
+    import torch
+
+    from rlstream.learner import advantages as adv
+    from rlstream.learner.batching import Row, collate
+    from rlstream.learner.losses import offpolicy_metrics
+
+    rows = [Row(np.array([1, 2]), np.array([3, 4, 5, 6]), np.zeros(4, np.float32), policy_version=2,
+                token_versions=np.array([2, 2, 3, 3])),
+            Row(np.array([1]), np.array([7, 8]), np.zeros(2, np.float32), policy_version=3)]
+    tb = collate(rows, pad_id=0, max_len=16)
+    assert tb.policy_versions.tolist() == [[2, 2, 3, 3], [3, 3, 0, 0]]  # 0 where padded
+    lag = 3 - tb.policy_versions
+    z = torch.zeros_like(tb.mask)
+    m = offpolicy_metrics(z, z, z, torch.ones_like(z), z.bool(), z.bool(), tb.mask, lag)
+    # lags over the 6 real tokens: [1, 1, 0, 0] + [0, 0] -> mean 2/6, fresh 4/6
+    assert m["offpolicy/lag_mean"] == pytest.approx(2 / 6)
+    assert m["offpolicy/fresh_frac"] == pytest.approx(4 / 6)
+    g = _switched(_group_of(rows), 2, 2, 3, "")
+    stats = adv.staleness_stats(torch.from_numpy(g.rollout.token_versions()), 3)
+    # tokens [2, 2, 3, 3] + [2, 2]: staleness [1, 1, 0, 0, 1, 1] -> mean 4/6, max 1
+    assert stats["buffer/staleness_mean"] == pytest.approx(4 / 6) and stats["buffer/staleness_max"] == 1.0
+
+
+def _group_of(rows):
+    from rlstream.schemas import RolloutGroup, Sample, ScoredGroup
+
+    ro = RolloutGroup.from_samples([Sample(r.completion_ids.astype(np.int32), np.zeros(len(r.completion_ids), np.float32)) for r in rows],
+                                   id="h", prompt_id="h", prompt_ids=np.array([1], np.int32), policy_version=2)
+    return ScoredGroup(rollout=ro, rewards=np.zeros(len(rows), np.float32))

@@ -102,7 +102,8 @@ async def publish_weights(js, lay, model, version: int) -> None:
 async def test_new_weights_are_loaded_between_batches_and_stamped(js, nats_server, run_id, config, dataset, tiny_model_dir,
                                                                   tmp_path, transport):
     learner = {"weights_transport": transport, "shared_path": str(tmp_path / "shared")}
-    cfg, _ = config(data_source={"path": str(dataset(4))}, producer={"batch_prompts": 2, "max_new_tokens": 5}, learner=learner)
+    cfg, _ = config(data_source={"path": str(dataset(4))}, producer={"batch_prompts": 2, "max_new_tokens": 5, "weight_update": "between_batches"},
+                    learner=learner)
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     backend = make_backend(cfg)
@@ -177,9 +178,9 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
     hang = tmp_path / "p1-hang"
     sections = dict(data_source={"path": str(dataset(60))}, nats={"ack_wait_s": 3},
                     buffer={"max_groups": 1000}, learner={"batch_groups": 1000})
-    _, path = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3})
-    cfg, path1 = config(**sections, producer={"backend": "fake", "fake_latency_s": 0.3, "batch_prompts": 3,
-                                              "fake_hang_file": str(hang)})
+    _, path = config(**sections, producer={"backend": "fake", "latency_s": 0.3, "batch_prompts": 3})
+    cfg, path1 = config(**sections, producer={"backend": "fake", "latency_s": 0.3, "batch_prompts": 3,
+                                              "hang_file": str(hang)})
     lay = await layout_for(js, run_id, ack_wait_s=3)
     await feed(js, lay, cfg, progress=False)
     procs = {"p1": producer_process(path1, nats_server.url, "p1"), "p2": producer_process(path, nats_server.url, "p2")}
@@ -224,7 +225,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_duplicates_nothing(js, nats_se
 
 @pytest.mark.slow
 async def test_sigterm_finishes_the_batch_in_hand(js, nats_server, run_id, config, dataset):
-    cfg, path = config(data_source={"path": str(dataset(3))}, producer={"backend": "fake", "fake_latency_s": 3.0, "batch_prompts": 3})
+    cfg, path = config(data_source={"path": str(dataset(3))}, producer={"backend": "fake", "latency_s": 3.0, "batch_prompts": 3})
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     proc = producer_process(path, nats_server.url, "p1")
@@ -343,7 +344,7 @@ async def test_prompt_ids_outside_the_models_vocabulary_are_dead_lettered_on_arr
     from rlstream.schemas import DeadLetter, Prompt
 
     cfg, _ = config(data_source={"path": str(dataset(3))},
-                    producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 3, "fake_vocab_size": 64})
+                    producer={"backend": "fake", "batch_prompts": 4, "max_new_tokens": 3, "vocab_size": 64})
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     bad = Prompt(id="too-big", text="x", prompt_ids=np.array([5, 64], np.int32))  # 64 is outside [0, 64)
@@ -361,3 +362,52 @@ async def test_prompt_ids_outside_the_models_vocabulary_are_dead_lettered_on_arr
 
 async def _count(js, stream):
     return (await js.stream_info(stream)).state.messages
+
+
+def _teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
+    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1:-1], -1)
+    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+
+
+async def test_in_flight_updates_stamp_each_token_and_a_failed_update_keeps_the_weights(js, nats_server, run_id, config, dataset,
+                                                                                        tiny_model_dir):
+    """weight_update: in_flight with hf: v1 is loaded under running generations (at whatever
+    token boundary it lands), every token's log-prob is that of the version it records, and an
+    announced v2 that does not fit the model raises the alert and leaves v1 generating."""
+    cfg, _ = config(data_source={"path": str(dataset(4))},
+                    producer={"batch_prompts": 1, "max_new_tokens": 48, "weight_update": "in_flight", "update_chunk_tokens": 4,
+                              "in_flight_kv": "recompute"})
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = make_backend(cfg)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    new = perturbed(tiny_model_dir, seed=11)
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        await wait_until(lambda: _ge(rollout_count(js, lay), 1), 60)
+        await publish_weights(js, lay, new, 1)
+        await wait_until(lambda: _eq(rollout_count(js, lay), 4), 120)
+        assert await wait_until(lambda: _eq(asyncio.sleep(0, backend.policy_version), 1), 60)
+        # v2 does not fit the model: the update fails, the producer keeps v1 and says so
+        bad = type("Bad", (), {"state_dict": lambda self: {"not.a.weight": torch.zeros(3)}})()
+        await publish_weights(js, lay, bad, 2)
+        assert await wait_until(lambda: _ge(asyncio.sleep(0, prod.comp.reporter.values.get("alert/weight_update_failures", 0)), 1), 60)
+        cfg2, _ = config(data_source={"path": str(dataset(4)), "epochs": 2})
+        await feed(js, lay, cfg2, progress=False)
+        await wait_until(lambda: _eq(rollout_count(js, lay), 8), 120)
+    assert prod.comp.reporter.info["weight_update"] == "in_flight" and prod.stats.in_flight_updates == 1
+    groups = await read_rollouts(js, lay)
+    assert len(groups) == 8
+    models = {0: base, 1: new}
+    for g in groups:
+        versions = g.token_versions()
+        assert g.policy_version == (int(versions.min()) if versions.size else g.policy_version)
+        for s, v in zip(g.samples, np.split(versions, np.cumsum(g.lengths)[:-1])):
+            assert v.tolist() == sorted(v.tolist()) and set(v.tolist()) <= {0, 1}
+            for version, model in models.items():
+                at = v == version
+                if at.any():
+                    np.testing.assert_allclose(s.logprobs[at], _teacher_forced(model, g.prompt_ids, s.completion_ids)[at], atol=1e-4)
+    assert all(set(g.token_versions().tolist()) == {1} for g in groups[4:])  # after the failed v2: still v1
+    assert backend.policy_version == 1

@@ -2,6 +2,7 @@
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from helpers.scorers import config, group
@@ -103,16 +104,39 @@ def test_overlong_paper_defaults_and_zero_buffer():
         rewards.overlong_penalty(1, max_length=10, buffer=11)
 
 
-def test_overlong_settings_scale_to_the_config():
-    grpo = config({"terms": [{"rule": "overlong"}]}, producer={"max_new_tokens": 500})
-    assert overlong_settings(grpo, {}) == {"max_length": 500, "buffer": 100, "factor": 1.0}   # 500 / 5
-    dapo = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO", producer={"max_new_tokens": 500},
+def test_overlong_settings_scale_to_the_rollouts_budget():
+    grpo = config({"terms": [{"rule": "overlong"}]})
+    assert overlong_settings(grpo, {}, 500) == {"max_length": 500, "buffer": 100, "factor": 1.0}   # 500 / 5
+    dapo = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO",
                   algorithm_params={"overlong_buffer": 50, "overlong_penalty_factor": 0.5})
-    assert overlong_settings(dapo, {}) == {"max_length": 500, "buffer": 50, "factor": 0.5}
-    dapo2 = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO", producer={"max_new_tokens": 500},
-                   algorithm_params={"overlong_max_length": 300})
-    assert overlong_settings(dapo2, {}) == {"max_length": 300, "buffer": 60, "factor": 1.0}
-    assert overlong_settings(dapo2, {"max_length": 40, "buffer": 0, "factor": 2}) == {"max_length": 40, "buffer": 0, "factor": 2.0}
+    assert overlong_settings(dapo, {}, 500) == {"max_length": 500, "buffer": 50, "factor": 0.5}
+    dapo2 = config({"terms": [{"rule": "overlong"}]}, training_mode="RL_DAPO", algorithm_params={"overlong_max_length": 300})
+    assert overlong_settings(dapo2, {}, 500) == {"max_length": 300, "buffer": 60, "factor": 1.0}
+    assert overlong_settings(dapo2, {"max_length": 40, "buffer": 0, "factor": 2}, None) == {"max_length": 40, "buffer": 0, "factor": 2.0}
+    with pytest.raises(RewardError, match="does not record its max_new_tokens"):
+        overlong_settings(grpo, {}, None)
+
+
+async def test_length_rules_default_to_the_budget_the_rollout_records():
+    # the config's producer says 500, the rollouts were sampled with a budget of 10 (and 20):
+    # the budget on the record is the one that held when they were sampled
+    cfg = config({"terms": [{"rule": "overlong"}, {"rule": "length_penalty"}]}, producer={"max_new_tokens": 500})
+    scorer = Scorer(cfg)
+    g10 = group("g10", ["a", "b", "c"], lengths=[5, 9, 10], columns={})
+    g10 = msgspec.structs.replace(g10, sampling={"max_new_tokens": 10})
+    g20 = msgspec.structs.replace(group("g20", ["d"], lengths=[17], columns={}), sampling={"max_new_tokens": 20})
+    scored = await scorer.score([g10, g20])
+    # budget 10: overlong max_length 10, buffer 10 // 5 = 2, expected 8: len 5 -> 0, 9 -> (8 - 9) / 2 = -0.5, 10 -> -1
+    # budget 20: buffer 4, expected 16: len 17 -> (16 - 17) / 4 = -0.25
+    np.testing.assert_allclose(scored[0].components["overlong"], [0, -0.5, -1])
+    np.testing.assert_allclose(scored[1].components["overlong"], [-0.25])
+    # length_penalty, max_length = the budget, free_tokens 0: -5/10, -9/10, -10/10; -17/20
+    np.testing.assert_allclose(scored[0].components["length_penalty"], [-0.5, -0.9, -1.0])
+    np.testing.assert_allclose(scored[1].components["length_penalty"], [-0.85])
+    # a record that does not say its budget, and a term without max_length: the group fails, naming the fix
+    [failed] = await scorer.score([group("g0", ["e"], lengths=[3], columns={})])
+    assert isinstance(failed, str) and "does not record its max_new_tokens" in failed
+    await scorer.close()
 
 
 def test_check_rewards():

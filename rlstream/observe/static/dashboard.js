@@ -148,6 +148,21 @@
   function promptText(p) {
     return Array.isArray(p) ? p.map((m) => `${m.role}: ${m.content}`).join("\n") : p;
   }
+  // a multi-turn episode, turn by turn: the model's turns (trained on) apart from the environment's (masked)
+  function turnsCell(turns) {
+    const td = document.createElement("td");
+    td.className = "text";
+    for (const t of turns) {
+      const div = document.createElement("div");
+      div.className = t.kind === "model" ? "turn model" : "turn env";
+      const tag = document.createElement("b");
+      tag.textContent = `${t.kind === "model" ? "model" : "env"} · ${t.tokens} tok `;
+      div.appendChild(tag);
+      div.appendChild(document.createTextNode(t.text));
+      td.appendChild(div);
+    }
+    return td;
+  }
   function showSamples(out) {
     state.samples = out;
     const cols = [...FIXED, ...out.terms, ...TAIL];
@@ -161,6 +176,7 @@
     for (const r of out.rows) {
       const row = document.createElement("tr");
       for (const c of cols) {
+        if (c === "completion" && Array.isArray(r.turns)) { row.appendChild(turnsCell(r.turns)); continue; }
         const v = c === "prompt" ? promptText(r.prompt) : r[c];
         row.appendChild(cell(v, c === "prompt" || c === "completion" ? "text" : typeof v === "number" ? "num" : ""));
       }

@@ -2,7 +2,9 @@
 
 A backend takes a batch of tokenised prompts and a :class:`SamplingSpec` and returns, per
 prompt, ``spec.n`` :class:`Completion` s (token ids, per-token behaviour log-probs, finish
-reason, text). It can load new weights between batches. ``generate`` is a coroutine: CPU-
+reason, text). It can load new weights between batches and, where ``in_flight`` is True, while
+requests run (:meth:`Backend.update_in_flight`): running requests then continue under the new
+version from a token boundary, and each completion records the version of each token. ``generate`` is a coroutine: CPU-
 or GPU-bound backends run their work in a thread so the event loop keeps acking and
 reporting; network backends await their requests.
 
@@ -40,6 +42,10 @@ class SamplingSpec:
     """0 disables top-k."""
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample besides the model's EOS (a chat template's end of turn), kept as its last token."""
+    ignore_eos: bool = False
+    """Generate to ``max_new_tokens`` whatever is sampled (benchmarks with set lengths)."""
 
     @classmethod
     def from_config(cls, cfg) -> "SamplingSpec":
@@ -65,6 +71,9 @@ class Completion:
     finish_reason: str
     """stop (EOS or a stop string), length (max_new_tokens) or abort."""
     text: str = ""
+    versions: np.ndarray | None = None
+    """[T] int: the policy version that sampled each token (None: the backend's version when
+    the batch started, which is all there is without in-flight updates)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,57 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+MAX_ST_HEADER = 100 * 1024 * 1024
+
+
+def safetensors_views(buffer) -> dict[str, Any]:
+    """The tensors of a safetensors file held in a writable buffer (bytes from the broker as a
+    bytearray, or a private mapping of a file), as torch tensors that share the buffer's memory:
+    no copy is made (a read-only buffer such as ``bytes`` is copied once), so the buffer must outlive them (``load_state_dict`` copies them into the
+    model). Offsets and sizes are checked against the buffer; a bad file raises
+    :class:`ProducerError`."""
+    import json
+
+    import torch
+
+    view = memoryview(buffer).cast("B")
+    if view.readonly:  # torch cannot share a read-only buffer: one copy
+        view = memoryview(bytearray(view))
+    if len(view) < 8:
+        raise ProducerError("weights: not a safetensors file (shorter than its header length)")
+    n = int.from_bytes(view[:8], "little")
+    if not 2 <= n <= min(MAX_ST_HEADER, len(view) - 8):
+        raise ProducerError(f"weights: safetensors header of {n} bytes does not fit the {len(view)}-byte file")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except ValueError as exc:
+        raise ProducerError(f"weights: safetensors header is not JSON: {exc}") from None
+    base, size = 8 + n, len(view) - 8 - n
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = getattr(torch, _ST_DTYPES[spec["dtype"]])
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ProducerError(f"weights: tensor {name!r} has a bad header entry {str(spec)[:200]}") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size or end - begin != count * itemsize:
+            raise ProducerError(f"weights: tensor {name!r} ({spec['dtype']} {shape}) does not fit its offsets {begin}..{end}")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(view, dtype=dtype, count=count, offset=base + begin).view(shape)
+    return out
+
+
 class GenerationBackend(Protocol):
     """What the producer loop asks of a generation backend."""
 
@@ -117,6 +177,15 @@ class GenerationBackend(Protocol):
         """True when the generator now uses ``source``; False when it cannot."""
         ...
 
+    in_flight: bool
+    """True where :meth:`update_in_flight` can swap weights under running requests."""
+    policy_version: int
+    """The version of the weights loaded now (what the next token is sampled with)."""
+
+    async def update_in_flight(self, source: WeightsSource) -> None:
+        """Load ``source`` while generations run; they continue under it from a token boundary."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -134,6 +203,14 @@ class Backend:
     engines that batch concurrent requests continuously (vLLM, an OpenAI-compatible server)."""
     can_reload: bool = True
     reload_note: str = ""
+    continuous: bool = False
+    """True where the engine batches concurrent requests itself (vLLM, an OpenAI-compatible server):
+    the episodes of a batch then send each turn as its own request; otherwise their concurrent
+    turns are gathered into one ``generate`` call."""
+    in_flight: bool = False
+    """True where :meth:`update_in_flight` is implemented (hf, vllm)."""
+    policy_version: int = 0
+    """The version of the weights loaded now; ``load_weights`` and ``update_in_flight`` set it."""
     tokenizer: Any = None
     vocab_size: int | None = None
     """The model's vocabulary, when known: prompts with token ids outside it are dead-lettered
@@ -162,6 +239,11 @@ class Backend:
         """Load new weights; True when the generator now uses them, False when it cannot
         (``can_reload`` is then False and ``reload_note`` says why)."""
         raise NotImplementedError
+
+    async def update_in_flight(self, source: WeightsSource) -> None:
+        """Load new weights without waiting for running generations: they continue under the
+        new version from the next token boundary. Raises on failure (the old weights stay)."""
+        raise ProducerError(f"the {self.name} backend cannot update weights in flight")
 
     async def close(self) -> None:
         return None

@@ -1,14 +1,14 @@
 """A backend for tests and benchmarks only: no model, a fixed latency per batch.
 
-Each batch takes ``producer.fake_latency_s`` seconds (awaited, so many fake producers in
+Each batch takes ``producer.latency_s`` seconds (awaited, so many fake producers in
 one process run concurrently), then returns ``max_new_tokens`` tokens per sample drawn
-uniformly from ``[0, fake_vocab_size)``. The log-probs are the true ones of that uniform
+uniformly from ``[0, vocab_size)``. The log-probs are the true ones of that uniform
 policy, ``-log(V)``, so records pass every validation. Weight loads are recorded, not
 applied. Use it to measure the broker and the producer loop without the cost of a model.
 
-To inject a hung engine, set ``producer.fake_hang_file``: when that file exists, the next
+To inject a hung engine, set ``producer.hang_file``: when that file exists, the next
 batch removes it (so one creation of the file makes exactly one hang, even with several
-producers) and blocks its worker thread for ``fake_hang_s`` seconds, the way a stuck
+producers) and blocks its worker thread for ``hang_s`` seconds, the way a stuck
 generation call blocks a real backend's thread.
 """
 
@@ -43,7 +43,7 @@ class FakeBackend(Backend):
     @classmethod
     def from_config(cls, cfg) -> "FakeBackend":
         p = cfg.producer
-        return cls(p.fake_latency_s, p.fake_vocab_size, p.seed, p.fake_hang_file, p.fake_hang_s)
+        return cls(p.latency_s, p.vocab_size, p.seed, p.hang_file, p.hang_s)
 
     def _hang_if_asked(self) -> None:
         if not self.hang_file:

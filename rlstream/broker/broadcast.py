@@ -1,0 +1,100 @@
+"""Weights by ``torch.distributed`` broadcast, in a group formed per version.
+
+A cluster's learner sends each version to every producer at once (gloo on CPUs; on GPUs the
+same group shape serves NCCL). A group fixed at start-up would break when a producer joins
+or leaves mid-run, so each version forms its own:
+
+1. The learner keeps one ``TCPStore`` server (``dist://host:port``) for the run. It announces
+   version ``v`` at ``dist://host:port/v<v>`` with the size and chunk digests, as usual.
+2. A producer that wants ``v`` joins: ``add("v<v>/joined", 1)`` gives it its rank (1, 2, ...).
+3. The learner waits until ``expected`` producers joined or ``join_s`` passed, then closes the
+   group: ``set("v<v>/world", k + 1)``. A producer whose rank is beyond it came too late and is
+   told so at once (it keeps its weights and joins the next version).
+4. Learner (rank 0) and the ``k`` producers build a gloo group under the prefix ``v<v>/`` and
+   broadcast the safetensors bytes; each producer checks every chunk's digest.
+
+Every wait has a timeout: a producer that joined and vanished makes the learner's broadcast
+fail after ``timeout_s`` (the version is then counted as a failed publish), never hang.
+These calls block: run them in a thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from urllib.parse import urlsplit
+
+from rlstream.broker.errors import BrokerError
+
+SCHEME = "dist://"
+JOIN_POLL_S = 0.01
+
+
+class LateJoin(BrokerError):
+    """The producer asked to join a version's group after the learner had closed it."""
+
+
+def location(host: str, port: int, version: int) -> str:
+    return f"{SCHEME}{host}:{port}/v{version}"
+
+
+def parse(loc: str) -> tuple[str, int, str]:
+    """``dist://host:port/v<v>`` -> (host, port, prefix ``v<v>``)."""
+    parts = urlsplit(loc)
+    prefix = parts.path.strip("/")
+    if parts.scheme != "dist" or not parts.hostname or not parts.port or not prefix.startswith("v"):
+        raise BrokerError(f"{loc!r} is not a dist://host:port/v<version> location")
+    return parts.hostname, parts.port, prefix
+
+
+class BroadcastServer:
+    """The learner's end: one store server for the run, one group per version."""
+
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 60.0):
+        import torch.distributed as dist
+
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self.host, self.port = host, self.store.port
+
+    def location(self, version: int) -> str:
+        return location(self.host, self.port, version)
+
+    def send(self, version: int, data, expected: int, join_s: float) -> int:
+        """Wait for up to ``expected`` producers for at most ``join_s``, close the group, and
+        broadcast ``data``; returns how many producers received it."""
+        import torch
+        import torch.distributed as dist
+
+        prefix = f"v{version}"
+        deadline = time.monotonic() + join_s
+        while (joined := self.store.add(f"{prefix}/joined", 0)) < expected and time.monotonic() < deadline:
+            time.sleep(JOIN_POLL_S)
+        self.store.set(f"{prefix}/world", str(joined + 1))
+        if joined == 0:
+            return 0
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", self.store), 0, joined + 1, self.timeout)
+        tensor = torch.frombuffer(data if not isinstance(data, bytes) else bytearray(data), dtype=torch.uint8)
+        group.broadcast(tensor, 0).wait(self.timeout)
+        return joined
+
+
+def receive(loc: str, size: int, timeout_s: float):
+    """Join the group of ``loc`` and receive ``size`` bytes into a new bytearray. Raises
+    :class:`LateJoin` when the group closed before this producer joined; a torch error when
+    the learner does not complete the broadcast within ``timeout_s``."""
+    import torch
+    import torch.distributed as dist
+
+    host, port, prefix = parse(loc)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    rank = store.add(f"{prefix}/joined", 1)
+    world = int(store.get(f"{prefix}/world"))
+    if rank >= world:
+        raise LateJoin(f"{loc}: joined as producer {rank} after the learner closed the group of {world - 1}; "
+                       "the next version will include this producer")
+    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank, world, timeout)
+    buf = bytearray(size)
+    group.broadcast(torch.frombuffer(buf, dtype=torch.uint8), 0).wait(timeout)
+    return buf

@@ -1,0 +1,309 @@
+"""A local OpenAI-compatible gateway in front of a producer's engine, for black-box agents.
+
+An agent program that talks to any OpenAI client (a ``verifiers`` environment, a hand-written
+loop) points its ``base_url`` at ``http://127.0.0.1:<port>/e/<episode>/v1`` and runs as it is.
+Every call it makes is sampled by the producer's own generation backend (``hf`` or ``vllm``,
+anything with ``generate(prompts, spec)`` and a ``tokenizer``) and recorded: the prompt's token
+ids as the chat template rendered them, each choice's sampled token ids and their behaviour
+log-probs (exactly as the engine returned them, never re-tokenised from text), the finish
+reason, and the policy version of the weights that sampled them. Afterwards
+:meth:`Gateway.rollout_group` turns the calls of a set of episodes into a trainable
+:class:`~rlstream.schemas.RolloutGroup`, and :meth:`Gateway.trace` lays a multi-call episode
+out as one token sequence with a loss mask (model tokens 1, everything the agent added
+between calls 0) and each call's boundaries.
+
+Endpoints (under ``/e/<episode>/v1`` or plain ``/v1``, where the episode is the
+``X-Episode-Id`` header or ``default``): ``POST chat/completions`` (``messages``, ``tools``,
+``n``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+``logprobs``), ``POST completions`` (``prompt`` as text or token ids), ``GET models``. A reply
+whose text holds Hermes/Qwen ``<tool_call>`` blocks comes back with OpenAI ``tool_calls`` and
+``finish_reason: "tool_calls"``; an assistant message with ``tool_calls`` in a request is written
+back into the text the same way, so the chat template sees what the model wrote. Each response
+also carries ``rlstream``: the call id, the policy version, and the token ids.
+
+How it differs from an OpenAI server: sampling parameters the backend does not have
+(``presence_penalty``, ``logit_bias``, ...) are ignored; ``logprobs`` are the raw log-softmax of
+the sampled token at temperature 1 (what the learner recomputes), with no ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from rlstream.envs.tools import format_tool_call, parse_tool_calls
+from rlstream.schemas import RolloutGroup
+from rlstream.schemas.records import Sample
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(ValueError):
+    """Calls that cannot make the record asked for."""
+
+
+@dataclass(slots=True)
+class Choice:
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    text: str
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One call an agent made, as the engine sampled it."""
+
+    id: str
+    episode: str
+    prompt_ids: np.ndarray
+    choices: list[Choice]
+    policy_version: int
+    messages: list[dict[str, Any]] | None = None
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class Trace:
+    """A multi-call episode as one sequence: ``token_ids`` = the first prompt, then per call its
+    sampled tokens (``mask`` 1, ``logprobs`` as sampled) and what the agent added before the next
+    call (``mask`` 0, ``logprobs`` 0); ``turns`` holds each call's (start, end) in ``token_ids``."""
+
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    mask: np.ndarray
+    logprobs: np.ndarray
+    turns: list[tuple[int, int]]
+    policy_versions: list[int]
+
+
+def _tool_calls_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with OpenAI ``tool_calls`` as the Hermes text the model wrote."""
+    calls = message.get("tool_calls") or []
+    if message.get("role") != "assistant" or not calls:
+        return {k: v for k, v in message.items() if k in ("role", "content", "name")} | {"content": message.get("content") or ""}
+    parts = [message.get("content") or ""]
+    for c in calls:
+        fn = c.get("function", {})
+        args = fn.get("arguments") or "{}"
+        parts.append(format_tool_call(fn.get("name", ""), json.loads(args) if isinstance(args, str) else args))
+    return {"role": "assistant", "content": "\n".join(p for p in parts if p)}
+
+
+class Gateway:
+    """The HTTP server and the record of every call, by episode.
+
+    ``backend``: a generation backend (``generate`` coroutine, ``tokenizer``). ``defaults``: the
+    backend's sampling spec (a dataclass such as the producer's ``SamplingSpec``), of which each
+    call takes a copy with its own ``n``, ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``
+    and ``seed``. ``policy_version``: called per call, the version of the weights in the backend.
+    """
+
+    def __init__(self, backend, defaults, *, policy_version: Callable[[], int] = lambda: 0,
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "rlstream-policy", max_tokens_cap: int = 4096):
+        self.backend = backend
+        self.defaults = defaults
+        self.policy_version = policy_version
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self.max_tokens_cap = max_tokens_cap
+        self.calls: dict[str, list[CallRecord]] = {}
+        self._runner = None
+
+    # ---- server ------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Start serving; returns the base URL (``http://host:port``)."""
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        for prefix in ("/v1", "/e/{episode}/v1"):
+            app.router.add_post(prefix + "/chat/completions", self._chat)
+            app.router.add_post(prefix + "/completions", self._completions)
+            app.router.add_get(prefix + "/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return f"http://{self.host}:{self.port}"
+
+    def base_url(self, episode: str) -> str:
+        """What an agent's OpenAI client takes as ``base_url`` for one episode."""
+        return f"http://{self.host}:{self.port}/e/{episode}/v1"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> "Gateway":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def _episode(self, request) -> str:
+        return request.match_info.get("episode") or request.headers.get("X-Episode-Id") or "default"
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rlstream"}]})
+
+    def _spec(self, body: dict[str, Any]):
+        stop = body.get("stop") or ()
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
+        changes = {"n": int(body.get("n") or 1), "max_new_tokens": min(int(max_tokens), self.max_tokens_cap),
+                   "stop": (stop,) if isinstance(stop, str) else tuple(stop)}
+        for key in ("temperature", "top_p", "seed"):
+            if body.get(key) is not None:
+                changes[key] = body[key]
+        return dataclasses.replace(self.defaults, **changes)
+
+    async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages) -> CallRecord:
+        spec = self._spec(body)
+        version = int(self.policy_version())
+        (completions,) = await self.backend.generate([np.asarray(prompt_ids, np.int32)], spec)
+        record = CallRecord(id="call-" + uuid.uuid4().hex[:16], episode=episode, prompt_ids=np.asarray(prompt_ids, np.int32),
+                            choices=[Choice(np.asarray(c.token_ids, np.int32), np.asarray(c.logprobs, np.float32), c.finish_reason, c.text)
+                                     for c in completions],
+                            policy_version=version, messages=messages)
+        self.calls.setdefault(episode, []).append(record)
+        return record
+
+    def _logprobs_json(self, choice: Choice) -> dict[str, Any]:
+        tok = self.backend.tokenizer
+        pieces = tok.convert_ids_to_tokens(choice.token_ids.tolist())
+        return {"content": [{"token": p, "logprob": float(lp), "bytes": list(p.encode()), "top_logprobs": []}
+                            for p, lp in zip(pieces, choice.logprobs.tolist())]}
+
+    def _extension(self, record: CallRecord) -> dict[str, Any]:
+        return {"call_id": record.id, "episode": record.episode, "policy_version": record.policy_version,
+                "prompt_token_ids": record.prompt_ids.tolist(), "token_ids": [c.token_ids.tolist() for c in record.choices]}
+
+    def _usage(self, record: CallRecord) -> dict[str, int]:
+        done = sum(len(c.token_ids) for c in record.choices)
+        return {"prompt_tokens": len(record.prompt_ids), "completion_tokens": done, "total_tokens": len(record.prompt_ids) + done}
+
+    async def _chat(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return web.json_response({"error": {"message": "messages must be a non-empty list", "type": "invalid_request_error"}}, status=400)
+        rendered = [_tool_calls_text(m) for m in messages]
+        tools = body.get("tools") or None
+        tok = self.backend.tokenizer
+        try:
+            ids = await asyncio.to_thread(lambda: list(tok.apply_chat_template(
+                rendered, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+        except Exception as exc:  # the agent sent what the template cannot render: its error, as OpenAI reports one
+            return web.json_response({"error": {"message": f"chat template: {exc}", "type": "invalid_request_error"}}, status=400)
+        record = await self._sample(self._episode(request), ids, body, rendered)
+        choices = []
+        for i, c in enumerate(record.choices):
+            calls, _ = parse_tool_calls(c.text) if tools else ([], [])
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if calls:
+                message["tool_calls"] = [{"id": tc.id, "type": "function",
+                                          "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)}} for tc in calls]
+                reason = "tool_calls"
+            choices.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": self._logprobs_json(c) if body.get("logprobs") else None})
+        return web.json_response({"id": record.id, "object": "chat.completion", "created": int(record.ts), "model": self.model_name,
+                                  "choices": choices, "usage": self._usage(record), "rlstream": self._extension(record)})
+
+    async def _completions(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(self.backend.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            return web.json_response({"error": {"message": "prompt must be a string or a list of token ids", "type": "invalid_request_error"}}, status=400)
+        record = await self._sample(self._episode(request), ids, body, None)
+        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": {"tokens": self.backend.tokenizer.convert_ids_to_tokens(c.token_ids.tolist()),
+                                 "token_logprobs": c.logprobs.tolist()} if body.get("logprobs") is not None else None}
+                   for i, c in enumerate(record.choices)]
+        return web.json_response({"id": record.id, "object": "text_completion", "created": int(record.ts), "model": self.model_name,
+                                  "choices": choices, "usage": self._usage(record), "rlstream": self._extension(record)})
+
+    # ---- records -----------------------------------------------------------------------------
+    def pop(self, episode: str) -> list[CallRecord]:
+        """The calls of an episode, in order, forgotten by the gateway."""
+        return self.calls.pop(episode, [])
+
+    def rollout_group(self, episodes: list[str], *, prompt_id: str, run: str = "", columns: dict[str, Any] | None = None,
+                      producer_id: str = "gateway") -> RolloutGroup:
+        """One trainable group from single-call episodes that share a prompt: every choice of
+        every call is a sample, with its sampled ids and log-probs. The group's policy version
+        is the oldest of its calls (staleness is never understated)."""
+        calls = [c for e in episodes for c in self.pop(e)]
+        if not calls:
+            raise GatewayError(f"no calls were recorded for episodes {episodes}")
+        per_episode = {c.episode for c in calls}
+        if len(calls) != len(per_episode):
+            raise GatewayError("an episode made several calls: lay it out with trace() (a multi-turn record), not as one sample")
+        first = calls[0]
+        if any(not np.array_equal(c.prompt_ids, first.prompt_ids) for c in calls):
+            raise GatewayError("the episodes' calls have different prompts; a group needs one prompt")
+        samples = [Sample(ch.token_ids, np.minimum(ch.logprobs, 0.0), ch.finish_reason, ch.text) for c in calls for ch in c.choices]
+        messages = [m for m in (first.messages or []) if isinstance(m.get("content"), str)]
+        return RolloutGroup.from_samples(
+            samples, id="r" + uuid.uuid4().hex, run=run, prompt_id=prompt_id, prompt_ids=first.prompt_ids,
+            prompt_text=self.backend.tokenizer.decode(first.prompt_ids.tolist()),
+            policy_version=min(c.policy_version for c in calls), producer_id=producer_id, columns=dict(columns or {}),
+            sampling={"backend": f"gateway/{getattr(self.backend, 'name', '?')}", "n": len(samples)},
+            prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages] or None)
+
+    @staticmethod
+    def trace(calls: list[CallRecord], choice: int = 0) -> Trace:
+        """A multi-call episode as one masked token sequence (see :class:`Trace`). Each call's
+        prompt must begin with everything before it (the previous prompt and the tokens sampled
+        there), which holds when the agent appends to its conversation and the chat template
+        renders a prefix the same way each time; otherwise :class:`GatewayError`."""
+        if not calls:
+            raise GatewayError("no calls")
+        prompt = calls[0].prompt_ids
+        ids, mask, lps, turns = [prompt], [np.zeros(len(prompt), np.int8)], [np.zeros(len(prompt), np.float32)], []
+        length = len(prompt)
+        for k, call in enumerate(calls):
+            so_far = np.concatenate(ids)
+            if k:
+                if len(call.prompt_ids) < len(so_far) or not np.array_equal(call.prompt_ids[:len(so_far)], so_far):
+                    raise GatewayError(f"call {k} of episode {call.episode!r} does not extend the conversation before it "
+                                       "(the agent rewrote history, or the template renders earlier turns differently)")
+                added = call.prompt_ids[len(so_far):]
+                ids.append(added)
+                mask.append(np.zeros(len(added), np.int8))
+                lps.append(np.zeros(len(added), np.float32))
+                length += len(added)
+            ch = call.choices[choice]
+            ids.append(ch.token_ids)
+            mask.append(np.ones(len(ch.token_ids), np.int8))
+            lps.append(ch.logprobs.astype(np.float32))
+            turns.append((length, length + len(ch.token_ids)))
+            length += len(ch.token_ids)
+        return Trace(prompt, np.concatenate(ids), np.concatenate(mask), np.concatenate(lps), turns,
+                     [c.policy_version for c in calls])
+
+
+__all__ = ["CallRecord", "Choice", "Gateway", "GatewayError", "Trace"]

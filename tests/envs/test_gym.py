@@ -1,0 +1,103 @@
+"""reasoning-gym as a prompt source and a reward, from config alone: the feeder publishes its
+questions to a real nats-server, and the scorer's ``reasoning_gym`` rule scores them with the
+task's own ``score_answer``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.broker import layout_for
+
+from rlstream.broker import Consumer, Layout
+from rlstream.config import ConfigError, parse_config, resolve_relative_paths
+from rlstream.envs import gym
+from rlstream.envs.toolenv import ToolEnvironment
+from rlstream.producers.feeder import feed
+from rlstream.schemas import Prompt, RolloutGroup
+from rlstream.schemas.records import Sample
+from rlstream.scorers.scoring import Scorer
+
+pytest.importorskip("reasoning_gym")
+
+
+def config(run="t", **data_source):
+    return parse_config({
+        "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
+        "data_source": {"path": "reasoning_gym:basic_arithmetic", "shuffle_seed": None,
+                        "reasoning_gym": {"size": 6, "seed": 3, "config": {"min_terms": 2, "max_terms": 2}}, **data_source},
+        "reward_function": {"terms": [{"rule": "reasoning_gym"}]},
+    })
+
+
+def test_the_same_spec_gives_the_same_rows_and_the_answer_scores_one():
+    ds = config().data_source
+    rows, again = gym.rows_for(ds), gym.rows_for(ds)
+    assert rows == again and len(rows) == 6
+    r = rows[2]
+    assert r["prompt"][-1]["role"] == "user" and r["reasoning_gym"] == {
+        "task": "basic_arithmetic", "size": 6, "seed": 3, "config": {"min_terms": 2, "max_terms": 2}, "index": 2}
+    assert gym.score_reply(f"<answer>{r['answer']}</answer>", r) == 1.0
+    assert gym.score_reply(r["answer"], r) == 1.0  # no tags: the whole reply is the answer
+    assert gym.score_reply("<answer>not a number</answer>", r) == 0.0
+    wrong = str(int(float(r["answer"])) + 1)
+    assert gym.score_reply(f"I think <answer>{wrong}</answer>", r) == 0.0
+
+
+def test_a_system_prompt_by_name():
+    ds = config(reasoning_gym={"size": 2, "system_prompt": "default"}).data_source
+    first = gym.rows_for(ds)[0]["prompt"]
+    assert first[0]["role"] == "system" and "<answer>" in first[0]["content"]
+
+
+@pytest.mark.parametrize("data_source, message", [
+    ({"path": "reasoning_gym:no_such_task"}, "has no task 'no_such_task'"),
+    ({"reasoning_gym": {"config": {"min_terms": 5, "max_terms": 2}}}, "data_source.reasoning_gym.config"),
+    ({"reasoning_gym": {"config": {"bogus_key": 1}}}, "data_source.reasoning_gym.config"),
+    ({"path": "data.jsonl"}, "data_source.reasoning_gym is for path 'reasoning_gym:<task>'"),
+])
+def test_config_errors_are_one_line(data_source, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        config(**data_source)
+    assert message in str(err.value).splitlines()[0] or any(message in line for line in str(err.value).splitlines())
+
+
+def test_the_path_is_not_made_a_file_path():
+    data = {"data_source": {"path": "reasoning_gym:leg_counting"}}
+    assert resolve_relative_paths(data, __import__("pathlib").Path("/tmp"))["data_source"]["path"] == "reasoning_gym:leg_counting"
+
+
+async def test_feed_then_score_with_the_rule(js, run_id):
+    cfg = config(run=run_id)
+    lay = await layout_for(js, run_id)
+    assert await feed(js, lay, cfg, progress=False) == 6
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    prompts = [d.record for d in await consumer.fetch(16, timeout=2)]
+    assert len(prompts) == 6 and all(p.messages and "reasoning_gym" in p.columns for p in prompts)
+    p = min(prompts, key=lambda p: p.index)
+    texts = [f"<answer>{p.columns['answer']}</answer>", "<answer>no idea</answer>"]
+    group = RolloutGroup.from_samples(
+        [Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.5], np.float32), "stop", t) for t in texts],
+        id="g1", prompt_id=p.id, prompt_ids=np.array([1], np.int32), policy_version=0, columns=p.columns,
+        prompt_messages=p.messages)
+    scorer = Scorer(cfg)
+    try:
+        (scored,) = await scorer.score([group])
+    finally:
+        await scorer.close()
+    assert scored.rewards.tolist() == [1.0, 0.0] and scored.components["reasoning_gym"].tolist() == [1.0, 0.0]
+
+
+async def test_a_tool_environment_scores_its_answer_with_reasoning_gym():
+    row = gym.rows_for(config().data_source)[0]
+    prompt = Prompt(id="x", text="", messages=row["prompt"], columns={k: v for k, v in row.items() if k != "prompt"})
+    ep = await ToolEnvironment(["calculator"], reward="reasoning_gym").start(prompt)
+    turn = await ep.step(f"<answer>{row['answer']}</answer>")
+    assert turn.done and turn.reward == 1.0
+
+
+def test_the_trl_style_reward_function():
+    rows = gym.rows_for(config().data_source)[:2]
+    out = gym.reward(prompts=[r["prompt"] for r in rows],
+                     completions=[[{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in rows[:1]] + [[{"role": "assistant", "content": "x"}]],
+                     reasoning_gym=[r["reasoning_gym"] for r in rows])
+    assert out == [1.0, 0.0]

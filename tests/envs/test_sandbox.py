@@ -1,0 +1,94 @@
+"""The Python sandbox against real child processes: each limit stops what it should and the
+run always returns."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rlstream.envs.sandbox import Limits, namespaces_available, run_function, run_python
+
+FAST = Limits(timeout_s=3.0, cpu_s=1, memory_mb=256, max_output_bytes=4096)
+
+
+async def test_a_plain_script_runs_and_its_output_comes_back():
+    r = await run_python("print(6 * 7)", FAST)
+    assert r.ok and r.stdout == "42\n" and r.reason is None
+
+
+async def test_an_exception_is_an_exit_code_with_its_traceback():
+    r = await run_python("raise ValueError('bad input')", FAST)
+    assert r.returncode == 1 and r.reason is None and "ValueError: bad input" in r.stderr
+
+
+async def test_a_cpu_loop_is_killed_by_the_cpu_limit():
+    start = time.monotonic()
+    r = await run_python("while True: pass", Limits(timeout_s=20.0, cpu_s=1))
+    assert r.reason == "cpu", (r.returncode, r.stderr)
+    assert time.monotonic() - start < 15  # the CPU limit, not the 20 s wall limit, ended it
+
+
+async def test_a_memory_bomb_is_refused():
+    r = await run_python("x = bytearray(2 * 1024**3)\nprint('allocated')", FAST)
+    assert r.reason == "memory" and "allocated" not in r.stdout
+
+
+async def test_a_sleeping_child_times_out_and_the_run_returns():
+    # sleep uses no CPU: only the wall deadline can stop it; a grandchild in the group dies too
+    code = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\ntime.sleep(300)"
+    start = time.monotonic()
+    r = await run_python(code, Limits(timeout_s=1.0))
+    assert r.reason == "timeout" and time.monotonic() - start < 5
+
+
+async def test_output_past_the_cap_is_cut_and_the_process_stopped():
+    r = await run_python("import sys\nsys.stdout.write('x' * 10_000_000)\nsys.stdout.flush()\nimport time; time.sleep(60)",
+                         Limits(timeout_s=30.0, max_output_bytes=4096))
+    assert r.reason == "output" and r.truncated and r.stdout == "x" * 4096 and r.wall_s < 10
+
+
+async def test_the_network_is_refused():
+    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 4222), timeout=2)\n"
+            "except OSError as e:\n    print('refused', type(e).__name__)\nelse:\n    print('connected')")
+    r = await run_python(code, FAST)
+    assert r.stdout.startswith("refused"), r.stdout + r.stderr
+    assert r.isolation == ("namespace" if namespaces_available() else "socket-blocked")
+
+
+async def test_without_namespaces_sockets_are_blocked_in_the_child(monkeypatch):
+    from rlstream.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    r = await run_python("import socket\ntry:\n    socket.socket()\nexcept PermissionError as e:\n    print(e)", FAST)
+    assert r.isolation == "socket-blocked" and "network access is disabled" in r.stdout
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="unshare cannot create user namespaces here")
+async def test_in_a_namespace_the_child_cannot_raise_its_limits_or_reach_any_address():
+    code = ("import resource, socket\n"
+            "try:\n    resource.setrlimit(resource.RLIMIT_CPU, (100, 100)); print('raised')\n"
+            "except ValueError: print('kept')\n"
+            "s = socket.socket()\n"
+            "try:\n    s.connect(('1.1.1.1', 80))\nexcept OSError as e: print(e.errno)\n")
+    r = await run_python(code, FAST)
+    assert r.stdout.split() == ["kept", "101"], r.stdout + r.stderr  # 101: ENETUNREACH
+
+
+async def test_the_parent_environment_does_not_reach_the_child(monkeypatch):
+    monkeypatch.setenv("RLSTREAM_SECRET_FOR_TEST", "s3cret")
+    r = await run_python("import os; print(os.environ.get('RLSTREAM_SECRET_FOR_TEST'))", FAST)
+    assert r.stdout.strip() == "None"
+
+
+async def test_a_function_by_import_path_returns_its_value_and_what_it_printed():
+    r = await run_function("math:gcd", {}, FAST)  # gcd() with no arguments is 0
+    assert r.ok and r.extra == {"ok": True, "result": "0", "printed": "", "printed_dropped": 0}
+    r = await run_function("tests.envs.user_tools:loud", {"n": 10_000_000}, FAST)
+    assert r.extra["ok"] and r.extra["result"] == "done"
+    assert len(r.extra["printed"]) == 1024 and r.extra["printed_dropped"] == 10_000_000 - 1024
+
+
+async def test_a_function_that_raises_reports_the_error():
+    r = await run_function("tests.envs.user_tools:fails", {"why": "no such city"}, FAST)
+    assert r.extra == {"ok": False, "error": "LookupError: no such city", "printed": "", "printed_dropped": 0}

@@ -1,0 +1,116 @@
+"""HF backend, weights updated in flight: a long generation switches version at a chunk
+boundary, and each token's log-prob is that of a teacher-forced pass of the version that
+sampled it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlstream.producers.backends.base import ProducerError, SamplingSpec, WeightsSource
+from rlstream.producers.backends.hf import HFBackend
+from rlstream.schemas import Prompt, RolloutGroup, Sample
+
+
+
+def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
+    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
+    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    """The base weights (v0) and a perturbed copy (v1)."""
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return base, new
+
+
+def test_weights_switch_mid_generation_at_a_token_boundary(tiny_model_dir, models):
+    base, new = models
+    backend = HFBackend(str(tiny_model_dir), seed=3, update_chunk_tokens=8)
+    prompts = [backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0],
+               backend.encode_prompt(Prompt(id="b", text="the answer"))[0]]
+    # queued before the generation starts: it is loaded at the first chunk boundary, token 8
+    backend.queue_weights(WeightsSource(version=1, data=safetensors.torch.save(new.state_dict())))
+    spec = SamplingSpec(n=2, max_new_tokens=40, temperature=0.9, top_k=50, ignore_eos=True)
+    groups = backend.generate_chunked_sync(prompts, spec, chunk=8)
+    assert backend.policy_version == 1
+    for p, group in zip(prompts, groups):
+        for c in group:
+            assert len(c.token_ids) == 40 and c.finish_reason == "length"
+            assert c.versions.tolist() == [0] * 8 + [1] * 32
+            np.testing.assert_allclose(c.logprobs[:8], teacher_forced(base, p, c.token_ids)[:8], atol=1e-4)
+            np.testing.assert_allclose(c.logprobs[8:], teacher_forced(new, p, c.token_ids)[8:], atol=1e-4)
+            # the old version's scores after the switch differ: the check above can tell them apart
+            assert np.abs(c.logprobs[8:] - teacher_forced(base, p, c.token_ids)[8:]).max() > 1e-2
+    # the record: per-sample runs 8@v0 + 32@v1; policy_version is the oldest token's
+    g = RolloutGroup.from_samples([Sample(c.token_ids, c.logprobs, c.finish_reason, c.text, c.versions) for c in groups[0]],
+                                  id="g", prompt_id="a", prompt_ids=prompts[0], policy_version=1)
+    back = RolloutGroup.decode(g.encode())
+    assert back.policy_version == 0 and back.version_runs.tolist() == [2, 2]
+    assert back.run_lengths.tolist() == [8, 32, 8, 32] and back.run_versions.tolist() == [0, 1, 0, 1]
+
+
+def test_chunked_generation_without_updates_matches_teacher_forcing(tiny_model_dir, models):
+    backend = HFBackend(str(tiny_model_dir), seed=4, update_chunk_tokens=4)
+    ids = backend.encode_prompt(Prompt(id="c", text="the reward"))[0]
+    (group,) = backend.generate_chunked_sync([ids], SamplingSpec(n=3, max_new_tokens=12, temperature=0.7, top_p=0.9), chunk=4)
+    for c in group:
+        assert c.versions.tolist() == [0] * len(c.token_ids)
+        assert c.finish_reason == "length" or int(c.token_ids[-1]) in backend.eos_ids
+        np.testing.assert_allclose(c.logprobs, teacher_forced(models[0], ids, c.token_ids), atol=1e-4)
+
+
+async def test_update_in_flight_when_idle_loads_at_once_and_a_bad_one_keeps_the_old_weights(tiny_model_dir, models):
+    backend = HFBackend(str(tiny_model_dir), seed=5, update_chunk_tokens=4)
+    await backend.update_in_flight(WeightsSource(version=3, data=safetensors.torch.save(models[1].state_dict())), timeout_s=30)
+    assert backend.policy_version == 3
+    with pytest.raises(ProducerError, match="do not fit"):
+        await backend.update_in_flight(WeightsSource(version=4, data=safetensors.torch.save({"x": torch.zeros(2)})), timeout_s=30)
+    assert backend.policy_version == 3
+    ids = backend.encode_prompt(Prompt(id="d", text="the answer"))[0]
+    (group,) = await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=6))
+    assert group[0].versions.tolist() == [3] * len(group[0].token_ids)
+    np.testing.assert_allclose(group[0].logprobs, teacher_forced(models[1], ids, group[0].token_ids), atol=1e-4)
+
+
+async def test_update_in_flight_during_a_generation_is_loaded_before_it_ends(tiny_model_dir, models):
+    """Whenever the update lands, it is loaded at a chunk boundary or at the end, never lost,
+    and the versions of every sample are one run of v0 then one of v1 (possibly empty)."""
+    backend = HFBackend(str(tiny_model_dir), seed=6, update_chunk_tokens=4)
+    ids = backend.encode_prompt(Prompt(id="e", text="Q: 3 + 4?"))[0]
+    task = asyncio.ensure_future(backend.generate([ids], SamplingSpec(n=2, max_new_tokens=64, ignore_eos=True)))
+    await backend.update_in_flight(WeightsSource(version=1, data=safetensors.torch.save(models[1].state_dict())), timeout_s=60)
+    (group,) = await task
+    assert backend.policy_version == 1
+    for c in group:
+        v = c.versions.tolist()
+        assert v == sorted(v) and set(v) <= {0, 1} and len(v) == 64
+
+
+def test_keeping_the_kv_cache_labels_the_token_the_old_weights_sampled(tiny_model_dir, models):
+    """in_flight_kv: keep: the token at the boundary was drawn from logits the old weights
+    computed, so it is v0's; the next ones are the new weights' over the old KV."""
+    base, new = models
+    backend = HFBackend(str(tiny_model_dir), seed=8, update_chunk_tokens=8)
+    backend.recompute_kv = False
+    ids = backend.encode_prompt(Prompt(id="f", text="the answer"))[0]
+    backend.queue_weights(WeightsSource(version=1, data=safetensors.torch.save(new.state_dict())))
+    (group,) = backend.generate_chunked_sync([ids], SamplingSpec(n=1, max_new_tokens=20, ignore_eos=True), chunk=8)
+    c = group[0]
+    assert c.versions.tolist() == [0] * 9 + [1] * 11
+    np.testing.assert_allclose(c.logprobs[:9], teacher_forced(base, ids, c.token_ids)[:9], atol=1e-4)
