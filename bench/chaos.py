@@ -32,7 +32,14 @@ its final checkpoint), and the checker reads the whole history:
   component's peak RSS (psutil, every second).
 
 Last line: one JSON verdict, ``ok`` when nothing was lost, nothing trained twice or unscored,
-no foreign dead letters, and the run finished.
+no foreign dead letters, and the run finished. The verdict is always written (also to
+``WORK/verdict.json``): SIGINT or SIGTERM ends the faults early but still heals them, stops the
+run and checks the history (``interrupted`` names the signal; such a verdict is not ok), and a
+checker that fails writes ``error`` instead of figures.
+
+The run is fed enough prompts for its learner at full pace until the end (``--rate`` groups per
+second): a dataset used up mid-run leaves a learner with nothing to step on, and the wait for
+steps after the faults then runs to its timeout.
 """
 
 from __future__ import annotations
@@ -183,6 +190,7 @@ class Chaos:
         self.reward_holds = 0
         self.stopped: set[str] = set()
         self.run_proc: subprocess.Popen | None = None
+        self.interrupted: str | None = None  # the signal that asked to stop early
 
     def say(self, line: str) -> None:
         stamp = f"[{time.monotonic() - self.t0:7.1f}s] {line}"
@@ -368,7 +376,7 @@ class Chaos:
     def start_run(self, model: Path, data: Path) -> None:
         a = self.args
         sets = [f"run={self.run_id}", f"nats.url={self.cluster.urls}", "nats.replicas=3", f"model_checkpoint_path={model}",
-                f"data_source.path={data}", f"data_source.epochs={max(10, int(a.duration / 4))}", "producer.count=2", "scorer.count=2",
+                f"data_source.path={data}", f"data_source.epochs={self.epochs(data)}", "producer.count=2", "scorer.count=2",
                 "producer.batch_prompts=4", "algorithm_params.group_size=4", "learner.batch_groups=4",
                 f"learner.max_steps={10**6}", "checkpoint.interval=5", "checkpoint.keep_last=3",
                 "reward_function.type=model_based", f"reward_function.endpoint={self.reward.url}",
@@ -381,11 +389,21 @@ class Chaos:
         self.run_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.run_log, stderr=subprocess.STDOUT,
                                          env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
 
+    def epochs(self, data: Path) -> int:
+        """Passes over the dataset so the learner never runs dry: ``--rate`` groups per second
+        for the faults and the recovery wait after them."""
+        a = self.args
+        rows = max(1, sum(1 for line in data.read_text().splitlines() if line.strip()))
+        return max(10, int(a.rate * (a.duration + a.recover_timeout) / rows) + 1)
+
     async def drive(self, faults: list[Fault]) -> None:
         a = self.args
         self.say(f"waiting for the first learner step (run log {self.work / 'run.out'})")
         deadline = time.monotonic() + a.start_timeout
         while not self.step_times:
+            if self.interrupted:
+                self.say(f"{self.interrupted} before the first learner step")
+                break
             self.sample()
             if self.run_proc.poll() is not None:
                 raise SystemExit(f"the run exited with {self.run_proc.returncode} before its first step; see {self.work / 'run.out'}")
@@ -397,6 +415,9 @@ class Chaos:
         heals: list[asyncio.Task] = []
         pending = list(faults)
         while time.monotonic() - t_first < a.duration:
+            if self.interrupted:
+                self.say(f"{self.interrupted}: ending the faults early")
+                break
             now = time.monotonic() - t_first
             while pending and pending[0].at <= now:
                 await self.inject(pending.pop(0), heals)
@@ -418,7 +439,8 @@ class Chaos:
         healed_at, steps_then = time.time(), len(self.step_times)
         self.say("all faults healed; waiting for learner steps")
         deadline = time.monotonic() + a.recover_timeout
-        while len(self.step_times) < steps_then + 3 and time.monotonic() < deadline and self.run_proc.poll() is None:
+        while (len(self.step_times) < steps_then + 3 and time.monotonic() < deadline and self.run_proc.poll() is None
+               and not self.interrupted):
             self.sample()
             await asyncio.sleep(0.5)
         self.final_recovery_s = (self.step_times[steps_then] - healed_at) if len(self.step_times) > steps_then else None
@@ -459,6 +481,8 @@ async def read_stream(js, stream: str, subject: str) -> list:
                 await m.ack()
     finally:
         await sub.unsubscribe()
+    if len(out) < want:  # a short read would count as lost records: read again
+        raise RuntimeError(f"read {len(out)} of {want} messages of {stream}")
     return out
 
 
@@ -478,6 +502,20 @@ def lineage(rows: list[dict]) -> list[dict]:
             out.pop()
         out.append(r)
     return out
+
+
+async def check_when_ready(ch: Chaos, faults: list[Fault], timeout: float = 120.0) -> dict:
+    """:func:`check`, again until it completes: right after the faults the cluster may still
+    elect stream leaders, and a broker call then fails or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await check(ch, faults)
+        except Exception as exc:  # the cluster settling: ask again until the deadline
+            if time.monotonic() > deadline:
+                raise
+            ch.say(f"checker: {exc!r}; reading the history again")
+            await asyncio.sleep(2.0)
 
 
 async def check(ch: Chaos, faults: list[Fault]) -> dict:
@@ -560,19 +598,21 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="faults for ~2 minutes instead of 20")
+    p.add_argument("--quick", action="store_true", help="faults for 45 s instead of 20 minutes")
     p.add_argument("--duration", type=float, default=None, help="seconds of faults after the first learner step")
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's seed (default: random, printed)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / ".chaos", help="working directory (wiped)")
-    p.add_argument("--max-gap", type=float, default=None, help="longest gap between faults (10 s quick, 25 s full)")
+    p.add_argument("--max-gap", type=float, default=None, help="longest gap between faults (7 s quick, 25 s full)")
+    p.add_argument("--rate", type=float, default=16.0,
+                   help="groups per second the learner could train at most (sizes the dataset's epochs)")
     p.add_argument("--ack-wait", type=float, default=15.0, help="nats.ack_wait_s of the run")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--recover-timeout", type=float, default=150.0)
     args = p.parse_args()
     if args.duration is None:
-        args.duration = 75.0 if args.quick else 1200.0
+        args.duration = 45.0 if args.quick else 1200.0
     if args.max_gap is None:
-        args.max_gap = 10.0 if args.quick else 25.0
+        args.max_gap = 7.0 if args.quick else 25.0
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(10**6)
     faults = draw_schedule(args.seed, args.duration, args.max_gap)
@@ -584,20 +624,62 @@ def main() -> int:
     work = args.work
     subprocess.call(["rm", "-rf", str(work)])
     work.mkdir(parents=True)
+    ch = Chaos(args, work)
+    ch.t0 = time.monotonic()
+    ch.final_recovery_s = None
+
+    def on_signal(sig, _frame):  # end the faults early; the run is still stopped and checked
+        ch.interrupted = signal.Signals(sig).name
+        print(f"{ch.interrupted} received: healing, stopping the run, checking", flush=True)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    result: dict | None = None
+    error = ""
+    try:
+        result = run_and_check(ch, faults)
+    except BaseException as exc:  # noqa: BLE001  the verdict is written whatever happened
+        import traceback
+
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"
+
+    injected = [f for f in faults if f.started]
+    kinds = {k: sum(f.kind == k for f in injected) for k in KINDS}
+    if result is not None:
+        print("\nfault log (seed %d):" % args.seed)
+        for f in faults:
+            rec = f"recovered {f.recovered_s}s after" if f.recovered_s is not None else "no step after"
+            print(f"  {f.brief():45s} {f.note:45s} {rec if f.started else ''}")
+        table(f"chaos seed {args.seed}: {len(injected)} faults", [
+            (k, json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in result.items()], ("figure", "value"))
+    ok = (result is not None and not ch.interrupted and result["prompts_lost"] == 0 and result["rollouts_lost"] == 0
+          and result["trained_twice"] == 0 and result["trained_twice_metrics"] == 0 and result["trained_never_scored"] == 0
+          and result["foreign_dead_letters"] == 0 and result["finished"])
+    (work / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
+    verdict = {"bench": "chaos", "seed": args.seed, "duration_s": args.duration, "faults": len(injected),
+               "faults_by_kind": kinds, **{k: v for k, v in (result or {}).items() if k != "foreign_reasons"},
+               "interrupted": ch.interrupted, "error": error, "ok": bool(ok)}
+    (work / "verdict.json").write_text(json.dumps(verdict, indent=1))
+    print(json.dumps(verdict), flush=True)
+    return 0 if ok else 1
+
+
+def run_and_check(ch: Chaos, faults: list[Fault]) -> dict:
+    """Start the cluster and the run, drive the faults, stop the run, check the history; the
+    cluster and the reward endpoint are stopped whatever happens."""
+    work = ch.work
     model = ROOT / "bench" / ".chaos-model"
     if not (model / "config.json").exists():
         from rlstream.tiny import build_tiny_model
 
         build_tiny_model(model, corpus=task.corpus(), vocab_size=320, intermediate_size=384)
     data = task.write_datasets(work / "data")
-
-    ch = Chaos(args, work)
-    ch.t0 = time.monotonic()
-    ch.final_recovery_s = None
     ch.reward = RewardEndpoint()
     ch.cluster = LocalCluster(work / "cluster", size=3)
-    ch.cluster.start()
     try:
+        ch.cluster.start()
+
         async def prepare():  # streams exist before the first garbage burst
             nc = await connect(NatsConfig(url=ch.cluster.urls, replicas=3))
             await ensure_layout(nc.jetstream(timeout=10), ch.run_id, NatsConfig(url=ch.cluster.urls, replicas=3))
@@ -616,33 +698,21 @@ def main() -> int:
             return n
 
         ch.publish_garbage = counted
-        asyncio.run(ch.drive(faults))
+        try:
+            asyncio.run(ch.drive(faults))
+        finally:
+            if ch.run_proc is not None and ch.run_proc.poll() is None:
+                os.killpg(ch.run_proc.pid, signal.SIGKILL)
+                ch.run_proc.wait()
         for i, node in enumerate(ch.cluster.nodes):  # every node up for the checker
             if not node.alive():
-                ch.cluster.restart(i)
-        result = asyncio.run(check(ch, faults))
+                ch.say(f"restarting broker node n{i} for the checker")
+                ch.cluster.restart(i, 60.0)
+        ch.cluster.wait_ready(60.0)
+        return asyncio.run(check_when_ready(ch, faults))
     finally:
-        if ch.run_proc is not None and ch.run_proc.poll() is None:
-            os.killpg(ch.run_proc.pid, signal.SIGKILL)
         ch.cluster.stop()
         ch.reward.close()
-
-    print("\nfault log (seed %d):" % args.seed)
-    for f in faults:
-        rec = f"recovered {f.recovered_s}s after" if f.recovered_s is not None else "no step after"
-        print(f"  {f.brief():45s} {f.note:45s} {rec if f.started else ''}")
-    table(f"chaos seed {args.seed}: {len([f for f in faults if f.started])} faults", [
-        (k, json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in result.items()], ("figure", "value"))
-    injected = [f for f in faults if f.started]
-    kinds = {k: sum(f.kind == k for f in injected) for k in KINDS}
-    ok = (result["prompts_lost"] == 0 and result["rollouts_lost"] == 0 and result["trained_twice"] == 0
-          and result["trained_twice_metrics"] == 0 and result["trained_never_scored"] == 0
-          and result["foreign_dead_letters"] == 0 and result["finished"])
-    (work / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
-    print(json.dumps({"bench": "chaos", "seed": args.seed, "duration_s": args.duration, "faults": len(injected),
-                      "faults_by_kind": kinds, **{k: v for k, v in result.items() if k != "foreign_reasons"},
-                      "ok": bool(ok)}), flush=True)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1110,7 +1110,19 @@ class SupervisorConfig(Strict):
     heartbeat_timeout_s: float = Field(120.0, gt=0)
     """A component whose process lives but whose heartbeat is older than this (and that has
     run this long) is killed with SIGKILL, and restarted like one that exited. Checked every
-    10 s."""
+    10 s. Only a heartbeat the process wrote itself counts: a restarted one that has not
+    written its first yet gets 300 s (a predecessor's old heartbeat does not judge it)."""
+    max_restarts: int = Field(5, ge=0, le=10_000)
+    """Restarts of one component allowed within ``restart_window_s``: the failure after that
+    many restarts in the window ends the run (exit 1). Restarts older than the window no
+    longer count, so a long run that loses a component now and then keeps going."""
+    restart_window_s: float = Field(300.0, gt=0, le=7 * 86400)
+    """The sliding window, in seconds, over which ``max_restarts`` is counted."""
+    restart_backoff_s: float = Field(2.0, ge=0, le=600)
+    """The wait before a restart: this times the number of restarts of the component within
+    the window (2, 4, 6, ... s), up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: float = Field(10.0, ge=0, le=3600)
+    """The longest wait before a restart."""
 
 
 class EvalConfig(Strict):

@@ -251,8 +251,10 @@ async def test_a_bad_record_near_the_size_limit_is_dead_lettered_and_the_consume
     assert "not valid MessagePack" in first.reason or "invalid prompt" in first.reason
     assert second.record_id == "p1" and Prompt.decode(second.data).id == "p1"  # a small record is kept whole
     assert second.size == len(second.data) and len(second.reason) < limit // 8 and second.reason.startswith("failed 1 times: boom")
-    await asyncio.sleep(0.2)
-    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0  # nothing left to crash on again
+    async def emptied():  # the ack and the terminate reach the server in their own time
+        return (await js.stream_info(lay.prompts_stream)).state.messages == 0
+
+    assert await wait_until(emptied, 30)  # nothing left to crash on again
 
 
 async def test_run_state_rides_out_a_broker_restart(nats_factory, run_id):

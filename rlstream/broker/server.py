@@ -22,7 +22,9 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlstream.broker.errors import BrokerError
@@ -52,6 +54,27 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def popen_tied(cmd: list[str], **kw) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, preexec_fn=die_with_parent, **kw)``, safe from any thread.
+
+    Linux ties ``PR_SET_PDEATHSIG`` to the *thread* that forked the child, not the process:
+    a server started from a worker thread (``asyncio.to_thread``) got SIGTERM as soon as that
+    thread ended, e.g. when ``asyncio.run`` shut its executor down, while the process that
+    owned it went on. So a child is forked from the main thread, or else from one spawner
+    thread that lives as long as the process; it still dies with the process."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(cmd, preexec_fn=die_with_parent, **kw)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="rlstream-spawner")
+    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, **kw).result()
 
 
 def is_loopback(host: str) -> bool:
@@ -152,7 +175,7 @@ class EmbeddedServer:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = popen_tied(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except BrokerError as exc:

@@ -1,9 +1,12 @@
 """The supervisor of ``rlstream run``: it starts the component processes and watches them.
 
 A process that exits with an error, or whose heartbeat goes stale, is restarted (the
-learner with ``--resume``), up to ``MAX_RESTARTS`` times. A process that exits with 2 (a
-usage, config or dataset error, which a restart cannot fix) is never restarted: the run
-stops and prints the process's last error line. The run also stops when it cannot
+learner with ``--resume``) after a backoff that grows with its recent restarts. The budget is
+windowed (``supervisor.max_restarts`` restarts of one component within
+``supervisor.restart_window_s``, 5 in 300 s by default): a component that keeps failing ends
+the run, while one lost now and then in a long run (a node lost, a kill) is always restarted.
+A process that exits with 2 (a usage, config or dataset error, which a restart cannot fix) is
+never restarted: the run stops and prints the process's last error line. The run also stops when it cannot
 progress (``progress`` in the config): when most of a window of groups went to the
 dead-letter stream (it shows the most frequent reasons), or when no learner step came for
 ``progress.max_step_gap_s``. Otherwise it ends when the learner exits 0, when the dataset is
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
-from rlstream.broker.server import die_with_parent
+from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.rundir import RunDir
@@ -42,7 +45,8 @@ EXIT_NO_PROGRESS = 3
 EXIT_INTERRUPTED = 130
 PROGRESS_EVERY_S = 2.0
 EXHAUSTED_AFTER_S = 20.0
-MAX_RESTARTS = 5
+STARTUP_GRACE_S = 300.0
+"""How long a (re)started component may take to write its first heartbeat."""
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
 """Exit codes a component uses to say why it wants a restart (for the run's log)."""
 
@@ -86,7 +90,11 @@ class Child:
     once: bool = False  # the feeder: exits 0 when done, not restarted then
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    """Monotonic times of its restarts within the budget's window (older ones are dropped)."""
     started_at: float = 0.0
+    started_wall: float = 0.0
+    """``time.time()`` at its start: heartbeats older than this are a predecessor's."""
     exit_codes: list[int] = field(default_factory=list)
     finished: bool = False
     private_env: dict[str, str] = field(default_factory=dict, repr=False)
@@ -102,10 +110,9 @@ class Child:
         out = open(self.log_path, "ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start {' '.join(argv[2:])}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
-        self.started_at = time.monotonic()
+        self.started_at, self.started_wall = time.monotonic(), time.time()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -228,16 +235,18 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                                                       f"{last_error_line(c.log_path)}  [log {c.log_path}]")
                         stop.set()
                         break
-                    if c.restarts >= MAX_RESTARTS:
-                        outcome = Outcome(1, f"{c.name} exited with {code} {c.restarts + 1} times; giving up: "
+                    delay = restart_delay(c, cfg.supervisor, time.monotonic())
+                    if delay is None:
+                        outcome = Outcome(1, f"{c.name} exited with {code} {len(c.restart_times) + 1} times in "
+                                             f"{cfg.supervisor.restart_window_s:g}s; giving up: "
                                              f"{last_error_line(c.log_path)}  [log {c.log_path}]")
                         stop.set()
                         break
-                    c.restarts += 1
                     why = f" ({EXIT_MEANINGS[code]})" if code in EXIT_MEANINGS else ""
-                    log.warning("%s exited with %s%s; restarting (%d/%d), log %s: %s", c.name, code, why, c.restarts, MAX_RESTARTS,
-                                c.log_path, last_error_line(c.log_path))
-                    await asyncio.sleep(min(2.0 * c.restarts, 10.0))
+                    log.warning("%s exited with %s%s; restarting in %.1fs (%d/%d within %gs, %d in all), log %s: %s", c.name,
+                                code, why, delay, len(c.restart_times), cfg.supervisor.max_restarts,
+                                cfg.supervisor.restart_window_s, c.restarts, c.log_path, last_error_line(c.log_path))
+                    await asyncio.sleep(delay)
                     c.start(env, resume=(c is learner))
                     if c is learner:
                         display.note, seen_steps = resume_note, figures.step_events
@@ -262,11 +271,10 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                         broker_misses += 1
                         log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
                         continue
-                    stale_s = cfg.supervisor.heartbeat_timeout_s
                     for c in children:
-                        beat = beats.get(f"{c.kind}.{c.name}")
-                        if c.alive() and beat and time.monotonic() - c.started_at > stale_s and beat["age_s"] > stale_s:
-                            log.warning("%s heartbeat is %.0fs old; killing it for a restart", c.name, beat["age_s"])
+                        why = heartbeat_verdict(c, beats.get(f"{c.kind}.{c.name}"), cfg.supervisor.heartbeat_timeout_s)
+                        if why:
+                            log.warning("%s %s; killing it for a restart", c.name, why)
                             c.signal(signal.SIGKILL)
                     # the dataset is used up: fed, produced, scored and trained, and nothing moves
                     if await exhausted_now(js, layout, children, figures):
@@ -300,6 +308,35 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
         log.error("%s", outcome.reason)
         print(f"error: {outcome.reason}", file=sys.stderr, flush=True)
     return outcome
+
+
+def heartbeat_verdict(c: Child, beat: dict | None, stale_s: float) -> str | None:
+    """Why ``c`` counts as hung (its heartbeat, ``{"ts", "age_s", ...}`` from the run state), or
+    None. Only a heartbeat this process wrote judges it: one older than its start is a killed
+    predecessor's, and a restarted component that is still starting (imports, loading a
+    model; slow on a loaded machine) has not written its own yet. Such a process is given
+    ``STARTUP_GRACE_S`` (or ``stale_s`` if longer) to write one."""
+    if not (c.alive() and beat):
+        return None
+    ran = time.monotonic() - c.started_at
+    if beat.get("ts", 0.0) >= c.started_wall:
+        return f"heartbeat is {beat['age_s']:.0f}s old" if ran > stale_s and beat["age_s"] > stale_s else None
+    if ran > max(stale_s, STARTUP_GRACE_S):
+        return f"wrote no heartbeat in the {ran:.0f}s since its start"
+    return None
+
+
+def restart_delay(c: Child, budget, now: float) -> float | None:
+    """Count a restart of ``c`` at ``now`` against ``budget`` (:class:`SupervisorConfig`): the
+    wait before it, ``restart_backoff_s`` times its restarts within ``restart_window_s`` (this
+    one included), capped at ``restart_backoff_max_s``; or None when ``max_restarts`` restarts
+    already fall inside the window (the run gives up on it)."""
+    c.restart_times = [t for t in c.restart_times if now - t < budget.restart_window_s]
+    if len(c.restart_times) >= budget.max_restarts:
+        return None
+    c.restart_times.append(now)
+    c.restarts += 1
+    return min(budget.restart_backoff_s * len(c.restart_times), budget.restart_backoff_max_s)
 
 
 class ProgressWatch:

@@ -13,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from kustomize import RenderError, build, find, pod_specs
+from helpers.kustomize import RenderError, build, find, pod_specs
 
 from rlstream.broker.layout import Layout
 from rlstream.cli import build_parser

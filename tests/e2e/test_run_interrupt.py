@@ -15,7 +15,9 @@ def test_ctrl_c_then_resume(tiny_model_dir, tmp_path):
     data = write_data(tmp_path / "data")
     run_dir = tmp_path / "run"
     steps = 12
-    cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, ["checkpoint.interval=100"])
+    # groups the stopped learner held but had not trained come back to the resumed one after
+    # nats.ack_wait_s: 10 s here instead of the example's 60 s
+    cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, ["checkpoint.interval=100", "nats.ack_wait_s=10"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(run_dir, 4, proc)

@@ -201,14 +201,21 @@ def test_deepspeed_zero2_two_ranks_match_torch_two_ranks(tiny_model_dir, tmp_pat
     assert max(float((wt[k] - wd[k]).abs().max()) for k in wt) < 1e-4
 
 
-@pytest.mark.skip(reason="its trigger, lr 1e30, is now refused by the config (learner.lr <= 10); it needs an in-bounds way to make step 2 non-finite")
 def test_a_nonfinite_step_is_skipped_on_every_rank_and_never_published(tiny_model_dir, tmp_path, nats_server, recorded):
-    # lr 1e30: step 1 is finite and moves every weight by ~1e30 (Adam's first update is ~lr per
-    # weight), so step 2's forward overflows and its loss is NaN/inf. That step must be skipped
-    # (no update, on both ranks) and its weights never published: policy.version stays 1.
-    one_cfg, two_cfg = (_grpo_cfg(tiny_model_dir, f"nan-{n}", lr=1e30) for n in (1, 2))
+    # A reward model that overflowed: the last group of step 2 has finite float32 rewards at
+    # the top of the range (3e38, 3e38, -3e38, 1), which every record check accepts. Their
+    # group mean overflows ((3e38 + 3e38) is inf in float32), so that group's advantages and
+    # step 2's loss are non-finite. On 2 ranks that group is rank 1's micro-batch alone
+    # (12 rows, micro-batch 4: rank 0 trains rows 0-7): rank 0's own loss is finite, and the
+    # step must be skipped there too. No update on either rank, and the weights never
+    # published: policy.version stays 1.
+    import numpy as np
+    from msgspec.structs import replace
+
+    poisoned = [*recorded[:5], replace(recorded[5], rewards=np.asarray([3e38, 3e38, -3e38, 1.0], dtype=np.float32))]
+    one_cfg, two_cfg = (_grpo_cfg(tiny_model_dir, f"nan-{n}") for n in (1, 2))
     for cfg in (one_cfg, two_cfg):
-        asyncio.run(publish_groups(nats_server.url, cfg, recorded))
+        asyncio.run(publish_groups(nats_server.url, cfg, poisoned))
     one, two = tmp_path / "one", tmp_path / "two"
     assert asyncio.run(main(one_cfg, nats_server.url, "learner", run_dir=one, max_steps=2)) == 0
     _torchrun(_write(two_cfg, tmp_path / "nan.yaml"), two, "--nats", nats_server.url, "--max-steps", "2")

@@ -7,74 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
 import json
 import re
-import shutil
 import signal
 import subprocess
 
 import aiohttp
 import pytest
+from helpers.chromium import CHROMIUM, DevTools, devtools_port, emit_steps
+from helpers.observe import start_cli, wait_stderr_line
 
-from observe_helpers import start_cli, wait_stderr_line
 from rlstream.broker import Reporter, RunState, connect, ensure_layout
 
 pytestmark = pytest.mark.chromium
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-class DevTools:
-    """A minimal CDP client over one page's websocket."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.ids = itertools.count(1)
-
-    async def call(self, method: str, **params):
-        mid = next(self.ids)
-        await self.ws.send_json({"id": mid, "method": method, "params": params})
-        while True:
-            msg = await asyncio.wait_for(self.ws.receive_json(), 30)
-            if msg.get("id") == mid:
-                if "error" in msg:
-                    raise AssertionError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    async def eval(self, expression: str):
-        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
-        return result["result"].get("value")
-
-    async def wait_for(self, expression: str, timeout: float = 30.0):
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            value = await self.eval(expression)
-            if value:
-                return value
-            if asyncio.get_running_loop().time() > deadline:
-                state = await self.eval("JSON.stringify(window.rlstream || null)")
-                raise AssertionError(f"timed out waiting for {expression}; window.rlstream = {state}")
-            await asyncio.sleep(0.2)
-
-
-async def _devtools_port(profile, proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    path = profile / "DevToolsActivePort"
-    for _ in range(int(timeout / 0.1)):
-        if path.exists() and path.read_text().strip():
-            return int(path.read_text().splitlines()[0])
-        if proc.poll() is not None:
-            raise AssertionError(f"chromium exited with {proc.returncode}")
-        await asyncio.sleep(0.1)
-    raise AssertionError("chromium did not open its DevTools port")
-
-
-async def _emit_steps(reporter: Reporter, steps: range) -> None:
-    for step in steps:
-        # reward climbs 0.1 per step; KL, loss, staleness, depth follow simple rules of the step
-        await reporter.emit({"reward/mean": 0.1 * step, "policy/kl": 0.01 * step, "loss/total": 1.0 / step,
-                             "buffer/staleness_max": float(step % 3), "buffer/depth": float(10 + step)}, step=step)
-
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_path):
@@ -82,7 +27,7 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
     layout = await ensure_layout(nc.jetstream(), run_id)
     learner = Reporter(nc, layout, "learner", "learner")
     producer = Reporter(nc, layout, "producer", "p0")
-    await _emit_steps(learner, range(1, 6))  # history from before the page opened
+    await emit_steps(learner, range(1, 6))  # history from before the page opened
     await producer.emit({"producer/tokens_per_s": 500.0})
     await nc.flush()
     # live heartbeats with phase figures: the producer never waits (busy 1.0), the learner waits 0.9 of 1.0 s
@@ -107,7 +52,7 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                  f"--user-data-dir={profile}", "--remote-debugging-port=0", "--window-size=1280,1000", "about:blank"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            port = await _devtools_port(profile, chrome)
+            port = await devtools_port(profile, chrome)
             async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
                 page = next(t for t in await r.json() if t["type"] == "page")
             async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=64 * 2**20) as ws:
@@ -124,7 +69,7 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
                 assert "bottleneck: producer" in stages_text and "generate 0.500" in stages_text and "10% busy" in stages_text
 
                 # live: five more steps published now reach the open page
-                await _emit_steps(learner, range(6, 11))
+                await emit_steps(learner, range(6, 11))
                 await nc.flush()
                 await cdp.wait_for("window.rlstream.points.reward >= 10")
                 after = json.loads(await cdp.eval("JSON.stringify(window.rlstream)"))

@@ -11,8 +11,9 @@ import subprocess
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from helpers.chromium import CHROMIUM, DevTools, devtools_port, emit_steps
+from helpers.observe import start_cli, wait_stderr_line
 
-from observe_helpers import start_cli, wait_stderr_line
 from rlstream.broker import Reporter, connect, ensure_layout
 from rlstream.broker.layout import Layout
 from rlstream.observe.dashboard import Hub, make_app, select_samples
@@ -54,14 +55,12 @@ async def test_api_samples_reads_the_run_directory(tmp_path):
 
 @pytest.mark.chromium
 async def test_page_shows_samples_and_plots_against_the_step(nats_server, run_id, tmp_path):
-    from test_dashboard import CHROMIUM, DevTools, _devtools_port, _emit_steps
-
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     nc = await connect(url=nats_server.url, name="test-dashboard-samples")
     layout = await ensure_layout(nc.jetstream(), run_id)
-    await _emit_steps(Reporter(nc, layout, "learner", "learner"), range(1, 6))
+    await emit_steps(Reporter(nc, layout, "learner", "learner"), range(1, 6))
     await nc.flush()
     dash = await start_cli("dashboard", str(tmp_path), "--run", run_id, "--nats", nats_server.url, "--port", "0")
     chrome = None
@@ -73,7 +72,7 @@ async def test_page_shows_samples_and_plots_against_the_step(nats_server, run_id
              "--disable-sync", "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
              "--remote-debugging-port=0", "--window-size=1280,1000", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        port = await _devtools_port(profile, chrome)
+        port = await devtools_port(profile, chrome)
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
                 page = next(t for t in await r.json() if t["type"] == "page")

@@ -12,7 +12,7 @@ import sys
 
 import aiohttp
 import pytest
-from observe_helpers import start_cli, wait_stderr_line
+from helpers.observe import start_cli, wait_stderr_line
 
 from rlstream.broker import Reporter, connect, ensure_layout
 

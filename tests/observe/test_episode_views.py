@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from observe_helpers import start_cli, wait_stderr_line
+from helpers.observe import start_cli, wait_stderr_line
 
 from rlstream.broker import Publisher, ensure_layout
 from rlstream.observe.dashboard import select_samples

@@ -8,7 +8,7 @@ import struct
 import msgpack
 import numpy as np
 import pytest
-from observe_helpers import rollout, run_cli, scored
+from helpers.observe import rollout, run_cli, scored
 
 from rlstream.broker import Publisher, dead_letter, ensure_layout
 from rlstream.observe.export import read_export

@@ -10,7 +10,7 @@ import subprocess
 import aiohttp
 import pytest
 import yaml
-from observe_helpers import REPO, make_cfg
+from helpers.observe import REPO, make_cfg
 
 from rlstream.broker import Component, connect, dead_letter
 from rlstream.broker.telemetry import prometheus_name

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import yaml
 
-from observe_helpers import run_cli, sample_groups
+from helpers.observe import run_cli, sample_groups
 from rlstream.broker import Publisher, connect, ensure_layout
 from rlstream.config import dump_resolved, parse_config
 

@@ -7,7 +7,7 @@ import json
 import time
 
 from helpers.broker import wait_until
-from observe_helpers import make_cfg, rollout, run_cli, scored, start_cli, wait_stderr_line
+from helpers.observe import make_cfg, rollout, run_cli, scored, start_cli, wait_stderr_line
 
 from rlstream.broker import Component, Publisher, RunState, dead_letter, ensure_layout
 from rlstream.broker.layout import heartbeat_key

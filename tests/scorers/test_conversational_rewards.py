@@ -4,7 +4,7 @@ lists, ``completions`` as ``[[{"role": "assistant", "content": text}]]``; rules 
 import msgpack
 import numpy as np
 import pytest
-from scorer_helpers import config
+from helpers.scorers import config
 
 from rlstream.schemas import RolloutGroup, Sample
 from rlstream.scorers.scoring import Scorer

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 
 from aiohttp import web
-from scorer_helpers import config, group
+from helpers.scorers import config, group
 
 from rlstream.broker import Outgoing, Publisher, ensure_layout
 from rlstream.broker.server import free_port

@@ -94,7 +94,7 @@ def _start(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     import os
 
     from rlstream.broker.server import free_port
-    from tests.scorers.conftest import wait_http
+    from helpers.http import wait_http
 
     port = free_port()
     env = {**os.environ, "RLSTREAM_REWARD_TOKEN": "tok-abc"}

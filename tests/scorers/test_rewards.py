@@ -5,7 +5,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from scorer_helpers import config, group
+from helpers.scorers import config, group
 
 from rlstream.scorers import rewards
 from rlstream.scorers.functions import RewardError, check_rewards

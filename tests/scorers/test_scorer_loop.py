@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import yaml
-from scorer_helpers import config, group, scorer_env
+from helpers.scorers import config, group, scorer_env
 
 from rlstream.broker import Outgoing, Publisher, ensure_layout
 from rlstream.broker.server import free_port

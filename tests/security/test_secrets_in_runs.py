@@ -11,11 +11,10 @@ import time
 
 import psutil
 import pytest
-
+from helpers.http import wait_http
 from helpers.runs import run_cmd, write_data
 
-from rlstream.broker import EmbeddedServer, free_port  # noqa: E402
-from tests.scorers.conftest import wait_http  # noqa: E402
+from rlstream.broker import EmbeddedServer, free_port
 
 NATS_PW = "nats-pw-Zq81x"
 RM_TOKEN = "rm-token-Kp27w"

@@ -24,7 +24,7 @@ def config(reward_function: dict, run: str = "run", **sections):
 
 
 def scorer_env() -> dict[str, str]:
-    """The environment of a subprocess that imports this directory's reward functions."""
+    """The environment of a subprocess that imports the reward functions of tests/scorers."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "scorers"), env.get("PYTHONPATH", "")])
     return env
