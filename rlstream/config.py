@@ -794,6 +794,10 @@ class OpenAIProducerConfig(ProducerConfig):
     def remote_endpoint(self) -> str | None:
         return self.endpoint
 
+    def api_key(self) -> str | None:
+        """The API key, from the variable ``api_key_env`` names (read now), or None."""
+        return secret_from_env(self.api_key_env, "producer.api_key_env") if self.api_key_env else None
+
 
 class FakeProducerConfig(ProducerConfig):
     """``backend: fake``: random tokens with their true uniform log-probs, no model (tests and
@@ -829,10 +833,6 @@ def _backend_settings() -> dict[str, list[str]]:
             if key not in ProducerConfig.model_fields:
                 out.setdefault(key, []).append(name)
     return out
-
-    def api_key(self) -> str | None:
-        """The API key, from the variable ``api_key_env`` names (read now), or None."""
-        return secret_from_env(self.api_key_env, "producer.api_key_env") if self.api_key_env else None
 
 
 class ScorerConfig(Strict):
