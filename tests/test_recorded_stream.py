@@ -23,12 +23,17 @@ DATA = Path(__file__).parent / "data"
 RECORDED = msgpack.unpackb((DATA / "recorded_records_v1.msgpack").read_bytes(), raw=False)["records"]
 PLAIN = json.loads((DATA / "recorded_records_v1.json").read_text())
 
-# Fields added after the recording: schema -> (the version that added them, their defaults).
+# Fields added after the recording: schema -> (the first version that added any, the defaults of all).
 ADDED = {
     # a v1 letter holds the whole payload: its size is the length of its data (512 bytes in the recording)
     "dead_letter": (2, {"size": 512, "sha256": ""}),
-    "rollout_group": (3, {"prompt_messages": None}),
+    "prompt": (3, {"policy_version": -1}),
+    "rollout_group": (3, {"prompt_messages": None,  # v3; v4: a multi-turn episode's fields; v5: per-token versions
+                          "loss_mask": [], "turn_counts": [], "turn_ends": [], "turn_rewards": [], "env_rewards": [],
+                          "episode_messages": None, "version_runs": [], "run_lengths": [], "run_versions": []}),
     "scored_group": (2, {"ref_logprobs": [], "teacher_logprobs": [], "annotated_by": {}}),
+    # v2: chunked transfers; v3: LoRA adapters
+    "weights": (2, {"chunk_size": 0, "chunk_sha256": [], "host": "", "kind": "full", "adapter_config": ""}),
 }
 
 
