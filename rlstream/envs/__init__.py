@@ -11,10 +11,10 @@ ends with a reward or ``max_turns`` is reached.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from rlstream.envs.base import Environment, Episode, Turn
+from rlstream.imports import ImportPathError, import_callable
 
 ENVIRONMENTS: dict[str, str] = {
     "guess_number": "rlstream.envs.guess_number:GuessNumber",
@@ -39,19 +39,10 @@ def resolve(name: str) -> str:
 
 def load_factory(name: str) -> Any:
     """The factory ``name`` points at, imported (an :class:`EnvError` in one line if it is not there)."""
-    path = resolve(name)
-    module_name, _, attr = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EnvError(f"env.name {name!r}: cannot import {module_name!r}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvError(f"env.name {name!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise EnvError(f"env.name {name!r}: {path} is not callable")
-    return obj
+        return import_callable(resolve(name), "env.name")
+    except ImportPathError as exc:
+        raise EnvError(str(exc)) from None
 
 
 def load_environment(name: str, kwargs: dict[str, Any] | None = None) -> Environment:

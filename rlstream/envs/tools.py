@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import math
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from rlstream.envs import sandbox
+from rlstream.imports import ImportPathError, import_callable
 
 BUILTIN_TOOLS = ("calculator", "python")
 
@@ -268,20 +268,10 @@ def python(code: str) -> str:
 
 def load_callable(path: str) -> Callable[..., Any]:
     """``package.module:function`` (a dotted attribute allowed) -> the function."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ToolError(f"{path!r} must look like 'package.module:function'")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ToolError(f"cannot import {module_name!r} for {path!r}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ToolError(f"{module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ToolError(f"{path!r} is not callable")
-    return obj
+        return import_callable(path, "tool")
+    except ImportPathError as exc:
+        raise ToolError(str(exc)) from None
 
 
 @dataclass(slots=True)

@@ -18,11 +18,11 @@ reward" for that completion. ``trainer_state`` is a :class:`ScorerState`: its
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
+from rlstream.imports import ImportPathError, import_callable
 
 
 class RewardError(RuntimeError):
@@ -40,20 +40,10 @@ class ScorerState:
 
 def load_function(path: str) -> Callable[..., Any]:
     """Import ``package.module:function`` (the function may be a dotted attribute)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RewardError(f"reward function {path!r} must look like 'package.module:function'")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(f"cannot import {module_name!r} for reward function {path!r}: {exc}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardError(f"{module_name!r} has no attribute {attr!r} (reward function {path!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardError(f"reward function {path!r} is not callable")
-    return obj
+        return import_callable(path, "reward function")
+    except ImportPathError as exc:
+        raise RewardError(str(exc)) from None
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
