@@ -188,16 +188,20 @@ class VLLMBackend(Backend):
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
         return Completion(ids, clean_logprobs(lps), reason, c.text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
-    async def load_weights(self, source: WeightsSource) -> bool:
-        if source.is_adapter:
-            return await self._load_adapter(source)
-        target = source.path
+    async def _staged(self, source: WeightsSource) -> str:
+        """The directory vLLM reloads ``source`` from: its path, or its bytes written to scratch."""
         if source.data is not None:
             d = self.scratch / f"v{source.version:06d}"
             await asyncio.to_thread(self._write, d, source.data)
-            target = str(d)
-        if target is None:
+            return str(d)
+        if source.path is None:
             raise ProducerError("weights source has neither bytes nor a path")
+        return source.path
+
+    async def load_weights(self, source: WeightsSource) -> bool:
+        if source.is_adapter:
+            return await self._load_adapter(source)
+        target = await self._staged(source)
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
         await self.engine.update_weight_version(str(source.version))
         self.policy_version = source.version
@@ -209,13 +213,7 @@ class VLLMBackend(Backend):
         whatever happens (a failed reload leaves the old weights generating, and raises)."""
         import time
 
-        target = source.path
-        if source.data is not None:
-            d = self.scratch / f"v{source.version:06d}"
-            await asyncio.to_thread(self._write, d, source.data)
-            target = str(d)
-        if target is None:
-            raise ProducerError("weights source has neither bytes nor a path")
+        target = await self._staged(source)
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode="keep", clear_cache=self.recompute_kv)
         try:
