@@ -31,13 +31,14 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
 
 
 def import_transformers_models() -> None:
-    """Import transformers' model and generation code without scikit-learn and SciPy.
+    """Import transformers' model and generation code without scikit-learn, SciPy and boto3.
 
     When they are installed (metrics extras bring them), transformers imports scikit-learn
     (with pandas) at its first model import for ``roc_curve`` in assisted generation's
-    adaptive confidence threshold, and SciPy for the object-detection losses' matching; a
-    causal LM in rlstream uses neither, and together they cost more CPU than the rest of
-    transformers in every process that loads a model. They are hidden for this import only:
+    adaptive confidence threshold, SciPy for the object-detection losses' matching, and
+    accelerate imports boto3 for its SageMaker launcher config; a causal LM in rlstream uses
+    none of them, and together they cost more CPU than the rest of transformers in every
+    process that loads a model (1,350 modules). They are hidden for this import only:
     anything imported later (a reward function, a metrics sink) still gets them.
     """
     import sys
@@ -56,4 +57,4 @@ def import_transformers_models() -> None:
                 del sys.modules[name]
 
 
-_HIDDEN_FROM_TRANSFORMERS = ("sklearn", "scipy")
+_HIDDEN_FROM_TRANSFORMERS = ("sklearn", "scipy", "boto3")
