@@ -6,9 +6,11 @@
 3. GRPO on episodes against the built-in `guess_number` environment (`rlstream run grpo.yaml`):
    each sample is a game of up to 4 guesses; the model's turns are trained on, the
    environment's answers are in the sequence with loss mask 0.
-4. Print the success rate over the RL phase and where the reward curve is.
+4. Evaluate the warm-up and every GRPO checkpoint on a fixed evaluation set (each secret,
+   ``--eval-samples`` games each at temperature 1 with a fixed seed, with the producer's own episode
+   runner) and draw both curves: the training reward and the evaluation success.
 
-    python -m examples.guess_number.run [--out runs/guess_number] [--grpo-steps N]
+    python -m examples.guess_number.run [--out runs/guess_number] [--grpo-steps N] [--seed S]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 from examples.arithmetic.demo import rlstream_run
+from examples.episode_eval import evaluate, load_rows
 from examples.guess_number import task
 
 HERE = Path(__file__).resolve().parent
@@ -31,11 +34,66 @@ def success_curve(run_dir: Path) -> tuple[list[int], list[float]]:
     return [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
 
 
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for d in (run_dir / "checkpoints").glob("step_*"):
+        if d.is_dir() and d.name.split("_")[-1].isdigit():
+            found.append((int(d.name.split("_")[-1]), d))
+    return sorted(found)
+
+
+def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int) -> list[dict]:
+    """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint."""
+    points = []
+    for step, model in [(0, sft_model), *checkpoints(grpo_dir)]:
+        sampled = evaluate(model, "guess_number", {"low": task.LOW, "high": task.HIGH}, eval_rows, samples=samples,
+                           max_turns=task.MAX_TURNS, temperature=1.0, seed=seed)
+        greedy = evaluate(model, "guess_number", {"low": task.LOW, "high": task.HIGH}, eval_rows, samples=1,
+                          max_turns=task.MAX_TURNS, temperature=0.0, seed=seed)
+        points.append({"step": step, "success": sampled["success"], "greedy_success": greedy["success"],
+                       "model_turns": sampled["model_turns"], "episodes": sampled["episodes"]})
+        print(f"      eval step {step:4d}: success {sampled['success']:.3f} (sampled, {sampled['episodes']} games), "
+              f"greedy {greedy['success']:.3f}", flush=True)
+    return points
+
+
+def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, reward = success_curve(grpo_dir)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(steps, reward, color="#9bb8d3", lw=1, label="training reward (sampled, per step)")
+    w = 12
+    if len(reward) >= w:
+        ma = [sum(reward[max(0, i - w + 1):i + 1]) / len(reward[max(0, i - w + 1):i + 1]) for i in range(len(reward))]
+        ax.plot(steps, ma, color="#1f4e79", lw=2, label=f"training reward (moving mean of {w})")
+    ax.plot([p["step"] for p in points], [p["success"] for p in points], "o-", color="#c0392b", lw=2,
+            label="evaluation success (fixed games, T=1)")
+    ax.plot([p["step"] for p in points], [p["greedy_success"] for p in points], "s--", color="#e67e22", lw=1,
+            label="evaluation success (greedy)")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "runs" / "guess_number"))
     p.add_argument("--grpo-steps", type=int, default=None)
     p.add_argument("--sft-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="the producer's sampling seed of the GRPO run")
+    p.add_argument("--eval-samples", type=int, default=16, help="games per secret in each evaluation")
+    p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
     args = p.parse_args()
     out = Path(args.out).resolve()
     t0 = time.monotonic()
@@ -46,16 +104,25 @@ def main() -> None:
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data")
-    print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
-    sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
-    print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
+    if not (args.skip_sft and (out / "sft" / "checkpoints" / "latest").exists()):
+        print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
+        sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
+        print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
     print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
-    grpo_dir = out / "grpo"
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (out / "sft" / "checkpoints" / "latest").resolve(), data["rl"],
-                        args.grpo_steps)
-    print(f"success rate: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
-          f"(first and last 10% of steps); total {time.monotonic() - t0:.0f}s")
-    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {grpo_dir / 'reward_curve.png'}")
+    grpo_dir = out / f"grpo_seed{args.seed}"
+    sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}"])
+    print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
+          f"(first and last 10% of steps)", flush=True)
+    print("evaluating the warm-up and every GRPO checkpoint on the fixed evaluation games ...", flush=True)
+    points = evaluate_run(sft_model, grpo_dir, load_rows(data["eval"]), args.eval_samples, seed=1234)
+    (grpo_dir / "eval_curve.json").write_text(json.dumps(points, indent=1) + "\n")
+    png = plot(grpo_dir, points, grpo_dir / "success_curve.png", f"guess_number GRPO (seed {args.seed})")
+    first, last = points[0], points[-1]
+    print(f"evaluation success: {first['success']:.3f} after the warm-up -> {last['success']:.3f} after GRPO "
+          f"(step {last['step']}); greedy {first['greedy_success']:.3f} -> {last['greedy_success']:.3f}; "
+          f"total {time.monotonic() - t0:.0f}s")
+    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {png}")
 
 
 if __name__ == "__main__":

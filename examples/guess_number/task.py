@@ -48,8 +48,10 @@ def write_datasets(out: Path, n_sft_games: int = 1500, n_rl: int = 64, seed: int
     rng = random.Random(seed)
     sft = [row for _ in range(n_sft_games) for row in trace(rng.randint(LOW, HIGH), rng)]
     rl = [{"prompt": opening(), "secret": LOW + i % (HIGH - LOW + 1)} for i in range(n_rl)]
-    paths = {"sft": out / "sft.jsonl", "rl": out / "rl_prompts.jsonl"}
-    for name, rows in (("sft", sft), ("rl", rl)):
+    # every secret once: the held-out evaluation plays each with a fixed seed, before and after GRPO
+    held_out = [{"prompt": opening(), "secret": s} for s in range(LOW, HIGH + 1)]
+    paths = {"sft": out / "sft.jsonl", "rl": out / "rl_prompts.jsonl", "eval": out / "eval_prompts.jsonl"}
+    for name, rows in (("sft", sft), ("rl", rl), ("eval", held_out)):
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
 
