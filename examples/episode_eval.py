@@ -24,7 +24,7 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 
 
 async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dict], *, samples: int, max_turns: int,
-                    max_new_tokens: int, temperature: float, seed: int, batch: int) -> dict[str, float]:
+                    max_new_tokens: int, temperature: float, seed: int, batch: int, success_at: float) -> dict[str, float]:
     from rlstream.config import EnvConfig
     from rlstream.envs import load_environment
     from rlstream.producers.backends.base import SamplingSpec
@@ -48,14 +48,19 @@ async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dic
                 raise RuntimeError(g)
             rewards += [float(r) for r in g.env_rewards]
             turns += [sum(1 for m in msgs if m.get("role") == "assistant") for msgs in g.episode_messages]
-    return {"success": float(np.mean(rewards)), "model_turns": float(np.mean(turns)), "episodes": len(rewards)}
+    return {"success": float(np.mean([r >= success_at for r in rewards])), "reward": float(np.mean(rewards)),
+            "model_turns": float(np.mean(turns)), "episodes": len(rewards)}
 
 
 def evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dict], *, samples: int = 1, max_turns: int = 4,
-             max_new_tokens: int = 8, temperature: float = 0.0, seed: int = 0, batch: int = 32) -> dict[str, float]:
-    """Success rate (mean environment reward) of ``samples`` episodes per row; greedy by default."""
+             max_new_tokens: int = 8, temperature: float = 0.0, seed: int = 0, batch: int = 32,
+             success_at: float = 1.0) -> dict[str, float]:
+    """Over ``samples`` episodes per row (greedy by default): the success rate (episodes whose
+    reward reaches ``success_at``: a shaped reward's partial credit is not a success), the mean
+    reward and the mean number of model turns."""
     return asyncio.run(_evaluate(Path(model_dir), env_name, kwargs, rows, samples=samples, max_turns=max_turns,
-                                 max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch=batch))
+                                 max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch=batch,
+                                 success_at=success_at))
 
 
 def main() -> None:

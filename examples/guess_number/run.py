@@ -43,13 +43,15 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int) -> list[dict]:
-    """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint."""
+    """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint: the
+    environment as the run configured it, a success being a found number (reward 1)."""
+    env = json.loads((grpo_dir / "config.resolved.json").read_text())["env"]
     points = []
     for step, model in [(0, sft_model), *checkpoints(grpo_dir)]:
-        sampled = evaluate(model, "guess_number", {"low": task.LOW, "high": task.HIGH}, eval_rows, samples=samples,
-                           max_turns=task.MAX_TURNS, temperature=1.0, seed=seed)
-        greedy = evaluate(model, "guess_number", {"low": task.LOW, "high": task.HIGH}, eval_rows, samples=1,
-                          max_turns=task.MAX_TURNS, temperature=0.0, seed=seed)
+        sampled = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=samples, max_turns=env["max_turns"],
+                           temperature=1.0, seed=seed)
+        greedy = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=1, max_turns=env["max_turns"],
+                          temperature=0.0, seed=seed)
         points.append({"step": step, "success": sampled["success"], "greedy_success": greedy["success"],
                        "model_turns": sampled["model_turns"], "episodes": sampled["episodes"]})
         print(f"      eval step {step:4d}: success {sampled['success']:.3f} (sampled, {sampled['episodes']} games), "
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the producer's sampling seed of the GRPO run")
     p.add_argument("--eval-samples", type=int, default=16, help="games per secret in each evaluation")
     p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
+    p.add_argument("--set", action="append", default=[], help="a grpo.yaml override, as for `rlstream run --set`")
     args = p.parse_args()
     out = Path(args.out).resolve()
     t0 = time.monotonic()
@@ -111,7 +114,7 @@ def main() -> None:
     print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
     grpo_dir = out / f"grpo_seed{args.seed}"
     sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}"])
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *args.set])
     print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
           f"(first and last 10% of steps)", flush=True)
     print("evaluating the warm-up and every GRPO checkpoint on the fixed evaluation games ...", flush=True)

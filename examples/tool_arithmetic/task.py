@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from rlstream.envs.tools import calculator, format_tool_call, schema_of
@@ -60,7 +61,7 @@ def sft_rows(pairs: list[tuple[int, int]], tool_share: float, seed: int = 0) -> 
     return rows
 
 
-def write_datasets(out_dir: Path, *, n_sft: int = 400, n_rl: int = 256, tool_share: float = 0.4, seed: int = 0) -> dict[str, Path]:
+def write_datasets(out_dir: Path, *, n_sft: int = 2000, n_rl: int = 256, tool_share: float = 0.4, seed: int = 0) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     pairs = problems(n_sft + n_rl, seed)
     sft = out_dir / "sft.jsonl"
@@ -75,9 +76,15 @@ def write_datasets(out_dir: Path, *, n_sft: int = 400, n_rl: int = 256, tool_sha
     return {"sft": sft, "rl": rl}
 
 
+def _spaced_digits(text: str) -> str:
+    return re.sub(r"\d+", lambda m: " ".join(m.group()), text)
+
+
 def corpus() -> list[str]:
-    """Text for the tokenizer: the task's own turns, so the tool-call JSON is a few tokens."""
+    """Text for the tokenizer: the task's own turns, so the tool-call JSON is a few tokens. Its
+    numbers are written digit by digit, so BPE learns no merge of two digits and every number is
+    one token per digit: copying a number is then copying its digits one by one."""
     lines = []
     for a, b in problems(300, seed=99):
         lines += [question(a, b), call_text(a, b), str(a + b), answer_text(a + b)]
-    return lines * 2
+    return [_spaced_digits(line) for line in lines] * 2
