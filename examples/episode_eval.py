@@ -63,6 +63,63 @@ def evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dict], *, 
                                  success_at=success_at))
 
 
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for d in (run_dir / "checkpoints").glob("step_*"):
+        if d.is_dir() and d.name.split("_")[-1].isdigit():
+            found.append((int(d.name.split("_")[-1]), d))
+    return sorted(found)
+
+
+def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int) -> list[dict]:
+    """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint: the
+    environment as the run configured it; a success is an episode with reward 1."""
+    cfg = json.loads((grpo_dir / "config.resolved.json").read_text())
+    env, max_new_tokens = cfg["env"], cfg["producer"]["max_new_tokens"]
+    points = []
+    for step, model in [(0, sft_model), *checkpoints(grpo_dir)]:
+        sampled = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=samples, max_turns=env["max_turns"],
+                           temperature=1.0, seed=seed, max_new_tokens=max_new_tokens)
+        greedy = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=1, max_turns=env["max_turns"],
+                          temperature=0.0, seed=seed, max_new_tokens=max_new_tokens)
+        points.append({"step": step, "success": sampled["success"], "greedy_success": greedy["success"],
+                       "model_turns": sampled["model_turns"], "episodes": sampled["episodes"]})
+        print(f"      eval step {step:4d}: success {sampled['success']:.3f} (sampled, {sampled['episodes']} episodes), "
+              f"greedy {greedy['success']:.3f}", flush=True)
+    return points
+
+
+def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "reward/mean" in r]
+    steps, reward = [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(steps, reward, color="#9bb8d3", lw=1, label="training reward (sampled, per step)")
+    w = 12
+    if len(reward) >= w:
+        ma = [sum(reward[max(0, i - w + 1):i + 1]) / len(reward[max(0, i - w + 1):i + 1]) for i in range(len(reward))]
+        ax.plot(steps, ma, color="#1f4e79", lw=2, label=f"training reward (moving mean of {w})")
+    ax.plot([p["step"] for p in points], [p["success"] for p in points], "o-", color="#c0392b", lw=2,
+            label="evaluation success (held-out, T=1)")
+    ax.plot([p["step"] for p in points], [p["greedy_success"] for p in points], "s--", color="#e67e22", lw=1,
+            label="evaluation success (greedy)")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")

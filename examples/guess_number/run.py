@@ -21,71 +21,11 @@ import time
 from pathlib import Path
 
 from examples.arithmetic.demo import rlstream_run
-from examples.episode_eval import evaluate, load_rows
+from examples.episode_eval import evaluate_run, load_rows, plot
 from examples.guess_number import task
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-
-
-def success_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "reward/mean" in r]
-    return [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
-
-
-def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for d in (run_dir / "checkpoints").glob("step_*"):
-        if d.is_dir() and d.name.split("_")[-1].isdigit():
-            found.append((int(d.name.split("_")[-1]), d))
-    return sorted(found)
-
-
-def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int) -> list[dict]:
-    """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint: the
-    environment as the run configured it, a success being a found number (reward 1)."""
-    env = json.loads((grpo_dir / "config.resolved.json").read_text())["env"]
-    points = []
-    for step, model in [(0, sft_model), *checkpoints(grpo_dir)]:
-        sampled = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=samples, max_turns=env["max_turns"],
-                           temperature=1.0, seed=seed)
-        greedy = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=1, max_turns=env["max_turns"],
-                          temperature=0.0, seed=seed)
-        points.append({"step": step, "success": sampled["success"], "greedy_success": greedy["success"],
-                       "model_turns": sampled["model_turns"], "episodes": sampled["episodes"]})
-        print(f"      eval step {step:4d}: success {sampled['success']:.3f} (sampled, {sampled['episodes']} games), "
-              f"greedy {greedy['success']:.3f}", flush=True)
-    return points
-
-
-def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, reward = success_curve(grpo_dir)
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.plot(steps, reward, color="#9bb8d3", lw=1, label="training reward (sampled, per step)")
-    w = 12
-    if len(reward) >= w:
-        ma = [sum(reward[max(0, i - w + 1):i + 1]) / len(reward[max(0, i - w + 1):i + 1]) for i in range(len(reward))]
-        ax.plot(steps, ma, color="#1f4e79", lw=2, label=f"training reward (moving mean of {w})")
-    ax.plot([p["step"] for p in points], [p["success"] for p in points], "o-", color="#c0392b", lw=2,
-            label="evaluation success (fixed games, T=1)")
-    ax.plot([p["step"] for p in points], [p["greedy_success"] for p in points], "s--", color="#e67e22", lw=1,
-            label="evaluation success (greedy)")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("success rate")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
 
 
 def main() -> None:
@@ -95,6 +35,8 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="the producer's sampling seed of the GRPO run")
     p.add_argument("--eval-samples", type=int, default=16, help="games per secret in each evaluation")
+    p.add_argument("--informed", type=float, default=task.INFORMED,
+                   help="share of the warm-up player's guesses drawn from the numbers the feedback allows")
     p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
     p.add_argument("--set", action="append", default=[], help="a grpo.yaml override, as for `rlstream run --set`")
     args = p.parse_args()
@@ -106,7 +48,7 @@ def main() -> None:
         from rlstream.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
-    data = task.write_datasets(out / "data")
+    data = task.write_datasets(out / "data", informed=args.informed)
     if not (args.skip_sft and (out / "sft" / "checkpoints" / "latest").exists()):
         print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
         sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)

@@ -24,13 +24,13 @@ def opening() -> list[dict[str, str]]:
     return [{"role": "user", "content": instructions(LOW, HIGH)}]
 
 
-def trace(secret: int, rng: random.Random) -> list[list[dict[str, str]]]:
+def trace(secret: int, rng: random.Random, informed: float = INFORMED) -> list[list[dict[str, str]]]:
     """A weak player's game as SFT rows: (the conversation so far, its next guess)."""
     lo, hi = LOW, HIGH
     messages = opening()
     rows = []
     for _ in range(MAX_TURNS):
-        guess = rng.randint(lo, hi) if rng.random() < INFORMED else rng.randint(LOW, HIGH)
+        guess = rng.randint(lo, hi) if rng.random() < informed else rng.randint(LOW, HIGH)
         rows.append({"prompt": list(messages), "completion": [{"role": "assistant", "content": str(guess)}]})
         if guess == secret:
             break
@@ -43,10 +43,10 @@ def trace(secret: int, rng: random.Random) -> list[list[dict[str, str]]]:
     return rows
 
 
-def write_datasets(out: Path, n_sft_games: int = 1500, n_rl: int = 64, seed: int = 0) -> dict[str, Path]:
+def write_datasets(out: Path, n_sft_games: int = 1500, n_rl: int = 64, seed: int = 0, informed: float = INFORMED) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    sft = [row for _ in range(n_sft_games) for row in trace(rng.randint(LOW, HIGH), rng)]
+    sft = [row for _ in range(n_sft_games) for row in trace(rng.randint(LOW, HIGH), rng, informed)]
     rl = [{"prompt": opening(), "secret": LOW + i % (HIGH - LOW + 1)} for i in range(n_rl)]
     # every secret once: the held-out evaluation plays each with a fixed seed, before and after GRPO
     held_out = [{"prompt": opening(), "secret": s} for s in range(LOW, HIGH + 1)]
