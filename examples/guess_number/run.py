@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=16, help="games per secret in each evaluation")
     p.add_argument("--informed", type=float, default=task.INFORMED,
                    help="share of the warm-up player's guesses drawn from the numbers the feedback allows")
+    p.add_argument("--high", type=int, default=task.HIGH, help="numbers 1..HIGH")
+    p.add_argument("--max-turns", type=int, default=task.MAX_TURNS, help="guesses per game")
     p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
     p.add_argument("--set", action="append", default=[], help="a grpo.yaml override, as for `rlstream run --set`")
     args = p.parse_args()
@@ -48,7 +50,8 @@ def main() -> None:
         from rlstream.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
-    data = task.write_datasets(out / "data", informed=args.informed)
+    data = task.write_datasets(out / "data", informed=args.informed, high=args.high, max_turns=args.max_turns)
+    game = [f"env.kwargs.high={args.high}", f"env.max_turns={args.max_turns}"]
     if not (args.skip_sft and (out / "sft" / "checkpoints" / "latest").exists()):
         print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
         sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
@@ -56,7 +59,7 @@ def main() -> None:
     print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
     grpo_dir = out / f"grpo_seed{args.seed}"
     sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *args.set])
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *game, *args.set])
     print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
           f"(first and last 10% of steps)", flush=True)
     print("evaluating the warm-up and every GRPO checkpoint on the fixed evaluation games ...", flush=True)
