@@ -99,7 +99,7 @@ def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
     rows = [r for r in rows if "reward/mean" in r]
     steps, reward = [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.plot(steps, reward, color="#9bb8d3", lw=1, label="training reward (sampled, per step)")
+    ax.plot(steps, reward, color="#9bb8d3", lw=1, label="training reward (sampled; with partial credit if on)")
     w = 12
     if len(reward) >= w:
         ma = [sum(reward[max(0, i - w + 1):i + 1]) / len(reward[max(0, i - w + 1):i + 1]) for i in range(len(reward))]
@@ -109,11 +109,11 @@ def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
     ax.plot([p["step"] for p in points], [p["greedy_success"] for p in points], "s--", color="#e67e22", lw=1,
             label="evaluation success (greedy)")
     ax.set_xlabel("learner step")
-    ax.set_ylabel("success rate")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("success rate / reward")
+    ax.set_ylim(0, 1.15)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
