@@ -133,10 +133,10 @@ async def test_openai_backend_episodes_through_the_gateway(tiny_model_dir):
     from rlstream.schemas import Prompt
 
     class RecordingHF(HFBackend):
-        specs: list = []
+        specs: tuple = ()
 
         async def generate(self, prompts, spec):
-            self.specs = [*self.specs, spec]
+            self.specs = (*self.specs, spec)
             return await super().generate(prompts, spec)
 
     engine = RecordingHF(str(tiny_model_dir), seed=0)
