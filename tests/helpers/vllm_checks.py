@@ -50,16 +50,43 @@ def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
 @dataclass
 class EngineChecks:
     result: dict
-    """result.json: ``episodes``, ``reload``, ``in_flight``, ``engine_pids_start``, ``engine_pids_reloaded``."""
+    """result.json: ``lora``, ``episodes``, ``reload``, ``in_flight``, and the engine's processes
+    at its start (``engine_pids_start``), after the adapters (``engine_pids_lora``) and after the
+    reload (``engine_pids_reloaded``)."""
     out: Path
     """Where the episode groups were written (``*.msgpack``)."""
     base: object
     reloaded: object
     in_flight: object
     """The HF models of the three weights the engine ran."""
+    learner: object
+    """The LoRA learner whose adapters the engine ran (after step 2)."""
+    weights: Path
+    """The weights the engine loaded (``lora-v1.safetensors``, ``lora-v2.safetensors``, ...)."""
 
 
-def engine_checks(model_dir: Path, workdir: Path, timeout_s: float = 900) -> EngineChecks:
+def lora_adapters(model_dir: Path, workdir: Path, out: Path):
+    """A LoRA learner (r 8) trained two GRPO steps; its adapter after each step, as the learner
+    publishes it, in ``out/lora-v1.safetensors``, ``out/lora-v2.safetensors`` and
+    ``out/adapter_config.json``. Returns the learner."""
+    from helpers.groups import make_cfg, sample_groups
+    from rlstream.learner import lora
+    from rlstream.learner.publish import serialize
+    from rlstream.learner.runner import published_tensors
+    from rlstream.learner.steps import build_learner, train_step
+
+    cfg = make_cfg(model_dir, "RL_GRPO", algo={"group_size": 4},
+                   learner={"lr": 5e-2, "micro_batch_size": 4, "batch_groups": 2, "lora": {"r": 8, "alpha": 16}})
+    learner = build_learner(cfg, workdir)
+    groups = sample_groups(model_dir, 4, 4, seed=2)
+    for version, batch in ((1, groups[:2]), (2, groups[2:])):
+        train_step(learner, batch)
+        (out / f"lora-v{version}.safetensors").write_bytes(serialize(published_tensors(learner))[0])
+    (out / "adapter_config.json").write_text(lora.config_json(learner.model))
+    return learner
+
+
+def engine_checks(model_dir: Path, workdir: Path, timeout_s: float = 1100) -> EngineChecks:
     """Run vllm_engine_script.py once on the tiny model at ``model_dir``."""
     import safetensors.torch
 
@@ -71,8 +98,9 @@ def engine_checks(model_dir: Path, workdir: Path, timeout_s: float = 900) -> Eng
     out.mkdir()
     for name, model in (("base", base), ("reload", reloaded), ("in_flight", in_flight)):
         (weights / f"{name}.safetensors").write_bytes(safetensors.torch.save(model.state_dict()))
+    learner = lora_adapters(model_dir, workdir / "lora-run", weights)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_engine_script.py")), str(model_dir), str(weights), str(out)],
                           check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return EngineChecks(json.loads((out / "result.json").read_text()), out, base, reloaded, in_flight)
+    return EngineChecks(json.loads((out / "result.json").read_text()), out, base, reloaded, in_flight, learner, weights)

@@ -4,9 +4,12 @@ test session by ``helpers.vllm_checks.engine_checks``:
 
     python vllm_engine_script.py MODEL_DIR WEIGHTS_DIR OUT_DIR
 
-``WEIGHTS_DIR`` holds ``base.safetensors`` (the model's own weights), ``reload.safetensors``
-and ``in_flight.safetensors``. In order, on the one engine:
+``WEIGHTS_DIR`` holds ``base.safetensors`` (the model's own weights), ``reload.safetensors``,
+``in_flight.safetensors`` and a LoRA learner's adapter after steps 1 and 2 (``lora-v1.safetensors``,
+``lora-v2.safetensors``, ``adapter_config.json``). The engine has LoRA enabled. In order:
 
+0. ``lora``: generate under the base model, then under each adapter version (loaded under a
+   new name, the old one removed); the adapter is then removed, back to the base model.
 1. ``episodes``: multi-turn episodes (helpers.envs:Counting) under the base weights; each
    group is written to ``OUT_DIR/<group id>.msgpack``.
 2. ``reload``: generate, load ``reload.safetensors`` as version 1, generate again.
@@ -38,6 +41,29 @@ def children() -> list[int]:
     import psutil
 
     return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+
+async def lora(backend, weights: Path) -> dict:
+    from rlstream.producers.backends.base import SamplingSpec, WeightsSource
+    from rlstream.schemas import Prompt
+
+    config = (weights / "adapter_config.json").read_text()
+    prompt, _ = backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))
+    spec = SamplingSpec(n=4, max_new_tokens=10, temperature=1.0, seed=1)
+
+    async def run():
+        (group,) = await backend.generate([prompt], spec)
+        return [{"ids": c.token_ids.tolist(), "logprobs": c.logprobs.tolist()} for c in group]
+
+    result = {"prompt": prompt.tolist(), "base": await run(), "loras": {}}
+    for version in (1, 2):
+        data = (weights / f"lora-v{version}.safetensors").read_bytes()
+        await backend.load_weights(WeightsSource(version, data=data, adapter_config=config))
+        result[f"v{version}"] = await run()
+        result["loras"][str(version)] = sorted(await backend.engine.list_loras())
+    await backend.engine.remove_lora(backend.lora_request.lora_int_id)
+    backend.lora_request = None
+    return result
 
 
 async def episodes(backend, outdir: Path) -> dict:
@@ -104,10 +130,13 @@ async def in_flight(backend, weights: Path) -> dict:
 
 
 async def main(model_dir: str, weights: str, out: str) -> None:
-    from rlstream.producers.backends.vllm import VLLMBackend
+    from rlstream.producers.backends.vllm import VLLMBackend, lora_engine_kwargs
 
-    backend = VLLMBackend(model_dir, seed=0, engine_kwargs={"max_model_len": 512})
+    r = json.loads((Path(weights) / "adapter_config.json").read_text())["r"]
+    backend = VLLMBackend(model_dir, seed=0, engine_kwargs={"max_model_len": 512, **lora_engine_kwargs(r)})
     result = {"engine_pids_start": children()}
+    result["lora"] = await lora(backend, Path(weights))
+    result["engine_pids_lora"] = children()
     result["episodes"] = await episodes(backend, Path(out))
     result["reload"] = await reload(backend, Path(weights))
     result["engine_pids_reloaded"] = children()

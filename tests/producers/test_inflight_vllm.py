@@ -11,7 +11,8 @@ import pytest
 from helpers.vllm_checks import teacher_forced
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first of these tests starts the session's one engine and runs all its checks (helpers/vllm_checks.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_vllm_in_flight_update_switches_at_a_token_boundary_and_matches_each_version(vllm_engine_checks):

@@ -9,7 +9,8 @@ import pytest
 from helpers.vllm_checks import teacher_forced
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first of these tests starts the session's one engine and runs all its checks (helpers/vllm_checks.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_vllm_logprobs_match_hf_teacher_forcing(vllm_engine_checks):

@@ -13,7 +13,8 @@ import torch
 from rlstream.schemas import RolloutGroup
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first of these tests starts the session's one engine and runs all its checks (helpers/vllm_checks.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(vllm_engine_checks):
