@@ -68,3 +68,13 @@ def tiny_reward_model_dir(tmp_path_factory) -> Path:
     from rlstream.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-rm") / "model", kind="sequence_classification", seed=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_checks(tiny_model_dir, tmp_path_factory):
+    """One vLLM engine per session runs the engine checks the vLLM tests read
+    (helpers.vllm_checks.EngineChecks); skipped where vLLM is not installed."""
+    pytest.importorskip("vllm")
+    from helpers.vllm_checks import engine_checks
+
+    return engine_checks(tiny_model_dir, tmp_path_factory.mktemp("vllm-engine"))

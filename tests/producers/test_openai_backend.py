@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from helpers.vllm_checks import load_model, perturbed, teacher_forced
 from transformers import AutoModelForCausalLM
 
 from rlstream.broker import free_port
@@ -73,19 +74,14 @@ def serve(tiny_model_dir, tmp_path_factory, dev_mode: bool, lora: bool = False):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    """Dev mode (the weight-reload endpoint), no dynamic LoRA endpoints."""
     yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=True)
 
 
-@pytest.fixture
-def server_without_reload(tiny_model_dir, tmp_path_factory):
-    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False)
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1:-1].float(), -1)
-    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir, tmp_path_factory):
+    """Dynamic LoRA endpoints, not dev mode: no weight-reload endpoint."""
+    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False, lora=True)
 
 
 async def test_completions_carry_raw_logprobs_and_weights_reload(server, tiny_model_dir):
@@ -96,7 +92,7 @@ async def test_completions_carry_raw_logprobs_and_weights_reload(server, tiny_mo
         prompts = [backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0],
                    backend.encode_prompt(Prompt(id="b", text="the answer"))[0]]
         spec = SamplingSpec(n=3, max_new_tokens=10, temperature=0.8, top_k=50, seed=3)
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+        base = load_model(tiny_model_dir)
         groups = await backend.generate(prompts, spec)
         assert backend.model_name == "tiny" and [len(g) for g in groups] == [3, 3]
         for p, group in zip(prompts, groups):
@@ -104,11 +100,7 @@ async def test_completions_carry_raw_logprobs_and_weights_reload(server, tiny_mo
                 assert 1 <= len(c.token_ids) <= 10 and c.finish_reason in ("stop", "length")
                 np.testing.assert_allclose(c.logprobs, teacher_forced(base, p, c.token_ids), atol=1e-4)
 
-        new = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-        torch.manual_seed(9)
-        with torch.no_grad():
-            for prm in new.parameters():
-                prm.add_(torch.randn_like(prm) * 0.05)
+        new = perturbed(tiny_model_dir, 9, 0.05)
         assert await backend.load_weights(WeightsSource(1, data=safetensors.torch.save(new.state_dict())))
         for p, group in zip(prompts, await backend.generate(prompts, spec)):
             for c in group:
@@ -128,22 +120,18 @@ async def test_unreachable_server_fails_after_retries():
         await backend.close()
 
 
-async def test_a_server_that_cannot_reload_weights_says_so_and_keeps_serving(server_without_reload, tiny_model_dir):
+async def test_a_server_that_cannot_reload_weights_says_so_and_keeps_serving(lora_server, tiny_model_dir):
     # `vllm serve` without VLLM_SERVER_DEV_MODE has no POST /collective_rpc (404): load_weights
     # answers False (the producer keeps stamping the version the server serves), can_reload
     # turns False with a note for the heartbeat, and generation goes on with the weights it has
     import safetensors.torch
 
-    backend = OpenAIBackend(server_without_reload, tokenizer_path=str(tiny_model_dir), retries=1)
+    backend = OpenAIBackend(lora_server, tokenizer_path=str(tiny_model_dir), retries=1)
     try:
         prompt = backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0]
         spec = SamplingSpec(n=2, max_new_tokens=6, temperature=0.8, top_k=50, seed=3)
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-        new = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-        torch.manual_seed(9)
-        with torch.no_grad():
-            for prm in new.parameters():
-                prm.add_(torch.randn_like(prm) * 0.05)
+        base = load_model(tiny_model_dir)
+        new = perturbed(tiny_model_dir, 9, 0.05)
         assert await backend.load_weights(WeightsSource(1, data=safetensors.torch.save(new.state_dict()))) is False
         assert backend.can_reload is False
         assert "no weight-reload endpoint" in backend.reload_note and "VLLM_SERVER_DEV_MODE=1" in backend.reload_note
@@ -154,12 +142,8 @@ async def test_a_server_that_cannot_reload_weights_says_so_and_keeps_serving(ser
         await backend.close()
 
 
-@pytest.fixture
-def lora_server(tiny_model_dir, tmp_path_factory):
-    yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False, lora=True)
-
-
-def _adapters(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
     """Two adapter versions of a LoRA learner (steps 1 and 2), as it publishes them."""
     from helpers.groups import make_cfg, sample_groups
 
@@ -170,7 +154,7 @@ def _adapters(tiny_model_dir, tmp_path):
 
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", algo={"group_size": 4},
                    learner={"lr": 5e-2, "micro_batch_size": 4, "batch_groups": 2, "lora": {"r": 8, "alpha": 16}})
-    learner = build_learner(cfg, tmp_path)
+    learner = build_learner(cfg, tmp_path_factory.mktemp("lora-run"))
     groups = sample_groups(tiny_model_dir, 4, 4, seed=2)
     out = []
     for version, batch in ((1, groups[:2]), (2, groups[2:])):
@@ -186,13 +170,13 @@ def _peft_model(tiny_model_dir, source: WeightsSource, d):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32), str(adapter)).eval()
 
 
-async def test_lora_adapters_load_through_the_dynamic_lora_endpoint(lora_server, tiny_model_dir, tmp_path):
+async def test_lora_adapters_load_through_the_dynamic_lora_endpoint(lora_server, adapters, tiny_model_dir, tmp_path):
     # each version is loaded as `policy-v<N>` with POST /v1/load_lora_adapter, requests name it,
     # the old one is unloaded; the log-probs are the learner's policy under that adapter
     import json as _json
     import urllib.request as _u
 
-    versions = _adapters(tiny_model_dir, tmp_path / "run")
+    versions = adapters
     backend = OpenAIBackend(lora_server, tokenizer_path=str(tiny_model_dir), retries=1)
     try:
         prompt = backend.encode_prompt(Prompt(id="a", text="Q: What is 12 + 7? A:"))[0]
@@ -210,9 +194,10 @@ async def test_lora_adapters_load_through_the_dynamic_lora_endpoint(lora_server,
         await backend.close()
 
 
-async def test_a_server_without_dynamic_lora_says_so(server_without_reload, tiny_model_dir, tmp_path):
-    versions = _adapters(tiny_model_dir, tmp_path / "run")
-    backend = OpenAIBackend(server_without_reload, tokenizer_path=str(tiny_model_dir), retries=1)
+async def test_a_server_without_dynamic_lora_says_so(server, adapters, tiny_model_dir):
+    # the dev-mode server: VLLM_ALLOW_RUNTIME_LORA_UPDATING unset, so no /v1/load_lora_adapter (404)
+    versions = adapters
+    backend = OpenAIBackend(server, tokenizer_path=str(tiny_model_dir), retries=1)
     try:
         assert await backend.load_weights(versions[0]) is False
         assert backend.can_reload is False and backend.adapter_name is None

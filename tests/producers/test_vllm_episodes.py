@@ -2,36 +2,30 @@
 request, and each turn's recorded log-probs are HF's teacher-forced ones over the prompt and
 every token before it (environment tokens included), so the engine generated from exactly the
 tokens the record holds. The same engine then serves an openai-client agent through the gateway,
-whose records must be what the engine sampled."""
+whose records must be what the engine sampled. The engine runs once per session
+(helpers/vllm_engine_script.py, step ``episodes``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rlstream.schemas import RolloutGroup
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first of these tests starts the session's one engine and runs all its checks (helpers/vllm_checks.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(tiny_model_dir, tmp_path):
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_episodes_script.py")), str(tiny_model_dir), str(tmp_path)],
-                          capture_output=True, text=True, timeout=500, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result == {"aborts": 0, "requests": 2 * 2 * 3, "closed": 4}  # one request per model turn
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    for path in sorted(tmp_path.glob("*.msgpack")):
+def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(vllm_engine_checks):
+    assert vllm_engine_checks.result["episodes"] == {"aborts": 0, "requests": 2 * 2 * 3, "closed": 4}  # one request per model turn
+    model = vllm_engine_checks.base
+    paths = sorted(vllm_engine_checks.out.glob("*.msgpack"))
+    assert len(paths) == 2
+    for path in paths:
         g = RolloutGroup.decode(path.read_bytes())
         assert g.turn_counts.tolist() == [5, 5] and g.finish_reasons == ["stop", "stop"]
         for s, turns in zip(g.samples, g.sample_turns()):
@@ -50,7 +44,7 @@ def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(tiny_model_di
     # (log-probs teacher-forced over each call's prompt) and the agent saw those ids and log-probs.
     # The agent sends its reply back as text: when the chat template's re-tokenization of it is
     # not the sampled ids, the second call does not extend the first and trace() says so
-    gw = json.loads((tmp_path / "gateway.json").read_text())
+    gw = json.loads((vllm_engine_checks.out / "gateway.json").read_text())
     assert len(gw["calls"]) == 2 and [c["policy_version"] for c in gw["calls"]] == [0, 0]
     for call, seen in zip(gw["calls"], gw["seen"]):
         assert 1 <= len(call["token_ids"]) <= 8 and seen["token_ids"] == call["token_ids"]
