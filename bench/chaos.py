@@ -98,11 +98,14 @@ class RewardEndpoint:
                 # a cheap verifiable-looking reward: the share of digits in the completion
                 scores = [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in body.get("completions", [])]
                 out = json.dumps({"scores": scores}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the scorer timed out while the endpoint was down and hung up
 
             def log_message(self, *a):
                 pass
