@@ -301,7 +301,7 @@ def ratio(base: Run | None, ours: Run, target: float, window: int, *, from_first
     if theirs is None:
         last = base.points[-1]["elapsed_s"] - (base.points[0]["elapsed_s"] if from_first_step else 0.0)
         return last / mine, True
-    return theirs / mine, False
+    return (theirs / mine if theirs > 0 else None), False  # a target met at the first step measures nothing
 
 
 def main() -> None:
@@ -416,6 +416,7 @@ def main() -> None:
            f"reward {REWARD_IMPORT} on both sides; step s: the rlstream learner's own work per step, TRL's whole step "
            "(generation, reward, training)", ""]
     (RESULTS / "e2e.md").write_text("\n".join(md))
+    print("\n".join(md), flush=True)  # the whole table, however narrow the terminal
     out["lower_bounds"] = lower_bounds
     verdict("e2e", **out, quick=args.quick, all_ok=ok,
             goals="long: async >= 1.3x TRL and >= 1.6x sync; short: async hf >= 1.0x TRL (time to target from the first step); "
