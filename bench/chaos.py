@@ -27,12 +27,14 @@ its final checkpoint), and the checker reads the whole history:
   history) and of ``metrics.jsonl`` (its lineage: a resumed learner overwrites the steps after
   its checkpoint): ``trained_twice``, ``trained_never_scored``;
 - dead letters whose bytes are not injected garbage: ``foreign_dead_letters``;
-- the longest time without a learner step, the time from each fault's end to the next step,
-  whether the run finished (stopped cleanly, final checkpoint at the last step), and each
-  component's peak RSS (psutil, every second).
+- the longest time without a learner step (up to the moment the run is stopped), the time
+  from each fault's end to the next step and from the last heal to the next step
+  (``final_recovery_s``), whether the run finished (stopped cleanly, final checkpoint at the
+  last step), and each component's peak RSS (psutil, every second).
 
 Last line: one JSON verdict, ``ok`` when nothing was lost, nothing trained twice or unscored,
-no foreign dead letters, and the run finished. The verdict is always written (also to
+no foreign dead letters, the learner stepped again after the last fault was healed, and the
+run finished. The verdict is always written (also to
 ``WORK/verdict.json``): SIGINT or SIGTERM ends the faults early but still heals them, stops the
 run and checks the history (``interrupted`` names the signal; such a verdict is not ok), and a
 checker that fails writes ``error`` instead of figures.
@@ -447,6 +449,7 @@ class Chaos:
             self.sample()
             await asyncio.sleep(0.5)
         self.final_recovery_s = (self.step_times[steps_then] - healed_at) if len(self.step_times) > steps_then else None
+        self.stopped_at = time.time()
         if self.run_proc.poll() is None:
             self.say("stopping the run (SIGINT)")
             self.run_proc.send_signal(signal.SIGINT)
@@ -573,6 +576,8 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
     # stalls and recovery, from the moments new steps appeared
     times = ch.step_times
     gaps = [b - a for a, b in zip(times, times[1:])]
+    if times and ch.stopped_at:  # the stall the run was in when it was stopped counts too
+        gaps.append(ch.stopped_at - times[-1])
     longest_stall = max(gaps, default=0.0)
     for f in faults:
         if f.healed is None:
@@ -630,6 +635,7 @@ def main() -> int:
     ch = Chaos(args, work)
     ch.t0 = time.monotonic()
     ch.final_recovery_s = None
+    ch.stopped_at = 0.0
 
     def on_signal(sig, _frame):  # end the faults early; the run is still stopped and checked
         ch.interrupted = signal.Signals(sig).name
@@ -658,7 +664,7 @@ def main() -> int:
             (k, json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in result.items()], ("figure", "value"))
     ok = (result is not None and not ch.interrupted and result["prompts_lost"] == 0 and result["rollouts_lost"] == 0
           and result["trained_twice"] == 0 and result["trained_twice_metrics"] == 0 and result["trained_never_scored"] == 0
-          and result["foreign_dead_letters"] == 0 and result["finished"])
+          and result["foreign_dead_letters"] == 0 and result["finished"] and result["final_recovery_s"] is not None)
     (work / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
     verdict = {"bench": "chaos", "seed": args.seed, "duration_s": args.duration, "faults": len(injected),
                "faults_by_kind": kinds, **{k: v for k, v in (result or {}).items() if k != "foreign_reasons"},

@@ -28,3 +28,33 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ImportPathError(f"{what} {path!r} is not callable")
     return obj
+
+
+def import_transformers_models() -> None:
+    """Import transformers' model and generation code without scikit-learn, SciPy and boto3.
+
+    When they are installed (metrics extras bring them), transformers imports scikit-learn
+    (with pandas) at its first model import for ``roc_curve`` in assisted generation's
+    adaptive confidence threshold, SciPy for the object-detection losses' matching, and
+    accelerate imports boto3 for its SageMaker launcher config; a causal LM in rlstream uses
+    none of them, and together they cost more CPU than the rest of transformers in every
+    process that loads a model (1,350 modules). They are hidden for this import only:
+    anything imported later (a reward function, a metrics sink) still gets them.
+    """
+    import sys
+
+    if "transformers.modeling_utils" in sys.modules:
+        return
+    hidden = [name for name in _HIDDEN_FROM_TRANSFORMERS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # find_spec -> None, import -> ImportError
+    try:
+        import transformers.generation.candidate_generator  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+_HIDDEN_FROM_TRANSFORMERS = ("sklearn", "scipy", "boto3")

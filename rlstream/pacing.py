@@ -1,7 +1,9 @@
 """Pacing: how many rollout groups may exist at once. The formula is spelled here only.
 
 The learner writes ``pacing.admit`` to KV (:mod:`rlstream.broker.state`): the total number of
-rollout groups that may exist, ``consumed + window``. Producers generate while the rollouts
+rollout groups that may exist, ``consumed + window``, where the dead letters of every stage
+after the producers and the duplicates count as consumed (they will never reach the learner,
+and would otherwise shrink the window for good). Producers generate while the rollouts
 stream holds fewer; before the learner has written a value they use :func:`admit_bound` with
 nothing consumed, the same formula, so a producer never paces differently from the learner.
 """

@@ -82,6 +82,8 @@ def check_model(field: str, ref: str, *, need_weights: bool = True) -> list[str]
             return [f"{field}: the Hub cache entry of {ref!r} ({snap}) has no weights (*.safetensors or *.bin)"]
     else:
         return [f"{field}: {ref} does not exist (relative paths in a config are relative to its folder)"]
+    if p.is_dir():
+        return _check_local_config(field, p)
     from transformers import AutoConfig
 
     try:
@@ -91,7 +93,36 @@ def check_model(field: str, ref: str, *, need_weights: bool = True) -> list[str]
     return []
 
 
+def _check_local_config(field: str, d: Path) -> list[str]:
+    """A local directory's ``config.json`` parses and names its ``model_type``, read without
+    transformers: importing it (with torch) costs seconds of CPU before any process starts,
+    and the components that load the model name an unknown architecture themselves."""
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{field}: {d}: the model config does not load ({_first_line(exc)})"]
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return [f"{field}: {d}: the model config does not load (config.json names no model_type)"]
+    return []
+
+
+def _fast_tokenizer_loads(d: Path) -> bool:
+    """A local directory with a ``tokenizer.json`` that the ``tokenizers`` library reads (what
+    transformers' fast tokenizer loads), without importing transformers."""
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(str(d / "tokenizer.json"))
+    return True
+
+
 def check_tokenizer(field: str, ref: str) -> list[str]:
+    d = Path(ref)
+    if d.is_dir() and (d / "tokenizer.json").is_file():
+        try:
+            _fast_tokenizer_loads(d)
+            return []
+        except Exception:  # noqa: BLE001 - the full load below names the problem
+            pass
     from transformers import AutoTokenizer
 
     try:

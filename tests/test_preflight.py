@@ -201,3 +201,30 @@ def test_validate_passes_trl_s_conversational_data_and_rewards(hub, tmp_path):
            "data_source": {"type": "off_policy", "path": "pairs.jsonl"}}
     proc, _ = _cli(["validate", str(_write(tmp_path / "d.yaml", dpo))], hub, tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_local_model_checked_without_transformers(tiny_model_dir, tmp_path):
+    """A local model directory is checked from its files: importing transformers (and torch)
+    would cost seconds of CPU before `rlstream run` starts any process."""
+    code = ("import sys\nfrom rlstream.preflight import check_model, check_tokenizer\n"
+            f"print(check_model('m', {str(tiny_model_dir)!r}) + check_tokenizer('m', {str(tiny_model_dir)!r}))\n"
+            "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "[]"]
+
+
+def test_local_config_without_model_type_is_named(tiny_model_dir, tmp_path):
+    from rlstream.preflight import check_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    del config["model_type"]
+    (model / "config.json").write_text(json.dumps(config))
+    assert check_model("model_checkpoint_path", str(model)) == [
+        f"model_checkpoint_path: {model}: the model config does not load (config.json names no model_type)"]
+    (model / "config.json").write_text("{not json")
+    (problem,) = check_model("model_checkpoint_path", str(model))
+    assert problem.startswith(f"model_checkpoint_path: {model}: the model config does not load (JSONDecodeError")

@@ -6,9 +6,11 @@
 3. GRPO on episodes against the built-in `guess_number` environment (`rlstream run grpo.yaml`):
    each sample is a game of up to 4 guesses; the model's turns are trained on, the
    environment's answers are in the sequence with loss mask 0.
-4. Print the success rate over the RL phase and where the reward curve is.
+4. Evaluate the warm-up and every GRPO checkpoint on a fixed evaluation set (each secret,
+   ``--eval-samples`` games each at temperature 1 with a fixed seed, with the producer's own episode
+   runner) and draw both curves: the training reward and the evaluation success.
 
-    python -m examples.guess_number.run [--out runs/guess_number] [--grpo-steps N]
+    python -m examples.guess_number.run [--out runs/guess_number] [--grpo-steps N] [--seed S]
 """
 
 from __future__ import annotations
@@ -19,16 +21,11 @@ import time
 from pathlib import Path
 
 from examples.arithmetic.demo import rlstream_run
+from examples.episode_eval import evaluate_run, load_rows, plot
 from examples.guess_number import task
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-
-
-def success_curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "reward/mean" in r]
-    return [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
 
 
 def main() -> None:
@@ -36,6 +33,14 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "guess_number"))
     p.add_argument("--grpo-steps", type=int, default=None)
     p.add_argument("--sft-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="the producer's sampling seed of the GRPO run")
+    p.add_argument("--eval-samples", type=int, default=16, help="games per secret in each evaluation")
+    p.add_argument("--informed", type=float, default=task.INFORMED,
+                   help="share of the warm-up player's guesses drawn from the numbers the feedback allows")
+    p.add_argument("--high", type=int, default=task.HIGH, help="numbers 1..HIGH")
+    p.add_argument("--max-turns", type=int, default=task.MAX_TURNS, help="guesses per game")
+    p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
+    p.add_argument("--set", action="append", default=[], help="a grpo.yaml override, as for `rlstream run --set`")
     args = p.parse_args()
     out = Path(args.out).resolve()
     t0 = time.monotonic()
@@ -45,17 +50,27 @@ def main() -> None:
         from rlstream.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
-    data = task.write_datasets(out / "data")
-    print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
-    sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
-    print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
+    data = task.write_datasets(out / "data", informed=args.informed, high=args.high, max_turns=args.max_turns)
+    game = [f"env.kwargs.high={args.high}", f"env.max_turns={args.max_turns}"]
+    if not (args.skip_sft and (out / "sft" / "checkpoints" / "latest").exists()):
+        print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
+        sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
+        print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
     print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
-    grpo_dir = out / "grpo"
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, (out / "sft" / "checkpoints" / "latest").resolve(), data["rl"],
-                        args.grpo_steps)
-    print(f"success rate: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
-          f"(first and last 10% of steps); total {time.monotonic() - t0:.0f}s")
-    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {grpo_dir / 'reward_curve.png'}")
+    grpo_dir = out / f"grpo_seed{args.seed}"
+    sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
+    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *game, *args.set])
+    print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
+          f"(first and last 10% of steps)", flush=True)
+    print("evaluating the warm-up and every GRPO checkpoint on the fixed evaluation games ...", flush=True)
+    points = evaluate_run(sft_model, grpo_dir, load_rows(data["eval"]), args.eval_samples, seed=1234)
+    (grpo_dir / "eval_curve.json").write_text(json.dumps(points, indent=1) + "\n")
+    png = plot(grpo_dir, points, grpo_dir / "success_curve.png", f"guess_number GRPO (seed {args.seed})")
+    first, last = points[0], points[-1]
+    print(f"evaluation success: {first['success']:.3f} after the warm-up -> {last['success']:.3f} after GRPO "
+          f"(step {last['step']}); greedy {first['greedy_success']:.3f} -> {last['greedy_success']:.3f}; "
+          f"total {time.monotonic() - t0:.0f}s")
+    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {png}")
 
 
 if __name__ == "__main__":

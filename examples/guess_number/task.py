@@ -20,17 +20,18 @@ MAX_TURNS = 4
 INFORMED = 0.3
 
 
-def opening() -> list[dict[str, str]]:
-    return [{"role": "user", "content": instructions(LOW, HIGH)}]
+def opening(high: int = HIGH) -> list[dict[str, str]]:
+    return [{"role": "user", "content": instructions(LOW, high)}]
 
 
-def trace(secret: int, rng: random.Random) -> list[list[dict[str, str]]]:
+def trace(secret: int, rng: random.Random, informed: float = INFORMED, high: int = HIGH,
+          max_turns: int = MAX_TURNS) -> list[list[dict[str, str]]]:
     """A weak player's game as SFT rows: (the conversation so far, its next guess)."""
-    lo, hi = LOW, HIGH
-    messages = opening()
+    lo, hi = LOW, high
+    messages = opening(high)
     rows = []
-    for _ in range(MAX_TURNS):
-        guess = rng.randint(lo, hi) if rng.random() < INFORMED else rng.randint(LOW, HIGH)
+    for _ in range(max_turns):
+        guess = rng.randint(lo, hi) if rng.random() < informed else rng.randint(LOW, high)
         rows.append({"prompt": list(messages), "completion": [{"role": "assistant", "content": str(guess)}]})
         if guess == secret:
             break
@@ -43,13 +44,16 @@ def trace(secret: int, rng: random.Random) -> list[list[dict[str, str]]]:
     return rows
 
 
-def write_datasets(out: Path, n_sft_games: int = 1500, n_rl: int = 64, seed: int = 0) -> dict[str, Path]:
+def write_datasets(out: Path, n_sft_games: int = 1500, n_rl: int = 64, seed: int = 0, informed: float = INFORMED,
+                   high: int = HIGH, max_turns: int = MAX_TURNS) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    sft = [row for _ in range(n_sft_games) for row in trace(rng.randint(LOW, HIGH), rng)]
-    rl = [{"prompt": opening(), "secret": LOW + i % (HIGH - LOW + 1)} for i in range(n_rl)]
-    paths = {"sft": out / "sft.jsonl", "rl": out / "rl_prompts.jsonl"}
-    for name, rows in (("sft", sft), ("rl", rl)):
+    sft = [row for _ in range(n_sft_games) for row in trace(rng.randint(LOW, high), rng, informed, high, max_turns)]
+    rl = [{"prompt": opening(high), "secret": LOW + i % (high - LOW + 1)} for i in range(n_rl)]
+    # every secret once: the evaluation plays each with a fixed seed, before and after GRPO
+    held_out = [{"prompt": opening(high), "secret": s} for s in range(LOW, high + 1)]
+    paths = {"sft": out / "sft.jsonl", "rl": out / "rl_prompts.jsonl", "eval": out / "eval_prompts.jsonl"}
+    for name, rows in (("sft", sft), ("rl", rl), ("eval", held_out)):
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths
 

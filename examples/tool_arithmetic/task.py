@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from rlstream.envs.tools import calculator, format_tool_call, schema_of
@@ -60,24 +61,34 @@ def sft_rows(pairs: list[tuple[int, int]], tool_share: float, seed: int = 0) -> 
     return rows
 
 
-def write_datasets(out_dir: Path, *, n_sft: int = 400, n_rl: int = 256, tool_share: float = 0.4, seed: int = 0) -> dict[str, Path]:
+def prompt_row(a: int, b: int) -> dict:
+    return {"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b), "tools": TOOLS}
+
+
+def write_datasets(out_dir: Path, *, n_sft: int = 2000, n_rl: int = 256, n_eval: int = 64, tool_share: float = 0.4,
+                   seed: int = 0) -> dict[str, Path]:
+    """SFT traces, RL prompts and evaluation prompts, on three disjoint slices of the problems."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    pairs = problems(n_sft + n_rl, seed)
+    pairs = problems(n_sft + n_rl + n_eval, seed)
     sft = out_dir / "sft.jsonl"
     with sft.open("w") as f:
         for row in sft_rows(pairs[:n_sft], tool_share, seed):
             f.write(json.dumps(row) + "\n")
-    rl = out_dir / "rl_prompts.jsonl"
-    with rl.open("w") as f:
-        for a, b in pairs[n_sft:]:
-            f.write(json.dumps({"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b),
-                                "tools": TOOLS}) + "\n")
-    return {"sft": sft, "rl": rl}
+    rl, held_out = out_dir / "rl_prompts.jsonl", out_dir / "eval_prompts.jsonl"
+    rl.write_text("".join(json.dumps(prompt_row(a, b)) + "\n" for a, b in pairs[n_sft:n_sft + n_rl]))
+    held_out.write_text("".join(json.dumps(prompt_row(a, b)) + "\n" for a, b in pairs[n_sft + n_rl:]))
+    return {"sft": sft, "rl": rl, "eval": held_out}
+
+
+def _spaced_digits(text: str) -> str:
+    return re.sub(r"\d+", lambda m: " ".join(m.group()), text)
 
 
 def corpus() -> list[str]:
-    """Text for the tokenizer: the task's own turns, so the tool-call JSON is a few tokens."""
+    """Text for the tokenizer: the task's own turns, so the tool-call JSON is a few tokens. Its
+    numbers are written digit by digit, so BPE learns no merge of two digits and every number is
+    one token per digit: copying a number is then copying its digits one by one."""
     lines = []
     for a, b in problems(300, seed=99):
         lines += [question(a, b), call_text(a, b), str(a + b), answer_text(a + b)]
-    return lines * 2
+    return [_spaced_digits(line) for line in lines] * 2

@@ -15,7 +15,10 @@ between calls 0) and each call's boundaries.
 Endpoints (under ``/e/<episode>/v1`` or plain ``/v1``, where the episode is the
 ``X-Episode-Id`` header or ``default``): ``POST chat/completions`` (``messages``, ``tools``,
 ``n``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
-``logprobs``), ``POST completions`` (``prompt`` as text or token ids), ``GET models``. A reply
+``logprobs``), ``POST completions`` (``prompt`` as text or token ids), ``GET models``. Both take
+vLLM's extensions ``top_k`` and ``stop_token_ids``; ``completions`` also ``return_token_ids``
+(each choice's ``token_ids``) and ``return_tokens_as_token_ids`` (log-prob tokens as
+``token_id:N``), so the producer's ``openai`` backend can play episodes through a gateway too. A reply
 whose text holds Hermes/Qwen ``<tool_call>`` blocks comes back with OpenAI ``tool_calls`` and
 ``finish_reason: "tool_calls"``; an assistant message with ``tool_calls`` in a request is written
 back into the text the same way, so the chat template sees what the model wrote. Each response
@@ -165,10 +168,13 @@ class Gateway:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
         changes = {"n": int(body.get("n") or 1), "max_new_tokens": min(int(max_tokens), self.max_tokens_cap),
                    "stop": (stop,) if isinstance(stop, str) else tuple(stop)}
-        for key in ("temperature", "top_p", "seed"):
+        for key in ("temperature", "top_p", "top_k", "seed"):
             if body.get(key) is not None:
                 changes[key] = body[key]
-        return dataclasses.replace(self.defaults, **changes)
+        if body.get("stop_token_ids"):  # vLLM's extension: the producer's openai backend ends a turn with it
+            changes["stop_token_ids"] = tuple(int(t) for t in body["stop_token_ids"])
+        known = {f.name for f in dataclasses.fields(self.defaults)}
+        return dataclasses.replace(self.defaults, **{k: v for k, v in changes.items() if k in known})
 
     async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages) -> CallRecord:
         spec = self._spec(body)
@@ -239,10 +245,16 @@ class Gateway:
         else:
             return web.json_response({"error": {"message": "prompt must be a string or a list of token ids", "type": "invalid_request_error"}}, status=400)
         record = await self._sample(self._episode(request), ids, body, None)
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": {"tokens": self.backend.tokenizer.convert_ids_to_tokens(c.token_ids.tolist()),
-                                 "token_logprobs": c.logprobs.tolist()} if body.get("logprobs") is not None else None}
-                   for i, c in enumerate(record.choices)]
+        choices = []
+        for i, c in enumerate(record.choices):
+            tokens = ([f"token_id:{t}" for t in c.token_ids.tolist()] if body.get("return_tokens_as_token_ids")
+                      else self.backend.tokenizer.convert_ids_to_tokens(c.token_ids.tolist()))
+            choice = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                      "logprobs": {"tokens": tokens, "token_logprobs": c.logprobs.tolist()} if body.get("logprobs") is not None else None}
+            if body.get("return_token_ids"):  # as vLLM's server answers it
+                choice["token_ids"] = c.token_ids.tolist()
+                choice["prompt_token_ids"] = record.prompt_ids.tolist()
+            choices.append(choice)
         return web.json_response({"id": record.id, "object": "text_completion", "created": int(record.ts), "model": self.model_name,
                                   "choices": choices, "usage": self._usage(record), "rlstream": self._extension(record)})
 

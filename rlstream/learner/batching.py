@@ -26,6 +26,7 @@ normalisers are exactly those of the unpacked batch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -291,12 +292,34 @@ def forward_logprobs(model, tb: TokenBatch, *, keep_logits: bool = False, hidden
     if tb.packed:
         out = model(input_ids=tb.input_ids, attention_mask=packed_attention_mask(model, tb.segments),
                     position_ids=tb.position_ids, output_hidden_states=hidden, use_cache=False)
+        logits_c = _at_completions(out.logits, tb).float()
     else:
-        out = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, output_hidden_states=hidden, use_cache=False)
-    logits_c = _at_completions(out.logits, tb).float()
+        # the LM head (and its [rows, L, V] output) only from the first position that predicts a
+        # completion token on: the prompt's logits are never read
+        keep = tb.input_ids.shape[1] - int(tb.gather_idx[:, 0].min()) if _takes_logits_to_keep(model) else 0
+        kw = {"logits_to_keep": keep} if keep else {}
+        out = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, output_hidden_states=hidden, use_cache=False, **kw)
+        logits = out.logits
+        if keep:  # padding entries of gather_idx (0, masked) land on the first kept position
+            idx = (tb.gather_idx - (tb.input_ids.shape[1] - keep)).clamp_min(0)
+            logits_c = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+        else:
+            logits_c = _at_completions(logits, tb).float()
     logprobs = torch.log_softmax(logits_c, dim=-1).gather(-1, tb.targets.unsqueeze(-1)).squeeze(-1)
     h = _at_completions(out.hidden_states[-1], tb) if hidden else None
     return TokenOutput(logprobs, logits_c if keep_logits else None, h)
+
+
+def _takes_logits_to_keep(model) -> bool:
+    """The transformers model under its wrappers (DDP, DeepSpeed, PEFT) computes logits only
+    for the last ``logits_to_keep`` positions when asked (TRL's trainers ask too)."""
+    m = _hf_model(model)
+    if hasattr(m, "get_base_model"):  # PEFT: the adapter wrapper passes keyword arguments through
+        m = m.get_base_model()
+    try:
+        return "logits_to_keep" in inspect.signature(m.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the full logits, as before
+        return False
 
 
 def _at_completions(x: torch.Tensor, tb: TokenBatch) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
@@ -31,11 +32,16 @@ from rlstream.learner.steps import Learner
 from rlstream.pacing import admit_bound
 from rlstream.schemas import Limits, ScoredGroup
 
+log = logging.getLogger(__name__)
+
 Checkpoint = Callable[[], Awaitable[Path | None]]
 """Writes a checkpoint: its path, or None when the write failed (nothing may be acked then)."""
 
 KEEP_RATE_BATCHES = 4
 """Dynamic sampling's keep rate is averaged over about this many batches of groups."""
+
+RELEASE_POLL_S = 1.0
+"""How often the learner counts the dead letters that give pacing room back."""
 
 
 @dataclass
@@ -201,6 +207,7 @@ class StreamSource:
         self.comp = comp
         self.buf = buf
         self.consumer = consumer
+        self.released = 0  # dead letters past the producers, counted as consumed for pacing
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -220,6 +227,7 @@ class StreamSource:
         tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                  asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
         source = cls(learner, comp, buf, consumer)
+        tasks.append(asyncio.create_task(source.release_dead_letters(tasks_stop), name="learner-pacing"))
         try:
             await source.published()
             yield source
@@ -257,9 +265,44 @@ class StreamSource:
 
     async def published(self) -> None:
         """Pacing: admit as many groups as the consumed ones plus the window (widened by the
-        group filter's expected drops)."""
+        group filter's expected drops).
+
+        Producers compare the admit with the rollouts stream's last sequence, and some of its
+        messages never reach the learner to be consumed: records dead-lettered on the way (by a
+        scorer, an annotating stage or the learner's own decode: malformed, or failed
+        ``max_deliver`` times) and duplicates. Each of those is counted as consumed, or every
+        one would shrink the window for good, and once more of them than the window had landed
+        the producers would wait forever for a learner that waits for groups. Dead letters that
+        were never rollouts (garbage on the scored subject, evaluation records) are counted too:
+        they admit a few groups more, never fewer."""
         state = self.learner.state
-        await self.comp.state.set_admit(admit_bound(self.learner.cfg, state.groups_consumed, state.keep_rate))
+        passed = state.groups_consumed + state.duplicates_skipped + self.released
+        await self.comp.state.set_admit(admit_bound(self.learner.cfg, passed, state.keep_rate))
+
+    async def dead_letters_past_producers(self) -> int:
+        """Messages in the dead-letter stream from every stage after the producers."""
+        lay = self.comp.layout
+        info = await self.comp.js.stream_info(lay.dlq_stream, subjects_filter=lay.dlq("*"))
+        producers = lay.dlq("producer")
+        return sum(n for subject, n in (info.state.subjects or {}).items() if subject != producers)
+
+    async def release_dead_letters(self, stop: asyncio.Event) -> None:
+        """Count the dead letters past the producers every ``RELEASE_POLL_S`` and re-admit
+        when they grew (see :meth:`published`). The count only grows here: the dead-letter
+        stream ages out after four retention periods, and a shrinking count must not take
+        room back."""
+        while not stop.is_set():
+            try:
+                n = await self.dead_letters_past_producers()
+                if n > self.released:
+                    self.released = n
+                    await self.published()
+            except Exception as exc:  # the broker away (a node lost): count again later
+                log.debug("pacing: dead letters not counted (%s)", type(exc).__name__)
+            try:
+                await asyncio.wait_for(stop.wait(), RELEASE_POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def dropped(self) -> None:
         """A group was dropped (too stale, or filtered): admit a replacement, and report the

@@ -109,6 +109,9 @@ def reference_logprobs(learner: Learner, tb: TokenBatch) -> torch.Tensor:
 
 def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     """Load the policy (and the reference / value model when the algorithm needs them), build the engine."""
+    from rlstream.imports import import_transformers_models
+
+    import_transformers_models()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lcfg = cfg.learner

@@ -26,6 +26,14 @@ closed exactly once. A failing *backend* fails the batch as for single completio
 
 finish_reason of an episode: ``stop`` when the environment ended it, ``length`` when
 ``max_turns`` (or ``env.max_episode_tokens``) cut it, ``abort`` as above.
+
+**Policy versions** (``producer.weight_update: in_flight``): new weights can load between two
+turns of an episode, or inside a turn at a token boundary. Each model token keeps the version
+the backend says sampled it (``Completion.versions``; a backend without them sampled the whole
+batch at the group's ``policy_version``). Environment tokens were sampled by no policy: they take
+the version of the model token before them, so they never make an episode look older or newer
+than its model tokens (the group's ``policy_version`` is its oldest *model* token's). The group
+carries them as RolloutGroup v5 version runs.
 """
 
 from __future__ import annotations
@@ -98,12 +106,34 @@ class TurnBatcher:
                     fut.set_result(out[0])
 
 
+BATCH_VERSION = -1
+"""A model token whose backend did not report its version: the group's ``policy_version``."""
+ENV_VERSION = -2
+"""An environment token: no policy sampled it."""
+
+
+def token_versions(versions: list[int], batch_version: int) -> np.ndarray:
+    """The per-token versions of one episode [T] int64: unreported model versions are
+    ``batch_version``; an environment token takes the version of the model token before it (the
+    one after it when none is before; ``batch_version`` in an episode without model tokens)."""
+    v = np.asarray(versions, np.int64)
+    v[v == BATCH_VERSION] = batch_version
+    model = np.flatnonzero(v != ENV_VERSION)
+    if not model.size:
+        return np.full(len(v), batch_version, np.int64)
+    before = np.maximum.accumulate(np.where(v != ENV_VERSION, np.arange(len(v)), -1))  # last model index <= i
+    return v[np.where(before >= 0, before, model[0])]
+
+
 @dataclass
 class EpisodeResult:
     """One sample: its tokens, turn by turn."""
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Per token: the policy version that sampled a model token (:data:`BATCH_VERSION` when the
+    backend did not say), :data:`ENV_VERSION` on environment tokens (filled in by :func:`token_versions`)."""
     mask: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
@@ -113,8 +143,14 @@ class EpisodeResult:
     last_text: str = ""
     error: str = ""
 
-    def add(self, ids: list[int], logprobs, model: bool) -> None:
+    def add(self, ids: list[int], logprobs, model: bool, versions=None) -> None:
         self.ids += ids
+        if not model:
+            self.versions += [ENV_VERSION] * len(ids)
+        elif versions is None:
+            self.versions += [BATCH_VERSION] * len(ids)
+        else:
+            self.versions += [int(v) for v in versions]
         self.logprobs += [float(x) for x in logprobs] if model else [0.0] * len(ids)
         self.mask += [1 if model else 0] * len(ids)
         self.turn_ends.append(len(self.ids))
@@ -149,7 +185,7 @@ async def run_episode(episode: Episode, template: chat.EpisodeTemplate, sampler:
                 break
             c = await sampler.sample(np.asarray(context, np.int32))
             sampled = c.token_ids.tolist()
-            out.add(sampled, c.logprobs, model=True)
+            out.add(sampled, c.logprobs, model=True, versions=c.versions)
             out.messages.append({"role": "assistant", "content": c.text})
             out.last_text = c.text
             reply = await _env_call(episode.step(c.text), env_cfg.step_timeout_s, f"turn {turn + 1}: step()")
@@ -239,9 +275,11 @@ async def play_group(plan: GroupPlan, sampler: TurnBatcher, env_cfg, max_new_tok
 
 def build_group(plan: GroupPlan, results: list[EpisodeResult], prompt_ids: np.ndarray, prompt_text: str,
                 **fields: Any) -> RolloutGroup:
-    """The RolloutGroup (v4) of one prompt's episodes."""
+    """The RolloutGroup (v4, v5 when in-flight updates switched versions) of one prompt's episodes."""
+    batch_version = int(fields.get("policy_version", 0))
+    reported = any(v >= 0 for r in results for v in r.versions)
     samples = [Sample(np.asarray(r.ids, np.int32), np.minimum(np.asarray(r.logprobs, np.float32), 0.0), r.finish_reason,
-                      r.last_text) for r in results]
+                      r.last_text, token_versions(r.versions, batch_version) if reported else None) for r in results]
     # an episode of no tokens (it never started) still counts one (empty) model turn
     turn_ends = [r.turn_ends or [0] for r in results]
     turn_rewards = [r.turn_rewards or [0.0] for r in results]

@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway in front of the tiny model's HF backend: an agent written
 against the plain ``openai`` client runs unchanged, and what the gateway recorded is exactly
-what the engine sampled (ids, and log-probs equal to a teacher-forced pass of the model)."""
+what the engine sampled (ids, and log-probs equal to a teacher-forced pass of the model); the
+producer's ``openai`` backend plays episodes through it as through any OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -114,3 +115,69 @@ async def test_text_completions_and_models(backend):
         (call,) = gw.calls["t"]
         assert r.choices[0].logprobs.token_logprobs == pytest.approx(call.choices[0].logprobs.tolist(), abs=1e-6)
         assert [m.id for m in models.data] == ["rlstream-policy"]
+
+
+async def test_openai_backend_episodes_through_the_gateway(tiny_model_dir):
+    """The ``openai`` producer backend plays multi-turn episodes against a real OpenAI-compatible
+    server (the gateway in front of the HF engine): each model turn is one ``/v1/completions``
+    request with the context as token ids and the template's end-of-turn as a stop token id, and
+    the record holds exactly the ids and log-probs the engine sampled for that request."""
+    from types import SimpleNamespace
+
+    from helpers.envs import Counting
+
+    from rlstream.producers.backends.base import SamplingSpec
+    from rlstream.producers.backends.hf import HFBackend
+    from rlstream.producers.backends.openai import OpenAIBackend
+    from rlstream.producers.episodes import run_batch
+    from rlstream.schemas import Prompt
+
+    class RecordingHF(HFBackend):
+        specs: tuple = ()
+
+        async def generate(self, prompts, spec):
+            self.specs = (*self.specs, spec)
+            return await super().generate(prompts, spec)
+
+    engine = RecordingHF(str(tiny_model_dir), seed=0)
+    async with Gateway(engine, SamplingSpec(n=1, max_new_tokens=16), policy_version=lambda: 0) as gw:
+        backend = OpenAIBackend(gw.base_url("turns"), tokenizer_path=str(tiny_model_dir), retries=0, seed=5)
+        env = Counting(turns=3)
+        spec = SamplingSpec(n=2, max_new_tokens=6, temperature=1.0, seed=5)
+        try:
+            groups, aborts = await run_batch(env, backend, [Prompt(id="p0", text=""), Prompt(id="p1", text="")], spec,
+                                             SimpleNamespace(max_turns=3, max_episode_tokens=0, step_timeout_s=60.0),
+                                             policy_version=0)
+        finally:
+            await backend.close()
+        calls = gw.pop("turns")
+    assert aborts == 0 and env.closed == 4 and len(calls) == 2 * 2 * 3  # one request per model turn
+    end_of_turn = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert all(end_of_turn in s.stop_token_ids and s.n == 1 and s.max_new_tokens == 6 for s in engine.specs)
+    # each model turn is one request the engine sampled: its context, its ids, its log-probs, byte for byte
+    unmatched = [(c.prompt_ids.tolist(), c.choices[0].token_ids.tolist(), np.minimum(c.choices[0].logprobs, 0).astype(np.float32).tobytes())
+                 for c in calls]
+    for g in groups:
+        assert g.turn_counts.tolist() == [5, 5] and g.finish_reasons == ["stop", "stop"]
+        for s, turns in zip(g.samples, g.sample_turns()):
+            for a, b, is_model in turns:
+                if not is_model:
+                    assert (s.logprobs[a:b] == 0).all()
+                    continue
+                unmatched.remove((g.prompt_ids.tolist() + s.completion_ids[:a].tolist(), s.completion_ids[a:b].tolist(),
+                                  s.logprobs[a:b].tobytes()))
+    assert unmatched == []
+
+
+def test_a_server_that_returns_text_without_token_ids_fails_loudly():
+    """Token in / token out: completion text is never re-tokenized into ids it may not have been."""
+    from rlstream.producers.backends.base import ProducerError
+    from rlstream.producers.backends.openai import OpenAIBackend
+
+    body = {"choices": [{"index": 0, "text": " 4", "finish_reason": "stop",
+                         "logprobs": {"tokens": ["Ġ4"], "token_logprobs": [-0.5]}}]}
+    with pytest.raises(ProducerError, match="without its token ids"):
+        OpenAIBackend._group(body, 1)
+    body["choices"][0]["logprobs"]["tokens"] = ["token_id:19"]
+    (c,) = OpenAIBackend._group(body, 1)
+    assert c.token_ids.tolist() == [19] and c.logprobs.tolist() == [-0.5]

@@ -45,6 +45,7 @@ def test_chaos_quick_loses_nothing_and_trains_nothing_twice(tmp_path):
     assert verdict["trained_never_scored"] == 0, out[-6000:]
     assert verdict["foreign_dead_letters"] == 0, out[-6000:]
     assert verdict["finished"] is True, out[-6000:]
+    assert verdict["final_recovery_s"] is not None, out[-6000:]  # it trains again once every fault is healed
     assert verdict["ok"] is True and proc.returncode == 0, out[-6000:]
     assert json.loads((tmp_path / "chaos" / "verdict.json").read_text()) == verdict
 

@@ -114,3 +114,78 @@ def test_keeping_the_kv_cache_labels_the_token_the_old_weights_sampled(tiny_mode
     c = group[0]
     assert c.versions.tolist() == [0] * 9 + [1] * 11
     np.testing.assert_allclose(c.logprobs[:9], teacher_forced(base, ids, c.token_ids)[:9], atol=1e-4)
+
+
+class UpdatingEpisode:
+    """Three model turns. After the first it has the backend load v1 at once (no generation runs
+    then); after the second it queues v2, which the third turn's generation loads at its first
+    chunk boundary."""
+
+    def __init__(self, backend, sources):
+        self.backend, self.sources = backend, sources
+        self.messages = [{"role": "user", "content": "count with me"}]
+        self.tools = None
+        self.k = 0
+
+    async def step(self, reply: str):
+        from rlstream.envs import Turn
+
+        self.k += 1
+        if self.k == 1:
+            await self.backend.update_in_flight(self.sources[0], timeout_s=30)
+        elif self.k == 2:
+            self.backend.queue_weights(self.sources[1])
+        return Turn([{"role": "user", "content": f"turn {self.k}"}], done=self.k == 3, reward=1.0)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_an_episode_across_weight_updates_records_each_model_tokens_version(tiny_model_dir, models):
+    """Turn 1 at v0, turn 2 at v1 (loaded between turns), turn 3 switching to v2 after 2 tokens
+    (chunk 2). Environment tokens take the version of the model token before them, so the
+    group's policy_version is the oldest model token's and they add no run of their own; each
+    model token's log-prob is a teacher-forced pass of the version recorded for it."""
+    from types import SimpleNamespace
+
+    from rlstream.producers.episodes import run_batch
+
+    base, v1 = models
+    v2 = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in v2.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    backend = HFBackend(str(tiny_model_dir), seed=12, update_chunk_tokens=2)
+    sources = [WeightsSource(version=v, data=safetensors.torch.save(m.state_dict())) for v, m in ((1, v1), (2, v2))]
+
+    class Env:
+        name = "updating"
+
+        async def start(self, prompt):
+            return UpdatingEpisode(backend, sources)
+
+    env_cfg = SimpleNamespace(max_turns=3, max_episode_tokens=0, step_timeout_s=60.0)
+    spec = SamplingSpec(n=1, max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    (group,), aborts = await run_batch(Env(), backend, [Prompt(id="p", text="")], spec, env_cfg,
+                                       policy_version=0)
+    assert aborts == 0 and backend.policy_version == 2
+    g = RolloutGroup.decode(group.encode())
+    assert g.finish_reasons == ["stop"] and g.turn_counts.tolist() == [5]
+    (turns,) = g.sample_turns()
+    (s,) = g.samples
+    versions = g.token_versions()
+    (m1, e1, m2, e2, m3) = [(a, b) for a, b, _ in turns]
+    assert [is_model for _, _, is_model in turns] == [True, False, True, False, True]
+    assert versions[m1[0]:m1[1]].tolist() == [0] * 5 and versions[m2[0]:m2[1]].tolist() == [1] * 5
+    assert versions[m3[0]:m3[1]].tolist() == [1, 1, 2, 2, 2]
+    assert set(versions[e1[0]:e1[1]].tolist()) == {0} and set(versions[e2[0]:e2[1]].tolist()) == {1}  # not a run of their own
+    assert g.policy_version == 0 and g.newest_version() == 2
+    assert g.version_runs.tolist() == [3] and g.run_lengths.tolist() == [m2[0], m3[0] + 2 - m2[0], 3]
+    prompt, ids = g.prompt_ids, s.completion_ids
+    for (a, b), model in ((m1, base), (m2, v1)):
+        np.testing.assert_allclose(s.logprobs[a:b], teacher_forced(model, np.concatenate([prompt, ids[:a]]), ids[a:b]), atol=1e-4)
+    a = m3[0]
+    np.testing.assert_allclose(s.logprobs[a:a + 2], teacher_forced(v1, np.concatenate([prompt, ids[:a]]), ids[a:a + 2]), atol=1e-4)
+    np.testing.assert_allclose(s.logprobs[a + 2:m3[1]], teacher_forced(v2, np.concatenate([prompt, ids[:a]]), ids[a:m3[1]])[2:],
+                               atol=1e-4)

@@ -219,3 +219,33 @@ async def test_a_server_without_dynamic_lora_says_so(server_without_reload, tiny
         assert "/v1/load_lora_adapter" in backend.reload_note and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in backend.reload_note
     finally:
         await backend.close()
+
+
+async def test_episodes_through_vllm_serve(server, tiny_model_dir):
+    """Multi-turn episodes with the openai backend against `vllm serve`: one request per model
+    turn, token ids in and out; each model turn's log-probs are HF's teacher-forced ones over the
+    prompt and every recorded token before it (environment tokens included), so the server
+    generated from exactly the tokens the record holds."""
+    from helpers.envs import Counting
+
+    from rlstream.config import EnvConfig
+    from rlstream.producers.episodes import run_batch
+
+    backend = OpenAIBackend(server, tokenizer_path=str(tiny_model_dir), retries=1)
+    env = Counting(turns=3)
+    try:
+        groups, aborts = await run_batch(env, backend, [Prompt(id="p", text="")], SamplingSpec(n=2, max_new_tokens=6, seed=1),
+                                         EnvConfig(name="helpers.envs:Counting", max_turns=3), policy_version=0)
+    finally:
+        await backend.close()
+    assert aborts == 0 and env.closed == 2
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    (g,) = groups
+    assert g.turn_counts.tolist() == [5, 5] and g.finish_reasons == ["stop", "stop"]
+    for s, turns in zip(g.samples, g.sample_turns()):
+        forced = teacher_forced(base, g.prompt_ids, s.completion_ids)
+        for a, b, is_model in turns:
+            if is_model:
+                np.testing.assert_allclose(s.logprobs[a:b], forced[a:b], atol=2e-4)
+            else:
+                assert (s.logprobs[a:b] == 0).all()

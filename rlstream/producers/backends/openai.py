@@ -7,6 +7,11 @@ exponential backoff on connection errors, timeouts, 429 and 5xx. We ask for
 ``logprobs: 0`` (the sampled token's log-prob) and ``return_token_ids`` (vLLM returns the
 completion's token ids; otherwise ``return_tokens_as_token_ids`` tokens ``token_id:N`` are
 parsed). vLLM's server reports raw log-probs by default (``--logprobs-mode raw_logprobs``).
+A server that returns neither token ids nor a log-prob per token (the OpenAI API itself,
+servers that only return text) fails the batch loudly (:data:`NO_TOKEN_IDS`): completions are
+never re-tokenized from text, since the ids would not be those sampled. Episodes (``env:``) also
+send the chat template's end-of-turn as ``stop_token_ids`` (vLLM's extension; a server that
+ignores it lets a turn run on to ``max_new_tokens``), and need a local tokenizer.
 
 Authentication: with ``producer.api_key_env``, every request carries ``Authorization: Bearer
 <key>``, the key read from that environment variable when the backend starts.
@@ -46,6 +51,11 @@ from rlstream.openai_http import completions_url, open_session, request_json
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 log = logging.getLogger(__name__)
+
+NO_TOKEN_IDS = ("server returned completion text without its token ids (neither `token_ids` for return_token_ids nor "
+                "`token_id:N` tokens for return_tokens_as_token_ids): rlstream trains on the sampled ids and never "
+                "re-tokenizes text; use a server that returns them (vLLM's OpenAI server, an rlstream gateway)")
+
 
 class OpenAIBackend(Backend):
     name = "openai"
@@ -129,7 +139,10 @@ class OpenAIBackend(Backend):
             values = lp.get("token_logprobs")
             ids = c.get("token_ids")
             if ids is None:
-                ids = [int(t.split(":", 1)[1]) for t in lp.get("tokens") or [] if t.startswith("token_id:")]
+                tokens = lp.get("tokens") or []
+                if tokens and not all(str(t).startswith("token_id:") for t in tokens):
+                    raise ProducerError(NO_TOKEN_IDS)
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
             if values is None or len(values) != len(ids) or any(v is None for v in values):
                 raise ProducerError("server did not return a log-prob per completion token (is it an OpenAI-compatible vLLM?)")
             reason = c.get("finish_reason") or "stop"
