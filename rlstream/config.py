@@ -666,6 +666,10 @@ class ProducerConfig(Strict):
     batch_prompts: int = Field(8, ge=1, le=65536)
     """Prompts generated together (times group_size sequences)."""
     max_new_tokens: int = Field(64, ge=1, le=1 << 24)
+    min_new_tokens: int = Field(0, ge=0, le=1 << 24)
+    """EOS (and the stop token ids) cannot be sampled before this many tokens (transformers'
+    ``min_new_tokens``, vLLM's ``min_tokens``); at most ``max_new_tokens``. Log-probs stay those
+    of the raw logits, as the learner computes them."""
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, le=1 << 24)
@@ -748,6 +752,12 @@ class ProducerConfig(Strict):
                                       "set producer.backend or remove it",
                                       {"key": key, "owners": " or ".join(repr(b) for b in owners[key]), "backend": repr(backend)})
         return data
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "ProducerConfig":
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"producer.min_new_tokens={self.min_new_tokens} exceeds producer.max_new_tokens={self.max_new_tokens}")
+        return self
 
     @property
     def remote_endpoint(self) -> str | None:

@@ -48,7 +48,7 @@ class LiveFigures:
                 self.learner.update(ev.values)
                 self.learner["step"] = ev.step
                 self.step_events += 1
-                self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, **{
+                self.timeline.append({"step": ev.step, "elapsed_s": ev.ts - self.started, "ts": ev.ts, **{
                     k: v for k, v in ev.values.items() if k in ("reward/mean", "loss/total", "samples") or k.startswith("time/learner/")},
                     "phases": self.phases(), "bottleneck": self.bottleneck()})
             else:

@@ -79,3 +79,27 @@ async def test_weight_reload_changes_logprobs_to_the_new_weights(tiny_model_dir,
     ids, _ = backend.encode_prompt(Prompt(id="e", text="the reward"))
     c = (await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=8)))[0][0]
     np.testing.assert_allclose(c.logprobs, teacher_forced(model, ids, c.token_ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["generate", "own-loop"])
+async def test_min_new_tokens_masks_the_end_tokens_and_keeps_raw_logprobs(tiny_model_dir, chunked):
+    from rlstream.config import ConfigError, parse_config
+
+    hf = HFBackend(str(tiny_model_dir), seed=0, update_chunk_tokens=4 if chunked else None)
+    ids, _ = hf.encode_prompt(Prompt(id="m", text="Q: What is 3 + 4? A:"))
+    free = (await hf.generate([ids], SamplingSpec(n=1, max_new_tokens=8, temperature=0.0)))[0][0]
+    # make greedy decoding's first token an end token: it stops after one token ...
+    end = (int(free.token_ids[0]),)
+    short = (await hf.generate([ids], SamplingSpec(n=1, max_new_tokens=8, temperature=0.0, stop_token_ids=end)))[0][0]
+    assert short.finish_reason == "stop" and len(short.token_ids) == 1
+    # ... unless it may not be sampled before 5 tokens
+    long = (await hf.generate([ids], SamplingSpec(n=2, max_new_tokens=8, temperature=1.0, stop_token_ids=end, min_new_tokens=5)))[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    for c in long:
+        assert len(c.token_ids) >= 5 and end[0] not in c.token_ids[:5].tolist()
+        # the mask changes what is drawn, not what is reported: raw log-probs at T=1
+        np.testing.assert_allclose(c.logprobs, teacher_forced(model, ids, c.token_ids), atol=1e-5)
+    cfg = parse_config({"model_checkpoint_path": "m", "training_mode": "RL_GRPO", "producer": {"max_new_tokens": 128, "min_new_tokens": 128}})
+    assert SamplingSpec.from_config(cfg).min_new_tokens == 128
+    with pytest.raises(ConfigError, match=r"min_new_tokens=129 exceeds producer.max_new_tokens=128"):
+        parse_config({"model_checkpoint_path": "m", "training_mode": "RL_GRPO", "producer": {"max_new_tokens": 128, "min_new_tokens": 129}})

@@ -46,12 +46,14 @@ class SamplingSpec:
     """Token ids that end a sample besides the model's EOS (a chat template's end of turn), kept as its last token."""
     ignore_eos: bool = False
     """Generate to ``max_new_tokens`` whatever is sampled (benchmarks with set lengths)."""
+    min_new_tokens: int = 0
+    """EOS and ``stop_token_ids`` are masked out of sampling before this many tokens."""
 
     @classmethod
     def from_config(cls, cfg) -> "SamplingSpec":
         p = cfg.producer
         return cls(n=cfg.group_size, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                   top_p=p.top_p, top_k=p.top_k, stop=tuple(p.stop), seed=p.seed)
+                   top_p=p.top_p, top_k=p.top_k, stop=tuple(p.stop), seed=p.seed, min_new_tokens=p.min_new_tokens)
 
     @classmethod
     def for_eval(cls, cfg) -> "SamplingSpec":
@@ -66,6 +68,7 @@ class SamplingSpec:
             "backend": backend, "n": self.n, "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "stop": list(self.stop), "logprobs": LOGPROBS_KIND,
+            **({"min_new_tokens": self.min_new_tokens} if self.min_new_tokens else {}),
         }
 
 

@@ -147,6 +147,8 @@ class HFBackend(Backend):
                     logits_version = self.policy_version
                 logits = logits.float()
                 scores = warpers(seq, logits) if len(warpers) else logits
+                if t < spec.min_new_tokens and eos_ids:
+                    scores = scores.index_fill(-1, eos, float("-inf"))  # out of place: ``logits`` stay raw
                 nxt = (torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1) if sample
                        else scores.argmax(dim=-1))
                 tokens.append(nxt.cpu())
@@ -208,6 +210,7 @@ class HFBackend(Backend):
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
             eos_token_id=None if spec.ignore_eos else sorted(eos_ids) or None,
+            min_new_tokens=spec.min_new_tokens or None,
             stop_strings=list(spec.stop) or None,
         )
         with self._lock, torch.inference_mode():

@@ -116,6 +116,8 @@ class OpenAIBackend(Backend):
         }
         if spec.top_k:
             payload["top_k"] = spec.top_k
+        if spec.min_new_tokens:
+            payload["min_tokens"] = spec.min_new_tokens  # vLLM's and SGLang's servers' extension
         if spec.stop:
             payload["stop"] = list(spec.stop)
         if spec.stop_token_ids:  # vLLM's extension of the completions API

@@ -146,6 +146,7 @@ class VLLMBackend(Backend):
         params = SamplingParams(
             n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, logprobs=0, ignore_eos=spec.ignore_eos,
+            min_tokens=spec.min_new_tokens,
             stop_token_ids=list(spec.stop_token_ids) or None,
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
             seed=self._request_seed(spec),
