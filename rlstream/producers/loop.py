@@ -59,6 +59,7 @@ with a growing delay.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -105,6 +106,33 @@ class ProducerStats:
     """Prompts given back at SIGTERM because their batch did not finish within the drain timeout."""
     in_flight_updates: int = 0
     """Weight versions loaded under running requests (``producer.weight_update: in_flight``)."""
+
+
+class RecentRate:
+    """Per-second rates of what finished batches produced, over the last ``window_s`` seconds.
+
+    Rates are taken over the window, not from one batch to the next: lanes finish batches
+    close together (two batches in flight finish within milliseconds), and a rate over that gap
+    would be thousands of times the real one. Idle time (nothing fetched) is left out with
+    :meth:`restart`."""
+
+    def __init__(self, now: float, window_s: float = 10.0):
+        self.window_s = window_s
+        self.since = now
+        self.done: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque()
+
+    def restart(self, now: float) -> None:
+        self.done.clear()
+        self.since = now
+
+    def add(self, now: float, *counts: float) -> tuple[float, ...]:
+        """Record a batch that finished at ``now``; the rate of each count over the window."""
+        self.done.append((now, counts))
+        start = max(self.since, now - self.window_s)
+        while self.done and self.done[0][0] <= start and len(self.done) > 1:
+            self.done.popleft()
+        span = max(now - start, 1e-9)
+        return tuple(sum(c[i] for _, c in self.done) / span for i in range(len(counts)))
 
 
 class GenerationTimeout(ProducerError):
@@ -229,7 +257,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             return False
         info = await comp.js.consumer_info(evals.stream, evals.durable)
         return bool(info.num_pending)
-    last_done = time.monotonic()
+    rates = RecentRate(time.monotonic())
 
     def more_wanted() -> bool:
         return not comp.stop.is_set() and (max_groups is None or stats.groups + pending < max_groups)
@@ -248,7 +276,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
 
     async def lane(fetching: asyncio.Lock) -> None:
-        nonlocal pending, last_done
+        nonlocal pending
         phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
         while more_wanted():
             # 0. evaluation first: it waits for nobody's pacing room
@@ -281,7 +309,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                     deliveries = await consumer.fetch(room, timeout=1.0)
                 pending += len(deliveries)
             if not deliveries:
-                last_done = time.monotonic()
+                rates.restart(time.monotonic())
                 reporter.update(phases.finish())
                 continue
             if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
@@ -300,7 +328,6 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             reporter.update(phases.finish())
 
     async def produce(deliveries, phases: Phases) -> None:
-        nonlocal last_done
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
             if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
                 with phases.time("weight_reload"):
@@ -316,18 +343,16 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             with phases.time("publish"):
                 await publish_batch(comp, groups, deliveries)
         stats.failed_batches = 0
-        now = time.monotonic()
         tokens = sum(g.num_tokens() for g in groups)
-        elapsed = max(now - last_done, 1e-9)
-        last_done = now
+        tokens_s, groups_s, samples_s = rates.add(time.monotonic(), tokens, len(groups), sum(g.group_size for g in groups))
         stats.batches += 1
         stats.groups += len(groups)
         stats.tokens += tokens
         stats.group_ids.extend(g.id for g in groups)
         reporter.update({
-            "producer/tokens_per_s": tokens / elapsed,
-            "producer/groups_per_s": len(groups) / elapsed,
-            "producer/qps": sum(g.group_size for g in groups) / elapsed,
+            "producer/tokens_per_s": tokens_s,
+            "producer/groups_per_s": groups_s,
+            "producer/qps": samples_s,
             "producer/groups_total": stats.groups,
             "producer/tokens_total": stats.tokens,
             "producer/policy_version": stats.policy_version,
