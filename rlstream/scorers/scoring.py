@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -210,6 +211,28 @@ def env_rewards(flat: Flat) -> list[float]:
     return out
 
 
+
+def math_pool(processes: int) -> ProcessPoolExecutor:
+    """The worker processes that run math-verify: spawned, and each exits when the scorer that
+    started it is gone. A scorer killed with SIGKILL cannot shut its pool down, and spawned
+    workers outlive their parent: without this, every kill left its workers behind."""
+    return ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=exit_with_parent, initargs=(os.getpid(),))
+
+
+def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Pool initializer: a daemon thread that ends this process once ``parent`` is gone (the
+    process is re-parented then). A poll rather than ``PR_SET_PDEATHSIG``, which Linux ties to
+    the thread that forked, and the pool starts its workers from whichever thread submits."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
 class Scorer:
     """The configured terms, the process pool and the HTTP client; scores batches of groups."""
 
@@ -248,7 +271,7 @@ class Scorer:
         if t.rule == "math":
             _check_params(t, set())
             if self.processes > 0 and self.pool is None:
-                self.pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"))
+                self.pool = math_pool(self.processes)
             return Term(t.name, t.weight, self._math)
         rule: Callable[[Flat], list[float | None]]
         if t.rule == "exact_match":
@@ -327,7 +350,7 @@ class Scorer:
         except BrokenProcessPool as exc:
             # A worker died (killed, out of memory): a fresh pool, and the batch is redelivered.
             self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = math_pool(self.processes)
             raise EndpointError(f"math-verify worker process died: {exc}") from exc
         return [v for part in parts for v in part]
 
