@@ -33,8 +33,8 @@ its final checkpoint), and the checker reads the whole history:
   last step), and each component's peak RSS (psutil, every second).
 
 Last line: one JSON verdict, ``ok`` when nothing was lost, nothing trained twice or unscored,
-no foreign dead letters, the learner stepped again after the last fault was healed, and the
-run finished. The verdict is always written (also to
+no foreign dead letters, the learner stepped again after the last fault was healed (or the run
+ended by itself, every prompt trained), and the run finished. The verdict is always written (also to
 ``WORK/verdict.json``): SIGINT or SIGTERM ends the faults early but still heals them, stops the
 run and checks the history (``interrupted`` names the signal; such a verdict is not ok), and a
 checker that fails writes ``error`` instead of figures.
@@ -611,7 +611,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's seed (default: random, printed)")
     p.add_argument("--work", type=Path, default=ROOT / "bench" / ".chaos", help="working directory (wiped)")
     p.add_argument("--max-gap", type=float, default=None, help="longest gap between faults (7 s quick, 25 s full)")
-    p.add_argument("--rate", type=float, default=16.0,
+    p.add_argument("--rate", type=float, default=40.0,
                    help="groups per second the learner could train at most (sizes the dataset's epochs)")
     p.add_argument("--ack-wait", type=float, default=15.0, help="nats.ack_wait_s of the run")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -664,7 +664,8 @@ def main() -> int:
             (k, json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in result.items()], ("figure", "value"))
     ok = (result is not None and not ch.interrupted and result["prompts_lost"] == 0 and result["rollouts_lost"] == 0
           and result["trained_twice"] == 0 and result["trained_twice_metrics"] == 0 and result["trained_never_scored"] == 0
-          and result["foreign_dead_letters"] == 0 and result["finished"] and result["final_recovery_s"] is not None)
+          and result["foreign_dead_letters"] == 0 and result["finished"]
+          and (result["final_recovery_s"] is not None or result["run_exit"] == 0))  # stepped after the last heal, or trained all its data
     (work / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
     verdict = {"bench": "chaos", "seed": args.seed, "duration_s": args.duration, "faults": len(injected),
                "faults_by_kind": kinds, **{k: v for k, v in (result or {}).items() if k != "foreign_reasons"},
