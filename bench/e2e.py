@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
                   threads: int | None = None) -> Run:
     """``threads``: OMP_NUM_THREADS of every component (default: `rlstream run` splits the cores
     between the torch processes, right when they run at once)."""
-    name = f"{wl.name}-{label.replace(' ', '-')}-{backend}"
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{wl.name}-{label}-{backend}").strip("-")  # a valid run id
     run_dir = WORK / name
     subprocess.call(["rm", "-rf", str(run_dir)])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
