@@ -134,8 +134,17 @@ def pack_array(arr: Any, dtype: np.dtype) -> dict[str, Any]:
     return {"dtype": dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
+_EMPTY: dict[str, Array] = {}  # the wire form of an empty 1-D array, per dtype string
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):  # a record's arrays already have their wire dtype
+        if obj.size == 0 and obj.ndim == 1:  # the optional fields of later versions, mostly
+            dt = obj.dtype.str
+            empty = _EMPTY.get(dt)
+            if empty is None:
+                empty = _EMPTY[dt] = Array(dt, [0], b"")
+            return empty
         a = np.ascontiguousarray(obj)
         return Array(a.dtype.str, list(a.shape), memoryview(a).cast("B"))
     if isinstance(obj, np.generic):
