@@ -216,15 +216,20 @@ async def test_episodes_through_vllm_serve(server, tiny_model_dir):
     from rlstream.config import EnvConfig
     from rlstream.producers.episodes import run_batch
 
+    import safetensors.torch
+
+    base = load_model(tiny_model_dir)
     backend = OpenAIBackend(server, tokenizer_path=str(tiny_model_dir), retries=1)
     env = Counting(turns=3)
     try:
+        # the module's server may serve other weights by now (the reload test loads perturbed
+        # ones): serve the base model's, which the log-probs are checked against
+        assert await backend.load_weights(WeightsSource(2, data=safetensors.torch.save(base.state_dict())))
         groups, aborts = await run_batch(env, backend, [Prompt(id="p", text="")], SamplingSpec(n=2, max_new_tokens=6, seed=1),
                                          EnvConfig(name="helpers.envs:Counting", max_turns=3), policy_version=0)
     finally:
         await backend.close()
     assert aborts == 0 and env.closed == 2
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     (g,) = groups
     assert g.turn_counts.tolist() == [5, 5] and g.finish_reasons == ["stop", "stop"]
     for s, turns in zip(g.samples, g.sample_turns()):
