@@ -120,6 +120,30 @@ def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
     return out
 
 
+def grpo_and_evaluate(here: Path, out: Path, sft_model: Path, data: dict[str, Path], args, sets: list[str],
+                      name: str, eval_label: str, t0: float) -> None:
+    """The examples' last stage: GRPO from the warm-up, then the warm-up and every GRPO
+    checkpoint evaluated on the fixed evaluation rows, a curve drawn, and the figures printed."""
+    import json
+    import time
+
+    from examples.arithmetic.demo import rlstream_run
+
+    grpo_dir = out / f"grpo_seed{args.seed}"
+    grpo = rlstream_run(here / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *sets])
+    print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
+          f"(first and last 10% of steps)", flush=True)
+    print(f"evaluating the warm-up and every GRPO checkpoint on {eval_label} ...", flush=True)
+    points = evaluate_run(sft_model, grpo_dir, load_rows(data["eval"]), args.eval_samples, seed=1234)
+    (grpo_dir / "eval_curve.json").write_text(json.dumps(points, indent=1) + "\n")
+    png = plot(grpo_dir, points, grpo_dir / "success_curve.png", f"{name} GRPO (seed {args.seed})")
+    first, last = points[0], points[-1]
+    print(f"{'held-out' if 'held-out' in eval_label else 'evaluation'} success: {first['success']:.3f} after the warm-up -> "
+          f"{last['success']:.3f} after GRPO (step {last['step']}); greedy {first['greedy_success']:.3f} -> "
+          f"{last['greedy_success']:.3f}; total {time.monotonic() - t0:.0f}s")
+    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")

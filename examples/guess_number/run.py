@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from examples.arithmetic.demo import rlstream_run
-from examples.episode_eval import evaluate_run, load_rows, plot
+from examples.episode_eval import grpo_and_evaluate
 from examples.guess_number import task
 
 HERE = Path(__file__).resolve().parent
@@ -57,20 +56,8 @@ def main() -> None:
         sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
         print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
     print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
-    grpo_dir = out / f"grpo_seed{args.seed}"
     sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
-    grpo = rlstream_run(HERE / "grpo.yaml", grpo_dir, sft_model, data["rl"], args.grpo_steps, [f"producer.seed={args.seed}", *game, *args.set])
-    print(f"training reward: {grpo['reward_first']:.3f} -> {grpo['reward_last']:.3f} over {grpo['steps']} steps "
-          f"(first and last 10% of steps)", flush=True)
-    print("evaluating the warm-up and every GRPO checkpoint on the fixed evaluation games ...", flush=True)
-    points = evaluate_run(sft_model, grpo_dir, load_rows(data["eval"]), args.eval_samples, seed=1234)
-    (grpo_dir / "eval_curve.json").write_text(json.dumps(points, indent=1) + "\n")
-    png = plot(grpo_dir, points, grpo_dir / "success_curve.png", f"guess_number GRPO (seed {args.seed})")
-    first, last = points[0], points[-1]
-    print(f"evaluation success: {first['success']:.3f} after the warm-up -> {last['success']:.3f} after GRPO "
-          f"(step {last['step']}); greedy {first['greedy_success']:.3f} -> {last['greedy_success']:.3f}; "
-          f"total {time.monotonic() - t0:.0f}s")
-    print(f"summary: {grpo_dir / 'summary.json'}\ncurve:   {png}")
+    grpo_and_evaluate(HERE, out, sft_model, data, args, [*game, *args.set], "guess_number", "the fixed evaluation games", t0)
 
 
 if __name__ == "__main__":
