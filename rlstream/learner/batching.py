@@ -26,6 +26,7 @@ normalisers are exactly those of the unpacked batch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -316,9 +317,15 @@ def _takes_logits_to_keep(model) -> bool:
     m = _hf_model(model)
     if hasattr(m, "get_base_model"):  # PEFT: the adapter wrapper passes keyword arguments through
         m = m.get_base_model()
+    return _forward_takes_logits_to_keep(type(m))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:
+    """Read once per model class: the signature does not change between steps."""
     try:
-        return "logits_to_keep" in inspect.signature(m.forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the full logits, as before
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, AttributeError):  # no signature to read: the full logits, as before
         return False
 
 
