@@ -115,8 +115,45 @@ def test_old_version_still_decodes():
     assert back.timings == {} and back.group_size == 3
     p = Prompt(id="p", text="t").to_wire()
     p["v"] = 1
-    del p["messages"]
+    assert "messages" not in p  # None: left off the wire, as v1 wrote it
     assert Prompt.decode(msgpack.packb(p)).messages is None
+
+
+APPENDED_ARRAYS = ["loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards",
+                   "version_runs", "run_lengths", "run_versions"]
+
+
+def test_empty_appended_arrays_and_none_fields_stay_off_the_wire():
+    g = make_group()
+    obj = msgpack.unpackb(g.encode(), raw=False)
+    left_off = [*APPENDED_ARRAYS, "prompt_messages", "episode_messages"]
+    assert not set(left_off) & set(obj)
+    assert {"prompt_ids", "lengths", "completion_ids", "logprobs"} <= set(obj)  # the required arrays stay, even empty
+    back = RolloutGroup.decode(g.encode())
+    assert all(getattr(back, n).size == 0 and getattr(back, n).dtype == getattr(g, n).dtype for n in APPENDED_ARRAYS)
+    assert back.prompt_messages is None and back.episode_messages is None
+    assert back.encode() == g.encode()
+    # the record encoded is not changed by leaving its fields off
+    assert all(isinstance(getattr(g, n), np.ndarray) for n in APPENDED_ARRAYS)
+    # set, they are written
+    ep = make_episode_group()
+    assert {"loss_mask", "turn_counts", "episode_messages"} <= set(msgpack.unpackb(ep.encode(), raw=False))
+    # a nested group is written the same way
+    scored = ScoredGroup(id="s", rollout=g, rewards=np.ones(3, np.float32))
+    wire = msgpack.unpackb(scored.encode(), raw=False)
+    assert not {"ref_logprobs", "teacher_logprobs"} & set(wire) and not set(left_off) & set(wire["rollout"])
+
+
+def test_payload_that_writes_empty_arrays_and_nones_still_decodes():
+    """The form written before empty fields were left off: every field present."""
+    g = make_group()
+    wire = g.to_wire()
+    for n in APPENDED_ARRAYS:
+        wire[n] = pack_array(np.zeros(0), getattr(g, n).dtype)
+    wire["prompt_messages"] = wire["episode_messages"] = None
+    back = RolloutGroup.decode(msgpack.packb(wire))
+    assert back.group_size == 3 and back.prompt_messages is None and back.loss_mask.size == 0
+    assert back.encode() == g.encode()  # re-encoded in today's form
 
 
 def test_unknown_future_version_is_rejected_by_name():
@@ -256,7 +293,7 @@ def test_scored_group_v1_still_decodes():
     wire = ScoredGroup(rollout=make_group(), rewards=np.array([1, 0, 0.5], np.float32)).to_wire()
     wire["v"] = 1
     for name in ("ref_logprobs", "teacher_logprobs", "annotated_by"):
-        del wire[name]
+        wire.pop(name, None)  # left off when empty or None anyway
     back = ScoredGroup.decode(msgpack.packb(wire))
     assert back.ref_logprobs.size == 0 and back.teacher_logprobs.size == 0 and back.annotated_by == {}
     assert back.rollout.group_size == 3
@@ -319,7 +356,7 @@ def test_rollout_v3_and_v2_payloads_still_decode_as_single_turn():
         wire["v"] = version
         for name in ("loss_mask", "turn_counts", "turn_ends", "turn_rewards", "env_rewards", "episode_messages",
                      "version_runs", "run_lengths", "run_versions", *dropped):
-            del wire[name]
+            wire.pop(name, None)
         back = RolloutGroup.decode(msgpack.packb(wire))
         assert not back.is_episode and back.loss_mask.size == 0 and back.episode_messages is None
         assert [m.tolist() for m in back.sample_masks()] == [[1] * 5, [1] * 6, [1] * 7]
@@ -329,7 +366,7 @@ def test_rollout_v4_episode_payload_still_decodes_without_version_runs():
     wire = make_episode_group().to_wire()
     wire["v"] = 4
     for name in ("version_runs", "run_lengths", "run_versions"):
-        del wire[name]
+        wire.pop(name, None)
     back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
     assert back.is_episode and back.version_runs.size == 0
     assert [m.tolist() for m in back.sample_masks()] == [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1]]
@@ -368,7 +405,7 @@ def test_rollout_v3_and_v4_still_decode_without_version_runs():
     wire = make_group().to_wire()
     wire["v"] = 3
     for name in ("version_runs", "run_lengths", "run_versions"):
-        del wire[name]
+        wire.pop(name, None)
     back = RolloutGroup.decode(msgpack.packb(wire, use_bin_type=True))
     assert back.version_runs.size == 0 and back.token_versions().tolist() == [2] * 18
 

@@ -8,7 +8,9 @@ A record is one :class:`Record` struct (``rlstream.schemas.records``); this modu
 its annotations once and derives from them everything the wire needs:
 
 - **encoding** is msgspec's, straight from the struct, fields in declaration order;
-  a numpy array is written as an :class:`Array`.
+  a numpy array is written as an :class:`Array`. An array a later version appended is
+  left off while empty, and a field whose default is None while None (absent, each
+  decodes to its default).
 - **decoding** goes through a *wire twin* of the struct, built here, not written by hand:
   a subclass with the same fields and defaults, except that an array field is an
   :class:`Array` (its bytes a zero-copy view of the payload) and a free-form field
@@ -135,6 +137,41 @@ def pack_array(arr: Any, dtype: np.dtype) -> dict[str, Any]:
 
 
 _EMPTY: dict[str, Array] = {}  # the wire form of an empty 1-D array, per dtype string
+_EMPTY_VALUE: dict[np.dtype, np.ndarray] = {}  # a decoded absent array, per dtype: read-only, like every decoded array
+
+
+def empty_array(dtype: np.dtype) -> np.ndarray:
+    arr = _EMPTY_VALUE.get(dtype)
+    if arr is None:
+        arr = _EMPTY_VALUE[dtype] = np.zeros(0, dtype)
+        arr.flags.writeable = False
+    return arr
+
+
+def _wire_form(rec: Any) -> Any:
+    """What encodes for ``rec``: itself, or a shallow copy whose empty appended arrays and
+    None fields are left off the wire (``UNSET``), nested records likewise. Absent, they
+    decode to their defaults again."""
+    plan = _PLANS.get(type(rec)) or plan_of(type(rec))
+    out = rec
+    for n in plan.optional:
+        if not getattr(rec, n).size:
+            if out is rec:
+                out = rec.__copy__()
+            setattr(out, n, msgspec.UNSET)
+    for n in plan.nullable:
+        if getattr(rec, n) is None:
+            if out is rec:
+                out = rec.__copy__()
+            setattr(out, n, msgspec.UNSET)
+    for n, _ in plan.records:
+        sub = getattr(rec, n)
+        wire = _wire_form(sub)
+        if wire is not sub:
+            if out is rec:
+                out = rec.__copy__()
+            setattr(out, n, wire)
+    return out
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -391,12 +428,12 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("array_defaults", "kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("optional", "nullable", "kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
         self.kinds: dict[str, tuple] = {}
-        self.array_defaults: dict[str, Any] = {}
+        optional: list[str] = []
         wire_fields = []
         for f in msgspec.structs.fields(cls):
             hint = hints[f.name]
@@ -406,7 +443,7 @@ class _Plan:
             factory = f.default_factory
             if kind[0] == _ARRAY and f.name not in ("v", "id") and (default is not msgspec.NODEFAULT or factory is not msgspec.NODEFAULT):
                 # an array a later version appended (with a default): absent from older payloads
-                self.array_defaults[f.name] = factory if factory is not msgspec.NODEFAULT else (lambda d=default: d)
+                optional.append(f.name)
                 wire_type, default, factory = wire_type | None, None, msgspec.NODEFAULT
             elif f.name in ("v", "id") or kind[0] == _ARRAY:
                 default, factory = msgspec.NODEFAULT, msgspec.NODEFAULT  # required on the wire
@@ -421,6 +458,10 @@ class _Plan:
             else:
                 wire_fields.append((f.name, wire_type))
         self.arrays = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY]
+        # the appended arrays (their defaults are empty) are left off the wire while empty,
+        # and fields whose default is None while None
+        self.optional = tuple(optional)
+        self.nullable = tuple(f.name for f in msgspec.structs.fields(cls) if f.default is None)
         self.checked = [(n, spec.check) for n, spec in self.arrays if spec.check]
         self.array_maps = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY_MAP]
         self.free = [n for n, k in self.kinds.items() if k[0] == _FREE]
@@ -516,7 +557,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     # ---- encoding
 
     def encode(self) -> bytes:
-        return _encoder.encode(self)
+        return _encoder.encode(_wire_form(self))
 
     def to_wire(self) -> dict[str, Any]:
         """The plain map this record encodes to (arrays as ``{dtype, shape, data}``)."""
@@ -594,8 +635,8 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         w.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
         for n, spec in plan.arrays:
             value = getattr(w, n)
-            if value is None:  # an array a later version appended: absent from older payloads, the record's default
-                setattr(w, n, plan.array_defaults[n]())
+            if value is None:  # an array a later version appended: absent while empty, and from older payloads
+                setattr(w, n, empty_array(spec.dtype))
                 continue
             setattr(w, n, view_array(value, spec, path + n, limits))
         for n, spec in plan.array_maps:
