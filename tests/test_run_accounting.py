@@ -54,3 +54,25 @@ def test_accounting_gives_up_after_its_window(monkeypatch):
     with pytest.raises(nats.js.errors.ServiceUnavailableError):
         asyncio.run(summary.settled_accounting(None, "nats://x", Layout("r"), retry_for_s=7.0, sleep=t.sleep, clock=t.clock))
     assert len(calls) == 4 and t.waits == [0.5, 1.0, 2.0]
+
+
+async def test_own_records_are_counted_when_the_stream_s_last_messages_are_gone(js):
+    # A stream's last sequence can name a message no consumer will deliver (deleted, or lost with a
+    # node): the count ends when the consumer has nothing pending, not when it reaches last_seq,
+    # which it never would (every fetch would time out, and the run's accounting with it).
+    from nats.js.api import StreamConfig
+
+    from rlstream.broker.layout import ORIGIN_HEADER
+
+    await js.add_stream(StreamConfig(name="ACCT", subjects=["acct.x"]))
+    for origin in ("producer/p0", "feeder/f0", "producer/p1", "producer/p2"):
+        await js.publish("acct.x", b"{}", headers={ORIGIN_HEADER: origin})
+    await js.delete_msg("ACCT", 4)
+    info = await js.stream_info("ACCT")
+    assert info.state.last_seq == 4 and info.state.messages == 3
+    got = await asyncio.wait_for(summary.count_own(js, "ACCT", "acct.x", "producer", info.state.last_seq), 3.0)
+    assert got == 2
+    await js.delete_msg("ACCT", 1)
+    await js.delete_msg("ACCT", 2)
+    await js.delete_msg("ACCT", 3)
+    assert await asyncio.wait_for(summary.count_own(js, "ACCT", "acct.x", "producer", 4), 3.0) == 0  # all of them gone

@@ -53,6 +53,9 @@ TRANSIENT = (
 )
 """Errors that mean "the broker is away for a moment", not "this request is wrong"."""
 
+CALL_TIMEOUT_S = 10.0
+"""The longest one KV call may take before it counts as the broker being away."""
+
 
 class BrokerUnavailable(BrokerError):
     """The broker stayed away longer than a call's retry window."""
@@ -77,7 +80,9 @@ class RunState:
         delay = 0.1
         while True:
             try:
-                return await call()
+                # bounded: a KV listing is an ordered consumer that waits without a timeout of its
+                # own, and a node lost while it is open would leave it waiting for good
+                return await asyncio.wait_for(call(), CALL_TIMEOUT_S)
             except TRANSIENT as exc:
                 if time.monotonic() + delay > deadline:
                     self.broker_failures += 1

@@ -102,11 +102,14 @@ async def count_own(js, stream: str, subject: str, kind: str, last_seq: int) -> 
         headers_only=True, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=30.0))
     own = 0
     try:
-        seq = 0
-        while seq < last_seq:
+        # Ends at last_seq, or when the consumer has nothing left: a last sequence whose message
+        # is gone (deleted, or lost with a node) is never delivered, and waiting for it would
+        # time out every fetch.
+        seq, pending = 0, (await sub.consumer_info()).num_pending
+        while seq < last_seq and pending:
             msgs = await sub.fetch(1000, timeout=5.0)
             for msg in msgs:
-                seq = max(seq, msg.metadata.sequence.stream)
+                seq, pending = max(seq, msg.metadata.sequence.stream), msg.metadata.num_pending
                 if seq <= last_seq and (msg.headers or {}).get(ORIGIN_HEADER, "").startswith(f"{kind}/"):
                     own += 1
     finally:

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats.errors
+
 from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import popen_tied
@@ -267,7 +269,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     last_health = time.monotonic()
                     try:
                         beats = await state.heartbeats()
-                    except BrokerError as exc:  # the broker away (a node lost): processes are still watched
+                    except (BrokerError, nats.errors.Error) as exc:  # the broker away or electing (a node lost): processes are still watched
                         broker_misses += 1
                         log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
                         continue
