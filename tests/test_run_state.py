@@ -25,7 +25,7 @@ class SilentKV:
 
 
 async def test_a_kv_listing_that_never_answers_ends_as_the_broker_away(monkeypatch):
-    monkeypatch.setattr(run_state, "CALL_TIMEOUT_S", 0.2, raising=False)
+    monkeypatch.setattr(run_state, "CALL_TIMEOUT_S", 0.2)
     kv = SilentKV()
     state = RunState(kv, retry_for_s=0.5)
     with pytest.raises(BrokerUnavailable, match="keys"):

@@ -269,7 +269,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
                     last_health = time.monotonic()
                     try:
                         beats = await state.heartbeats()
-                    except (BrokerError, nats.errors.Error) as exc:  # the broker away or electing (a node lost): processes are still watched
+                    # the broker away or electing a leader (a node lost): processes are still watched
+                    except (BrokerError, nats.errors.Error) as exc:
                         broker_misses += 1
                         log.warning("health check skipped, broker unavailable (%d so far): %s", broker_misses, exc)
                         continue
