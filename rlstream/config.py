@@ -1135,6 +1135,43 @@ class SupervisorConfig(Strict):
     """The longest wait before a restart."""
 
 
+class Placement(Strict):
+    """Threads and cores of one kind of component, when ``rlstream run`` starts the components
+    on one machine (a cluster's scheduler places pods itself; this section is ignored there)."""
+
+    threads: int | None = Field(None, ge=1, le=1024)
+    """Torch / OpenMP threads of each such process (its ``OMP_NUM_THREADS``). Default: an
+    ``OMP_NUM_THREADS`` set in the environment, else the machine's cores split evenly between
+    the torch processes (the learner, the producers and the annotator stages)."""
+    cpus: list[int] | None = None
+    """Pin each such process to these cores (Linux CPU affinity, set before the process starts,
+    so every thread it makes inherits it). Default: not pinned. Cores the run's own process
+    may not use are refused when the run starts."""
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("cpus: give at least one core, or leave it unset")
+        if any(c < 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"cpus: core numbers must be distinct and >= 0 (got {v})")
+        return sorted(v)
+
+
+class PlacementConfig(Strict):
+    """Where each kind of component runs on a shared machine: ``placement: {learner: {threads: 2},
+    producer: {threads: 1, cpus: [0]}}``. On 2-4 cores the split decides a run's speed: OpenMP
+    threads of two processes spinning on the same cores slow both many times over."""
+
+    learner: Placement = Field(default_factory=Placement)
+    producer: Placement = Field(default_factory=Placement)
+    scorer: Placement = Field(default_factory=Placement)
+    reference: Placement = Field(default_factory=Placement)
+    teacher: Placement = Field(default_factory=Placement)
+
+
 class EvalConfig(Strict):
     """Evaluation on a held-out dataset during training (RL modes), and ``rlstream eval``.
 
@@ -1210,6 +1247,8 @@ class Config(Strict):
     """Multi-turn episodes of an environment (RL modes); None = one completion per sample."""
     progress: ProgressConfig = Field(default_factory=ProgressConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Threads and cores per kind of component under ``rlstream run`` on one machine."""
     report_to: list[ReportSink] = Field(default_factory=list)
     """TRL's key: where the learner's metrics and completions tables also go (``tensorboard``,
     ``wandb``, ``trackio``, ``mlflow``); ``"all"`` = every one installed, ``"none"`` = none.

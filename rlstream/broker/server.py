@@ -12,6 +12,7 @@ messages), and costs CPU when the live heap nears it, so none is set by default.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -60,8 +61,9 @@ _spawner: ThreadPoolExecutor | None = None
 _spawner_lock = threading.Lock()
 
 
-def popen_tied(cmd: list[str], **kw) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, preexec_fn=die_with_parent, **kw)``, safe from any thread.
+def popen_tied(cmd: list[str], *, cpus: list[int] | None = None, **kw) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, preexec_fn=die_with_parent, **kw)``, safe from any thread;
+    ``cpus``: the child starts pinned to these cores (before it runs a line of its own).
 
     Linux ties ``PR_SET_PDEATHSIG`` to the *thread* that forked the child, not the process:
     a server started from a worker thread (``asyncio.to_thread``) got SIGTERM as soon as that
@@ -69,12 +71,18 @@ def popen_tied(cmd: list[str], **kw) -> subprocess.Popen:
     owned it went on. So a child is forked from the main thread, or else from one spawner
     thread that lives as long as the process; it still dies with the process."""
     global _spawner
+    preexec = die_with_parent if cpus is None else functools.partial(_pinned_and_tied, tuple(cpus))
     if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(cmd, preexec_fn=die_with_parent, **kw)
+        return subprocess.Popen(cmd, preexec_fn=preexec, **kw)
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="rlstream-spawner")
-    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=die_with_parent, **kw).result()
+    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=preexec, **kw).result()
+
+
+def _pinned_and_tied(cpus: tuple[int, ...]) -> None:
+    die_with_parent()
+    os.sched_setaffinity(0, cpus)
 
 
 def is_loopback(host: str) -> bool:

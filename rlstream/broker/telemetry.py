@@ -143,6 +143,16 @@ class _Collector:
             yield family
 
 
+def placement_info() -> dict[str, Any]:
+    """This process's torch threads (``OMP_NUM_THREADS``, when set) and the cores it may run
+    on, as ``rlstream status`` shows them for each component."""
+    info: dict[str, Any] = {"cpus": ",".join(map(str, sorted(os.sched_getaffinity(0))))}
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():
+        info["threads"] = int(threads)
+    return info
+
+
 class Reporter:
     """Holds the latest value of each figure; publishes and serves them.
 
@@ -166,7 +176,7 @@ class Reporter:
         self._server = None
         self._proc = psutil.Process(os.getpid())
         # Heartbeats carry the interval so `rlstream status` can tell alive (age < 3 x interval).
-        self.info: dict[str, Any] = {"interval_s": interval_s}
+        self.info: dict[str, Any] = {"interval_s": interval_s, **placement_info()}
         self._js = None
 
     # ---- values ---------------------------------------------------------------------

@@ -34,7 +34,7 @@ from rlstream.broker import EmbeddedServer, Layout
 from rlstream.config import ConfigError, SecretMaskingFormatter, dump_resolved, load_config, mask_secrets
 from rlstream.run.summary import eval_headline, read_eval, read_metrics, settled_accounting, reward_curve, summarize
 from rlstream.observe.rundir import write_broker_record
-from rlstream.run.supervisor import EXIT_USAGE, Outcome, plan_children, streaming, supervise
+from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
 from rlstream.rundir import RunDir, default_run_dir
 
 
@@ -44,6 +44,11 @@ def main(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    placement_problems = check_placement(cfg)
+    for line in placement_problems:
+        print(f"error: {line}", file=sys.stderr)
+    if placement_problems:
+        return EXIT_USAGE
     run_dir = Path(args.run_dir or default_run_dir(cfg.run)).resolve()
     rd = RunDir(run_dir)
     resume, overwrite = bool(getattr(args, "resume", False)), bool(getattr(args, "overwrite", False))

@@ -36,7 +36,7 @@ import nats.errors
 from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import popen_tied
-from rlstream.config import OVERRIDES_ENV, Config
+from rlstream.config import OVERRIDES_ENV, Config, Placement
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.rundir import RunDir
 
@@ -102,9 +102,16 @@ class Child:
     private_env: dict[str, str] = field(default_factory=dict, repr=False)
     """What the process needs that may hold secrets (the ``--set`` overrides, the broker URL):
     passed in its environment, never on its command line (which ``ps`` and the log show)."""
+    placement: Placement | None = None
+    """Its threads (``OMP_NUM_THREADS``) and cores (``placement.<kind>`` of the config)."""
 
     def start(self, env: dict[str, str], resume: bool = False) -> None:
         env = {**env, **self.private_env}
+        cpus = None
+        if self.placement is not None:
+            if self.placement.threads is not None:
+                env["OMP_NUM_THREADS"] = str(self.placement.threads)
+            cpus = self.placement.cpus
         argv = list(self.argv)
         if resume and "--resume" not in argv:
             argv.append("--resume")
@@ -112,7 +119,7 @@ class Child:
         out = open(self.log_path, "ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start {' '.join(argv[2:])}\n".encode())
         out.flush()
-        self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = popen_tied(argv, cpus=cpus, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
         self.started_at, self.started_wall = time.monotonic(), time.time()
 
@@ -145,6 +152,18 @@ def child_env(cfg: Config) -> dict[str, str]:
     return env
 
 
+def check_placement(cfg: Config) -> list[str]:
+    """One line per ``placement.<kind>.cpus`` naming cores this process may not run on."""
+    usable = os.sched_getaffinity(0)
+    problems = []
+    for kind in type(cfg.placement).model_fields:
+        cpus = getattr(cfg.placement, kind).cpus
+        missing = sorted(set(cpus or ()) - usable)
+        if missing:
+            problems.append(f"placement.{kind}.cpus: cores {missing} are not available here (usable: {sorted(usable)})")
+    return problems
+
+
 def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url: str, run_dir: Path, max_steps: int | None) -> list[Child]:
     """The component processes. The ``--set`` overrides and the broker URL may hold secrets
     (a password, a token, a URL with userinfo), so they reach each child through its
@@ -155,7 +174,8 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
     children: list[Child] = []
 
     def add(name: str, kind: str, argv: list[str], once: bool = False) -> None:
-        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private))
+        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private,
+                              placement=getattr(cfg.placement, kind, None)))
 
     if streaming(cfg):
         add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
