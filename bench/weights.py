@@ -127,7 +127,7 @@ async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
 async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int) -> list[dict]:
     from rlstream.broker import Component
     from rlstream.broker.weights import delete_object, list_objects
-    from rlstream.learner.publish import publish_weights, to_safetensors
+    from rlstream.learner.publish import discard_snapshot, publish_weights, snapshot, to_safetensors
 
     procs = [subprocess.Popen([sys.executable, __file__, "--receiver", url, run, str(tmp), f"p{i}"]) for i in range(producers)]
     rows = []
@@ -174,12 +174,11 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
                         for name in await list_objects(comp.js, comp.layout.weights_bucket):  # keep disk and memory low
                             if not name.startswith(f"policy-v{version:06d}"):
                                 await delete_object(comp.js, comp.layout.weights_bucket, name)
-                t0 = time.perf_counter()
-                data = to_safetensors(sd)  # what a background publish holds the step for
-                snapshot_s = time.perf_counter() - t0
-                size_mb = len(data) / 2**20
-                del data
+                size_mb = len(to_safetensors(sd)) / 2**20
                 for transport in TRANSPORTS:
+                    t0 = time.perf_counter()  # what a background publish holds the step for
+                    discard_snapshot(snapshot(config(run, url, tmp, transport, producers).learner, run, 10**6 + version, sd))
+                    snapshot_s = time.perf_counter() - t0
                     publish_s, loaded_s, fetch_s = best[transport]
                     rows.append({"mb": size_mb, "producers": producers, "transport": transport, "publish_s": publish_s,
                                  "loaded_s": loaded_s, "fetch_s": fetch_s, "mb_per_s": size_mb / loaded_s,

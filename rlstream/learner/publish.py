@@ -18,7 +18,8 @@ fetch it. Only the newest ``learner.keep_versions`` are kept. Where the bytes la
 | ``broadcast`` | nowhere: a gloo broadcast to the producers that joined the version's group | SHA-256 per chunk | clusters (:mod:`rlstream.broker.broadcast`) |
 
 Folders are written under a ``.tmp`` name and renamed into place, so a reader never sees half
-a version. Chunk digests are computed in threads while the chunks are written or uploaded.
+a version; for ``local`` and ``shared_path`` the state dict is serialised straight into that
+file (:class:`StagedFile`), with no copy in memory first. Chunk digests are computed in threads.
 
 :class:`BackgroundPublisher` takes publishing off the learner's step: the step pays only for
 the snapshot (serialising the state dict, which copies it); upload and announcement run in a
@@ -31,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -39,7 +41,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 from safetensors.torch import save as st_save
@@ -88,10 +90,11 @@ _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
              torch.bool: "BOOL"}
 
 
-def to_safetensors(state_dict: dict[str, torch.Tensor]) -> bytearray:
+def to_safetensors(state_dict: dict[str, torch.Tensor], alloc: Callable[[int], Any] = bytearray):
     """The safetensors file of ``state_dict`` with one copy of the tensors (``safetensors.torch.save``
     makes two: each tensor to bytes, then the file): the header is laid out first, then every
-    tensor is copied straight into its place in one buffer. Readable by any safetensors reader."""
+    tensor is copied straight into its place in one buffer: ``alloc(size)``'s (a ``bytearray`` by
+    default, or a file's writable mapping). Readable by any safetensors reader."""
     header, offset = {}, 0
     for name in sorted(state_dict):
         t = state_dict[name]
@@ -102,7 +105,7 @@ def to_safetensors(state_dict: dict[str, torch.Tensor]) -> bytearray:
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % 8)  # tensors start 8-byte aligned
-    buf = bytearray(8 + len(head) + offset)
+    buf = alloc(8 + len(head) + offset)
     buf[:8] = len(head).to_bytes(8, "little")
     buf[8:8 + len(head)] = head
     base = 8 + len(head)
@@ -116,43 +119,108 @@ def to_safetensors(state_dict: dict[str, torch.Tensor]) -> bytearray:
     return buf
 
 
-def _write_chunked(directory: Path, data: bytes | bytearray, config_json: str, chunk_size: int, durable: bool) -> list[str]:
-    """``model.safetensors`` (+ ``config.json``) into ``directory``, renamed into place; chunks
-    are written and hashed by parallel threads. Returns the chunk digests."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    # shared memory: only this user's processes on this machine (a mounted volume keeps the
-    # umask's modes: producers in other pods may run under another uid)
-    tmp.mkdir(parents=True, mode=0o777 if durable else 0o700)
-    view = memoryview(data)
-    n = -(-len(view) // chunk_size)
-    fd = os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if durable else 0o600)
+class StagedFile:
+    """A version's ``model.safetensors`` in its folder under the ``.tmp`` name (``local`` and
+    ``shared_path``), serialised straight into the file's mapping: for these transports the
+    snapshot is the file, with no copy of the bytes in between. :meth:`finish` hashes its chunks
+    in parallel threads, writes ``config.json`` and renames the folder into place, so a reader
+    never sees half a version; :meth:`discard` removes it (a version superseded before it went out).
+
+    Shared memory is private to this user (folder 0700, file 0600); a mounted volume keeps the
+    umask's modes, since producers in other pods may run under another uid, and is fsynced."""
+
+    def __init__(self, directory: Path, durable: bool):
+        self.directory, self.durable = directory, durable
+        self.tmp = directory.with_name(directory.name + ".tmp")
+        self._fd: int | None = None
+        self._mm: mmap.mmap | None = None
+        self.size = 0
+
+    def alloc(self, size: int) -> mmap.mmap:
+        """The file, ``size`` bytes long, mapped for writing."""
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True, mode=0o777 if self.durable else 0o700)
+        self._fd = os.open(self.tmp / "model.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666 if self.durable else 0o600)
+        os.ftruncate(self._fd, size)
+        self._mm = mmap.mmap(self._fd, size)
+        self.size = size
+        return self._mm
+
+    def __len__(self) -> int:
+        return self.size
+
+    def finish(self, config_json: str, chunk_size: int) -> list[str]:
+        """Chunk digests; the folder is in place when this returns."""
+        assert self._mm is not None, "alloc() first"
+        view = memoryview(self._mm)
+        n = -(-len(view) // chunk_size)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1, 8))) as pool:
+                digests = list(pool.map(lambda i: hashlib.sha256(view[i * chunk_size:(i + 1) * chunk_size]).hexdigest(), range(n)))
+        finally:
+            view.release()
+        if self.durable:
+            self._mm.flush()
+            os.fsync(self._fd)
+        self._close()
+        with open(self.tmp / "config.json", "w") as f:
+            f.write(config_json)
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        os.replace(self.tmp, self.directory)
+        return digests
+
+    def discard(self) -> None:
+        self._close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def snapshot(lcfg, run: str, version: int, state_dict: dict[str, torch.Tensor]) -> bytearray | StagedFile:
+    """``state_dict`` serialised for ``lcfg.weights_transport``: straight into the version's file
+    for ``local`` and ``shared_path`` (:class:`StagedFile`), else into memory. This is the copy
+    the learner's step waits for under background publishing."""
+    if lcfg.weights_transport not in ("local", "shared_path"):
+        return to_safetensors(state_dict)
+    staged = _staged(lcfg, run, version)
     try:
-        os.ftruncate(fd, len(view))
+        to_safetensors(state_dict, staged.alloc)
+    except OSError as exc:  # a full or missing volume: the publish itself fails, counted, and the next one retries
+        log.warning("weights v%d: cannot stage %s (%s); serialising in memory", version, staged.tmp, exc)
+        staged.discard()
+        return to_safetensors(state_dict)
+    except BaseException:
+        staged.discard()
+        raise
+    return staged
 
-        def one(i: int) -> str:
-            part = view[i * chunk_size:(i + 1) * chunk_size]
-            written = 0
-            while written < len(part):
-                written += os.pwrite(fd, part[written:], i * chunk_size + written)
-            return hashlib.sha256(part).hexdigest()
 
-        with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1, 8))) as pool:
-            digests = list(pool.map(one, range(n)))
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    with open(tmp / "config.json", "w") as f:
-        f.write(config_json)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
-    return digests
+def _staged(lcfg, run: str, version: int) -> StagedFile:
+    local = lcfg.weights_transport == "local"
+    return StagedFile(shared_dir(lcfg.local_path if local else lcfg.shared_path, run, version), durable=not local)
+
+
+def _place(staged: StagedFile | None, lcfg, run: str, version: int, data, config_json: str, chunk: int) -> list[str]:
+    """Bytes handed over as they are (an adapter, a caller's bytes) are copied into a staged file first."""
+    if staged is None:
+        staged = _staged(lcfg, run, version)
+        staged.alloc(len(data))[:] = data
+    try:
+        return staged.finish(config_json, chunk)
+    except BaseException:
+        staged.discard()
+        raise
 
 
 async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str,
@@ -160,7 +228,7 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component.
     ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter."""
     t0 = time.perf_counter()
-    data = await asyncio.to_thread(to_safetensors, state_dict)
+    data = await asyncio.to_thread(snapshot, lcfg, comp.layout.run, version, state_dict)
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
                                adapter_config=adapter_config)
 
@@ -170,7 +238,7 @@ def _kind(adapter_config: str | None) -> dict:
     return {"kind": "lora", "adapter_config": adapter_config} if adapter_config else {}
 
 
-async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, step: int, config_json: str,
+async def publish_bytes(comp, lcfg, data: bytes | bytearray | StagedFile, *, version: int, step: int, config_json: str,
                         started: float | None = None, adapter_config: str | None = None) -> Published:
     """Put serialised weights where ``lcfg.weights_transport`` says, announce them, set the
     version, prune old versions. ``started``: when the publish began (for ``seconds``)."""
@@ -193,7 +261,8 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray, *, version: int, st
     else:
         local = transport == "local"
         directory = shared_dir(lcfg.local_path if local else lcfg.shared_path, layout.run, version)
-        digests = await asyncio.to_thread(_write_chunked, directory, data, config_json, chunk, not local)
+        staged = data if isinstance(data, StagedFile) else None
+        digests = await asyncio.to_thread(_place, staged, lcfg, layout.run, version, data, config_json, chunk)
         location = f"file://{directory}"
         if local:
             extra["host"] = host_id()
@@ -281,7 +350,7 @@ class BackgroundPublisher:
         self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
         self.adapter_config = adapter_config
         self.on_published = on_published
-        self._waiting: tuple[bytes, int, int, float] | None = None
+        self._waiting: tuple[bytearray | StagedFile, int, int, float] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -299,10 +368,11 @@ class BackgroundPublisher:
         if self.failures >= MAX_PUBLISH_FAILURES:
             raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(to_safetensors, state_dict)
+        data = await asyncio.to_thread(snapshot, self.lcfg, self.comp.layout.run, version, state_dict)
         snapshot_s = time.perf_counter() - t0
         if self._waiting is not None:
             self.superseded += 1
+            discard_snapshot(self._waiting[0])
         self._waiting = (data, version, step, t0)
         self._idle.clear()
         self._wake.set()
@@ -353,3 +423,9 @@ class BackgroundPublisher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+
+def discard_snapshot(data) -> None:
+    """Free a snapshot that will never be published (a staged file holds shared memory)."""
+    if isinstance(data, StagedFile):
+        data.discard()

@@ -20,7 +20,7 @@ import torch
 from rlstream.broker import Component, put_object
 from rlstream.broker.weights import delete_object, list_objects, part_name
 from rlstream.config import parse_config
-from rlstream.learner.publish import BackgroundPublisher, publish_bytes, publish_weights
+from rlstream.learner.publish import BackgroundPublisher, StagedFile, publish_bytes, publish_weights, snapshot, to_safetensors
 from rlstream.producers.backends import ProducerError
 from rlstream.producers.backends.base import safetensors_views
 from rlstream.producers.loop import ProducerStats, sync_weights
@@ -321,3 +321,45 @@ async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_i
     with pytest.raises(Exception, match="(?i)timed? ?out|timeout"):
         sender.result()
     assert time.monotonic() - t0 < 2 + 5
+
+
+@pytest.mark.parametrize("transport", ["local", "shared_path"])
+async def test_a_file_transport_s_snapshot_is_the_version_s_file_itself(comp_for, transport):
+    """Serialised straight into the file (no copy in memory first), under the folder's .tmp
+    name until the publish puts it in place; its bytes are the safetensors file of the state."""
+    comp = await comp_for(transport)
+    lcfg, run = comp.cfg.learner, comp.layout.run
+    staged = snapshot(lcfg, run, 7, tensors())
+    assert isinstance(staged, StagedFile) and not staged.directory.exists()
+    assert (staged.tmp / "model.safetensors").read_bytes() == bytes(to_safetensors(tensors()))
+    pub = await publish_bytes(comp, lcfg, staged, version=7, step=7, config_json="{}")
+    assert not staged.tmp.exists() and pub.bytes == len(to_safetensors(tensors()))
+    backend = Loader()
+    assert await sync_weights(comp, backend, 0, ProducerStats()) == 7
+    assert_same(backend.loaded[-1], tensors())
+    assert snapshot(comp.cfg.learner.model_copy(update={"weights_transport": "object_store"}), run, 8, tensors()) \
+        == to_safetensors(tensors())  # the other transports serialise in memory
+
+
+async def test_staged_versions_superseded_or_discarded_leave_no_folder_behind(comp_for):
+    comp = await comp_for("local")
+    lcfg, run = comp.cfg.learner, comp.layout.run
+    staged = snapshot(lcfg, run, 1, tensors())
+    staged.discard()
+    assert not staged.tmp.exists()
+    seen = []
+
+    async def published(pub) -> None:
+        seen.append(None if pub is None else pub.announcement.policy_version)
+
+    publisher = BackgroundPublisher(comp, lcfg, "{}", published)
+    try:
+        for v in range(2, 8):  # faster than they go out: the waiting ones are superseded
+            await publisher.submit(tensors(v), version=v, step=v)
+        await publisher.flush()
+    finally:
+        await publisher.close()
+    root = Path(lcfg.local_path) / run
+    assert seen[-1] == 7 and len(seen) + publisher.superseded == 6
+    assert not list(root.glob("*.tmp"))  # neither a superseded nor a published version left its staging folder
+    assert await comp.state.policy_version() == 7
