@@ -44,7 +44,8 @@ async def agent(base_url: str, question: str) -> str:
                                               logprobs=True, tools=[schema_of(calculator)])
     messages += [{"role": "assistant", "content": r1.choices[0].message.content},
                  {"role": "tool", "content": "7795"}]
-    r2 = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
+    r2 = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True,
+                                              tools=[schema_of(calculator)])
     await client.close()
     return r2.choices[0].message.content
 
@@ -102,6 +103,137 @@ async def test_a_multi_call_episode_is_not_flattened_into_one_sample(backend):
         await agent(gw.base_url("multi"), "What is 1 + 1?")
         with pytest.raises(GatewayError, match="several calls"):
             gw.rollout_group(["multi"], prompt_id="p")
+
+
+SEED = 10
+"""With this torch seed the tiny model's first reply in :func:`three_call_agent` is
+``' 13 7 t 94ns'`` sampled as ``... 'Ġ94' 'n' 's'``, which the tokenizer re-tokenises with the merge
+``'ns'``: the text does not give the sampled ids back (checked as a precondition)."""
+
+
+async def three_call_agent(base_url: str, edit: int | None = None) -> list:
+    """An agent that knows nothing of rlstream: three chat calls, each after appending its own
+    reply as text and a tool result. With ``edit=k`` it rewrites its k-th reply before the third
+    call (edited history)."""
+    from rlstream.envs.tools import calculator
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+    tools = [schema_of(calculator)]
+    messages = [{"role": "user", "content": "What is 12 + 34?"}]
+    responses = []
+    for result in ("46", "46.0", None):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, tools=tools, logprobs=True)
+        responses.append(r)
+        if result is not None:
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "tool", "content": result}]
+        if edit is not None and len(responses) == 2:
+            messages[1 + 2 * edit]["content"] = "the answer is 46"
+    await client.close()
+    return responses
+
+
+def rendered_ids(tokenizer, call) -> list[int]:
+    """The call's conversation re-tokenised whole through the chat template."""
+    return list(tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def teacher_forced_trace(backend, trace) -> np.ndarray:
+    """log p(token t | tokens before t) for every token of the trace after the first prompt, one forward pass."""
+    n = len(trace.prompt_ids)
+    return teacher_forced(backend, trace.token_ids[:n], trace.token_ids[n:])
+
+
+async def test_a_reply_sent_back_as_text_keeps_its_sampled_ids(backend):
+    """Three calls whose replies come back as text that re-tokenises to other ids: each prompt is
+    built from the earlier prompt, the ids sampled there and the template's tokens for the agent's
+    new messages, so the episode is one trace whose model tokens are the sampled ids, byte for byte."""
+    import torch
+
+    from rlstream.producers.backends.base import SamplingSpec
+
+    tok = backend.tokenizer
+    torch.manual_seed(SEED)
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16), policy_version=lambda: 2) as gw:
+        responses = await three_call_agent(gw.base_url("ep"))
+        calls = gw.pop("ep")
+    # precondition: a reply whose text is clean (printable, no special token) re-tokenises to other ids (a merge),
+    # so re-rendering the conversation does not begin with the ids the engine sampled
+    first = calls[0].choices[0]
+    assert first.text.isprintable() and not set(first.token_ids.tolist()) & set(tok.all_special_ids)
+    assert tok(first.text, add_special_tokens=False)["input_ids"] != first.token_ids.tolist()
+    sampled_prefix = calls[0].prompt_ids.tolist() + first.token_ids.tolist()
+    assert rendered_ids(tok, calls[1])[:len(sampled_prefix)] != sampled_prefix
+
+    assert [c.extends for c in calls] == [None, (calls[0].id, 0), (calls[1].id, 0)]
+    for call, r in zip(calls, responses):
+        assert r.model_extra["rlstream"]["prompt_token_ids"] == call.prompt_ids.tolist()
+        assert r.model_extra["rlstream"]["token_ids"] == [call.choices[0].token_ids.tolist()]
+    trace = Gateway.trace(calls)
+    assert len(trace.turns) == 3 and trace.policy_versions == [2, 2, 2]
+    for (a, b), call in zip(trace.turns, calls):
+        assert trace.token_ids[a:b].astype(np.int32).tobytes() == call.choices[0].token_ids.astype(np.int32).tobytes()
+        assert trace.logprobs[a:b].tobytes() == call.choices[0].logprobs.astype(np.float32).tobytes()
+        assert np.array_equal(trace.token_ids[:a], call.prompt_ids)  # the engine generated from exactly these ids
+        assert trace.mask[a:b].all()
+    assert trace.mask.sum() == sum(b - a for a, b in trace.turns)
+    assert (trace.logprobs[trace.mask == 0] == 0).all()
+    # what the agent added between calls (the template's tokens and the tool results) is masked
+    between = tok.decode(trace.token_ids[trace.turns[0][1]:trace.turns[1][0]].tolist())
+    assert between == "<|im_end|>\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
+    # the recorded log-probs are the model's over the trace, teacher-forced in one pass: float32
+    # log-softmax over a 2-layer, 128-wide model, once incrementally (KV cache) and once whole; the
+    # summation order differs, so they agree to a few float32 ulps of O(10) values, far inside 1e-4
+    n = len(trace.prompt_ids)
+    forced = teacher_forced_trace(backend, trace)
+    model = trace.mask[n:] == 1
+    np.testing.assert_allclose(trace.logprobs[n:][model], forced[model], atol=1e-4)
+
+
+async def test_edited_history_opens_a_new_segment(backend):
+    """The agent rewrites its first reply before the third call: that call is served from the
+    conversation as sent (rendered whole), and the episode is two segments, each trainable."""
+    import torch
+
+    from rlstream.producers.backends.base import SamplingSpec
+
+    tok = backend.tokenizer
+    torch.manual_seed(SEED)
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16)) as gw:
+        await three_call_agent(gw.base_url("ep"), edit=0)
+        calls = gw.pop("ep")
+    assert [c.extends for c in calls] == [None, (calls[0].id, 0), None]
+    assert calls[2].messages[1]["content"] == "the answer is 46"
+    assert calls[2].prompt_ids.tolist() == rendered_ids(tok, calls[2])
+    with pytest.raises(GatewayError, match="call 2 .* starts segment 2 of 2"):
+        Gateway.trace(calls)
+    one, two = Gateway.segments(calls)
+    assert [len(one.turns), len(two.turns)] == [2, 1]
+    assert np.array_equal(one.prompt_ids, calls[0].prompt_ids) and np.array_equal(two.prompt_ids, calls[2].prompt_ids)
+    for trace, segment_calls in ((one, calls[:2]), (two, calls[2:])):
+        assert np.array_equal(trace.token_ids[trace.mask == 1], np.concatenate([c.choices[0].token_ids for c in segment_calls]))
+        assert (trace.logprobs[trace.mask == 0] == 0).all()
+        n = len(trace.prompt_ids)
+        model = trace.mask[n:] == 1
+        np.testing.assert_allclose(trace.logprobs[n:][model], teacher_forced_trace(backend, trace)[model], atol=1e-4)
+
+
+async def test_a_reply_edited_later_keeps_the_earlier_sampled_ids(backend):
+    """The agent rewrites its second reply: the third call still begins with the first call's
+    prompt and sampled ids (the longest run that matches), then the rest as text, masked."""
+    import torch
+
+    from rlstream.producers.backends.base import SamplingSpec
+
+    torch.manual_seed(SEED)
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16)) as gw:
+        await three_call_agent(gw.base_url("ep"), edit=1)
+        calls = gw.pop("ep")
+    assert [c.extends for c in calls] == [None, (calls[0].id, 0), (calls[0].id, 0)]
+    kept = calls[0].prompt_ids.tolist() + calls[0].choices[0].token_ids.tolist()
+    assert calls[2].prompt_ids.tolist()[:len(kept)] == kept
+    assert "the answer is 46" in backend.tokenizer.decode(calls[2].prompt_ids[len(kept):].tolist())
+    assert [len(t.turns) for t in Gateway.segments(calls)] == [2, 1]
 
 
 async def test_text_completions_and_models(backend):
