@@ -313,3 +313,28 @@ def test_a_server_that_returns_text_without_token_ids_fails_loudly():
     body["choices"][0]["logprobs"]["tokens"] = ["token_id:19"]
     (c,) = OpenAIBackend._group(body, 1)
     assert c.token_ids.tolist() == [19] and c.logprobs.tolist() == [-0.5]
+
+
+def test_a_reply_sent_back_as_tool_calls_is_recognised():
+    """An agent may send a reply back with the content the gateway returned (the ``<tool_call>``
+    blocks in it) and its ``tool_calls``, or with the ``tool_calls`` alone: either way the message
+    is written as the text the model wrote, once, and is matched to the choice that sampled it."""
+    from rlstream.envs.gateway import CallRecord, Choice, _tool_calls_text
+    from rlstream.envs.tools import format_tool_call
+
+    text = format_tool_call("calculator", {"expression": "12 + 34"})
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 + 34"}'}}
+    as_returned = {"role": "assistant", "content": text, "tool_calls": [call]}
+    calls_only = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert _tool_calls_text(as_returned) == _tool_calls_text(calls_only) == {"role": "assistant", "content": text}
+
+    user = [{"role": "user", "content": "What is 12 + 34?"}]
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    earlier = CallRecord(id="call-a", episode="e", prompt_ids=np.arange(5, dtype=np.int32), policy_version=0, messages=user,
+                         tools=tools, choices=[Choice(np.asarray([7], np.int32), np.zeros(1, np.float32), "stop", "other"),
+                                               Choice(np.asarray([8, 9], np.int32), np.zeros(2, np.float32), "stop", text)])
+    follow = [*user, _tool_calls_text(calls_only), {"role": "tool", "content": "46"}]
+    assert Gateway._earlier([earlier], follow, tools) == (earlier, 1)
+    assert Gateway._earlier([earlier], follow, None) is None  # other tools: the template renders another prompt
+    edited = [*user, {"role": "assistant", "content": text + " "}, {"role": "tool", "content": "46"}]
+    assert Gateway._earlier([earlier], edited, tools) is None
