@@ -32,10 +32,11 @@ model's, so the engine generates from exactly the ids the trace holds.
 differs from what was sampled, an earlier message was rewritten, the ``tools`` changed), the call
 is served anyway: its prompt is rendered from its messages (keeping the sampled ids of the
 longest run of the conversation that still matches an earlier call). Its prompt then no longer
-extends the call before it, so it opens a new *segment*: :meth:`Gateway.segments` lays an episode
-out as one :class:`Trace` per segment, each trainable on its own (model tokens are the sampled
-ids, with their log-probs); :meth:`Gateway.trace` wants a single segment and names the call that
-broke it. Nothing sampled is ever re-tokenised into the loss.
+extends the call before it (unless the rendering happens to reproduce the sampled ids), so it
+opens a new *segment*: :meth:`Gateway.segments` lays an episode out as one :class:`Trace` per
+segment, each trainable on its own (model tokens are the sampled ids, with their log-probs);
+:meth:`Gateway.trace` wants a single segment and names the call that broke it. Nothing sampled is
+ever re-tokenised into the loss.
 
 Endpoints (under ``/e/<episode>/v1`` or plain ``/v1``, where the episode is the
 ``X-Episode-Id`` header or ``default``): ``POST chat/completions`` (``messages``, ``tools``,
