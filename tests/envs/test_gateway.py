@@ -5,6 +5,8 @@ producer's ``openai`` backend plays episodes through it as through any OpenAI-co
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -338,3 +340,73 @@ def test_a_reply_sent_back_as_tool_calls_is_recognised():
     assert Gateway._earlier([earlier], follow, None) is None  # other tools: the template renders another prompt
     edited = [*user, {"role": "assistant", "content": text + " "}, {"role": "tool", "content": "46"}]
     assert Gateway._earlier([earlier], edited, tools) is None
+
+
+QUESTION = [{"role": "user", "content": "What is 12 + 34?"}]
+CALL_ARGS = {"expression": "12 + 34"}
+
+
+@pytest.fixture(scope="module")
+def tool_call_model_dir(tmp_path_factory):
+    """The tiny model taught (a few hundred Adam steps on one sequence) to answer :data:`QUESTION`
+    with a Hermes ``<tool_call>`` of the calculator: a real engine that calls a tool, greedily."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlstream.envs.tools import calculator, format_tool_call
+    from rlstream.tiny import build_tiny_model
+
+    out = build_tiny_model(tmp_path_factory.mktemp("tool-call-model") / "model")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    prompt = list(tok.apply_chat_template(QUESTION, tools=[schema_of(calculator)], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"])
+    target = tok(format_tool_call("calculator", CALL_ARGS), add_special_tokens=False)["input_ids"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.as_tensor(prompt + target)[None]
+    labels = torch.as_tensor([-100] * len(prompt) + target)[None]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            greedy = model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        if greedy == target:
+            break
+    assert greedy == target, "the tiny model did not learn the tool call"
+    model.save_pretrained(str(out))
+    return out, len(target)
+
+
+async def test_a_tool_call_sent_back_as_tool_calls_continues_from_its_sampled_ids(tool_call_model_dir):
+    """A model that calls the calculator: the agent sends the reply back as OpenAI ``tool_calls``
+    (no content, or the content as returned), and the next call continues from the sampled ids."""
+    from rlstream.envs.tools import calculator
+    from rlstream.producers.backends.base import SamplingSpec
+    from rlstream.producers.backends.hf import HFBackend
+
+    model_dir, length = tool_call_model_dir
+    backend = HFBackend(str(model_dir), seed=0)
+    tools = [schema_of(calculator)]
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16)) as gw:
+        for episode, keep_content in (("calls-only", False), ("as-returned", True)):
+            client = openai.AsyncOpenAI(base_url=gw.base_url(episode), api_key="unused")
+            messages = list(QUESTION)
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=length, temperature=0)
+            msg = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "calculator"
+            assert json.loads(msg.tool_calls[0].function.arguments) == CALL_ARGS
+            messages += [{"role": "assistant", "content": msg.content if keep_content else None,
+                          "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+                         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": calculator(**CALL_ARGS)}]
+            await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=4)
+            await client.close()
+            first, second = gw.pop(episode)
+            assert second.extends == (first.id, 0)
+            trace = Gateway.trace([first, second])
+            assert np.array_equal(trace.token_ids[trace.mask == 1],
+                                  np.concatenate([first.choices[0].token_ids, second.choices[0].token_ids]))
+            assert backend.tokenizer.decode(trace.token_ids[trace.turns[0][1]:trace.turns[1][0]].tolist()) == \
+                "<|im_end|>\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
