@@ -108,9 +108,10 @@ class CallRecord:
 
 @dataclass(slots=True)
 class Trace:
-    """A multi-call episode (or one segment of it) as one sequence: ``token_ids`` = the first prompt, then per call its
-    sampled tokens (``mask`` 1, ``logprobs`` as sampled) and what the agent added before the next
-    call (``mask`` 0, ``logprobs`` 0); ``turns`` holds each call's (start, end) in ``token_ids``."""
+    """A multi-call episode (or one segment of it) as one sequence: ``token_ids`` = the first
+    prompt, then per call its sampled tokens (``mask`` 1, ``logprobs`` as sampled) and what the
+    agent added before the next call (``mask`` 0, ``logprobs`` 0); ``turns`` holds each call's
+    (start, end) in ``token_ids``."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -245,11 +246,10 @@ class Gateway:
             try:
                 return _continued(tok, call, choice, rendered[len(call.messages) + 1:]), (call.id, choice)
             except chat.ChatError as exc:  # a template that re-renders earlier turns: the messages as they are
-                log.info("episode %s: the chat template cannot extend call %s by tokens (%s); rendering the messages", episode, call.id, exc)
-        elif len(self.calls.get(episode, [])):
-            log.info("episode %s: a call that continues no earlier reply of the episode (edited history): a new segment", episode)
-        ids = tok.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        return list(ids), None
+                log.info("episode %s: the chat template cannot extend call %s by tokens (%s); rendering the messages",
+                         episode, call.id, exc)
+        ids = tok.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(ids["input_ids"]), None
 
     async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages, *, tools=None,
                       extends: tuple[str, int] | None = None) -> CallRecord:
@@ -289,6 +289,8 @@ class Gateway:
         episode = self._episode(request)
         try:
             earlier = self._earlier(self.calls.get(episode, []), rendered, tools)
+            if earlier is None and self.calls.get(episode):
+                log.info("episode %s: a call that continues no earlier reply of the episode (edited history)", episode)
             ids, extends = await asyncio.to_thread(self._prompt_ids, episode, rendered, tools, earlier)
         except Exception as exc:  # the agent sent what the template cannot render: its error, as OpenAI reports one
             return web.json_response({"error": {"message": f"chat template: {exc}", "type": "invalid_request_error"}}, status=400)
@@ -400,8 +402,9 @@ class Gateway:
         segments = Gateway.segments(calls, choice)
         if len(segments) > 1:
             k = len(segments[0].turns)
-            raise GatewayError(f"call {k} of episode {calls[k].episode!r} does not extend the conversation before it: it starts "
-                               f"segment 2 of {len(segments)} (the agent edited its history); lay the episode out with segments()")
+            raise GatewayError(f"call {k} of episode {calls[k].episode!r} does not extend the conversation before it: it "
+                               f"starts segment 2 of {len(segments)} (the agent edited its history); lay the episode out "
+                               "with segments()")
         return segments[0]
 
 

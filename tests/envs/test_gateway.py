@@ -394,7 +394,8 @@ async def test_a_tool_call_sent_back_as_tool_calls_continues_from_its_sampled_id
         for episode, keep_content in (("calls-only", False), ("as-returned", True)):
             client = openai.AsyncOpenAI(base_url=gw.base_url(episode), api_key="unused")
             messages = list(QUESTION)
-            r = await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=length, temperature=0)
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=length,
+                                                     temperature=0)
             msg = r.choices[0].message
             assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "calculator"
             assert json.loads(msg.tool_calls[0].function.arguments) == CALL_ARGS
