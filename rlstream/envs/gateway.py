@@ -145,6 +145,26 @@ def _continued(tokenizer, earlier: CallRecord, choice: int, rest: list[dict[str,
     return [*earlier.prompt_ids.tolist(), *sampled, *template.close(sampled), *template.observation(rest)]
 
 
+def _episode_sample(calls: list[CallRecord], trace: Trace) -> tuple[Sample, np.ndarray, list[int], list[dict[str, str]]]:
+    """An episode's trace as one sample of a multi-turn group: (the sample, with each token's policy
+    version; its loss mask; its turn ends, model and agent turns alternating; its conversation after
+    the first prompt, the replies as the model said them)."""
+    n = len(trace.prompt_ids)
+    versions = np.empty(len(trace.token_ids), np.int64)
+    ends: list[int] = []
+    for k, ((a, b), version) in enumerate(zip(trace.turns, trace.policy_versions)):
+        more = k + 1 < len(trace.turns)
+        nxt = trace.turns[k + 1][0] if more else b
+        versions[a:nxt] = version  # the tokens the agent added take the version of the model turn before them
+        ends += [b - n, nxt - n] if more else [b - n]
+    last = calls[-1]
+    a, b = trace.turns[-1]
+    choice = next(ch for ch in last.choices if np.array_equal(ch.token_ids, trace.token_ids[a:b]))
+    said = [*(last.messages or [])[len(calls[0].messages or []):], {"role": "assistant", "content": choice.text}]
+    sample = Sample(trace.token_ids[n:], np.minimum(trace.logprobs[n:], 0.0), choice.finish_reason, choice.text, versions[n:])
+    return sample, trace.mask[n:], ends, [{"role": str(m.get("role", "")), "content": str(m.get("content") or "")} for m in said]
+
+
 class Gateway:
     """The HTTP server and the record of every call, by episode.
 
@@ -343,26 +363,57 @@ class Gateway:
 
     def rollout_group(self, episodes: list[str], *, prompt_id: str, run: str = "", columns: dict[str, Any] | None = None,
                       producer_id: str = "gateway") -> RolloutGroup:
-        """One trainable group from single-call episodes that share a prompt: every choice of
-        every call is a sample, with its sampled ids and log-probs. The group's policy version
-        is the oldest of its calls (staleness is never understated)."""
-        calls = [c for e in episodes for c in self.pop(e)]
-        if not calls:
+        """One trainable group from episodes that share a first prompt; the gateway forgets their calls.
+
+        Single-call episodes: every choice of every call is a sample, with its sampled ids and
+        log-probs. When an episode made several calls, the group is one of multi-turn episodes
+        (RolloutGroup v4): such an episode is one sample, its :meth:`trace` after the first prompt
+        (it must be one segment), with model tokens at loss mask 1 and the tokens the agent added
+        at 0, and its turns; a single-call episode's choices are then samples of one model turn.
+        The group's policy version is the oldest of its calls (staleness is never understated);
+        when the calls' versions differ, every token carries its own (v5 version runs: a token the
+        agent added takes the version of the model turn before it)."""
+        per_episode = [calls for calls in (self.calls.get(e, []) for e in episodes) if calls]
+        if not per_episode:
             raise GatewayError(f"no calls were recorded for episodes {episodes}")
-        per_episode = {c.episode for c in calls}
-        if len(calls) != len(per_episode):
-            raise GatewayError("an episode made several calls: lay it out with trace() (a multi-turn record), not as one sample")
-        first = calls[0]
-        if any(not np.array_equal(c.prompt_ids, first.prompt_ids) for c in calls):
+        first = per_episode[0][0]
+        if any(not np.array_equal(calls[0].prompt_ids, first.prompt_ids) for calls in per_episode):
             raise GatewayError("the episodes' calls have different prompts; a group needs one prompt")
-        samples = [Sample(ch.token_ids, np.minimum(ch.logprobs, 0.0), ch.finish_reason, ch.text) for c in calls for ch in c.choices]
         messages = [m for m in (first.messages or []) if isinstance(m.get("content"), str)]
+        fields = dict(id="r" + uuid.uuid4().hex, run=run, prompt_id=prompt_id, prompt_ids=first.prompt_ids,
+                      prompt_text=self.backend.tokenizer.decode(first.prompt_ids.tolist()),
+                      policy_version=min(c.policy_version for calls in per_episode for c in calls), producer_id=producer_id,
+                      columns=dict(columns or {}),
+                      prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages] or None)
+        backend = f"gateway/{getattr(self.backend, 'name', '?')}"
+        if all(len(calls) == 1 for calls in per_episode):
+            samples = [Sample(ch.token_ids, np.minimum(ch.logprobs, 0.0), ch.finish_reason, ch.text)
+                       for (call,) in per_episode for ch in call.choices]
+            group = RolloutGroup.from_samples(samples, sampling={"backend": backend, "n": len(samples)}, **fields)
+        else:
+            group = self._episode_group(per_episode, backend, fields)
+        for e in episodes:  # forgotten once they make a group (a refused group leaves them to lay out otherwise)
+            self.calls.pop(e, None)
+        return group
+
+    @staticmethod
+    def _episode_group(per_episode: list[list[CallRecord]], backend: str, fields: dict[str, Any]) -> RolloutGroup:
+        """The multi-turn group of :meth:`rollout_group` (its ``fields`` given)."""
+        laid_out = []  # per sample: (Sample, loss mask, turn ends, conversation after the prompt)
+        for calls in per_episode:  # a single call's choices are samples of one turn; a longer episode is its trace
+            choices = range(len(calls[0].choices)) if len(calls) == 1 else (0,)
+            laid_out += [_episode_sample(calls, Gateway.trace(calls, i)) for i in choices]
+        samples = [s for s, *_ in laid_out]
+        if len({c.policy_version for calls in per_episode for c in calls}) == 1:
+            samples = [s._replace(versions=None) for s in samples]
         return RolloutGroup.from_samples(
-            samples, id="r" + uuid.uuid4().hex, run=run, prompt_id=prompt_id, prompt_ids=first.prompt_ids,
-            prompt_text=self.backend.tokenizer.decode(first.prompt_ids.tolist()),
-            policy_version=min(c.policy_version for c in calls), producer_id=producer_id, columns=dict(columns or {}),
-            sampling={"backend": f"gateway/{getattr(self.backend, 'name', '?')}", "n": len(samples)},
-            prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages] or None)
+            samples, sampling={"backend": backend, "n": len(samples)},
+            loss_mask=np.concatenate([mask for _, mask, _, _ in laid_out]).astype(np.uint8),
+            turn_counts=np.asarray([len(ends) for _, _, ends, _ in laid_out], np.int32),
+            turn_ends=np.asarray([e for _, _, ends, _ in laid_out for e in ends], np.int32),
+            turn_rewards=np.zeros(sum(len(ends) for _, _, ends, _ in laid_out), np.float32),
+            env_rewards=np.zeros(len(laid_out), np.float32),
+            episode_messages=[conv for *_, conv in laid_out], **fields)
 
     @staticmethod
     def segments(calls: list[CallRecord], choice: int = 0) -> list[Trace]:
@@ -378,7 +429,7 @@ class Gateway:
         for call in calls:
             ch = call.choices[continued.get(call.id, choice)]
             so_far = out[-1].token_ids if out else None
-            if so_far is not None and len(call.prompt_ids) >= len(so_far) and np.array_equal(call.prompt_ids[:len(so_far)], so_far):
+            if so_far is not None and np.array_equal(call.prompt_ids[:len(so_far)], so_far):
                 t = out[-1]
                 added = call.prompt_ids[len(so_far):]
                 start = len(call.prompt_ids)

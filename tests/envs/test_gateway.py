@@ -98,15 +98,6 @@ async def test_single_call_episodes_become_a_rollout_group_that_decodes(backend)
     assert back.samples[1].completion_ids.tolist() == ext["token_ids"][1]
 
 
-async def test_a_multi_call_episode_is_not_flattened_into_one_sample(backend):
-    from rlstream.producers.backends.base import SamplingSpec
-
-    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=4)) as gw:
-        await agent(gw.base_url("multi"), "What is 1 + 1?")
-        with pytest.raises(GatewayError, match="several calls"):
-            gw.rollout_group(["multi"], prompt_id="p")
-
-
 SEED = 10
 """With this torch seed the tiny model's first reply in :func:`three_call_agent` is
 ``' 13 7 t 94ns'`` sampled as ``... 'Ġ94' 'n' 's'``, which the tokenizer re-tokenises with the merge
@@ -236,6 +227,45 @@ async def test_a_reply_edited_later_keeps_the_earlier_sampled_ids(backend):
     assert calls[2].prompt_ids.tolist()[:len(kept)] == kept
     assert "the answer is 46" in backend.tokenizer.decode(calls[2].prompt_ids[len(kept):].tolist())
     assert [len(t.turns) for t in Gateway.segments(calls)] == [2, 1]
+
+
+async def test_multi_call_episodes_become_a_group_of_episodes(backend):
+    """Two three-call episodes of one question (new weights between them) are one RolloutGroup v4
+    of two samples: each is its trace after the first prompt, its turns alternating model and
+    agent, the agent's tokens at loss mask 0; every token carries the version that sampled it (v5
+    runs); it survives the wire. An episode whose history was edited (two segments) is refused."""
+    import torch
+
+    from rlstream.producers.backends.base import SamplingSpec
+
+    version = {"v": 3}
+    torch.manual_seed(SEED)
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16), policy_version=lambda: version["v"]) as gw:
+        await three_call_agent(gw.base_url("a"))
+        version["v"] = 4
+        await three_call_agent(gw.base_url("b"))
+        traces = [Gateway.trace(gw.calls[e]) for e in ("a", "b")]
+        group = RolloutGroup.decode(gw.rollout_group(["a", "b"], prompt_id="p", columns={"answer": "46"}).encode())
+        await three_call_agent(gw.base_url("edited"), edit=0)
+        with pytest.raises(GatewayError, match="segments"):
+            gw.rollout_group(["edited"], prompt_id="p")
+        assert [len(t.turns) for t in Gateway.segments(gw.pop("edited"))] == [2, 1]  # still there to lay out
+        assert gw.calls == {}
+    assert group.is_episode and group.group_size == 2 and group.policy_version == 3 and group.newest_version() == 4
+    assert np.array_equal(group.prompt_ids, traces[0].prompt_ids)
+    assert group.prompt_messages == [{"role": "user", "content": "What is 12 + 34?"}]
+    n = len(group.prompt_ids)
+    for sample, mask, turns, versions, trace in zip(group.samples, group.sample_masks(), group.sample_turns(),
+                                                     (3, 4), traces):
+        assert sample.completion_ids.tolist() == trace.token_ids[n:].tolist()
+        assert sample.logprobs.tobytes() == np.minimum(trace.logprobs[n:], 0).tobytes()
+        assert mask.tolist() == trace.mask[n:].tolist()
+        assert (sample.versions == versions).all()
+        assert [(a + n, b + n) for a, b, is_model in turns if is_model] == trace.turns
+        assert [is_model for *_, is_model in turns] == [True, False, True, False, True]
+    readable = group.episode_turns()[0]
+    assert [t["kind"] for t in readable] == ["model", "env", "model", "env", "model"]
+    assert group.episode_messages[0][1] == {"role": "tool", "content": "46"}
 
 
 async def test_text_completions_and_models(backend):
