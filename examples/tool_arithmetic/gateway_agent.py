@@ -3,8 +3,8 @@ program (a calculator tool loop) that knows nothing of rlstream. It sends the mo
 as text (with their `tool_calls`), as any agent does; the gateway in front of the policy's engine
 records every call and builds each later call's prompt from the ids it sampled before, so a
 multi-call episode becomes one masked token sequence of exactly the sampled ids (model tokens
-trained, the template's tokens and the tool results masked). Single-call episodes become a
-RolloutGroup.
+trained, the template's tokens and the tool results masked). The episodes of the question become
+one RolloutGroup (of multi-turn episodes once any made several calls).
 
     python -m examples.tool_arithmetic.gateway_agent MODEL_DIR [--episodes 4]
 """
@@ -58,11 +58,11 @@ async def main(model_dir: str, episodes: int) -> None:
             trace = Gateway.trace(calls)  # the agent never edits its history: one segment
             print(f"{name}: {len(calls)} call(s) ({continued} continued from sampled ids), {int(trace.mask.sum())} model tokens "
                   f"of {len(trace.token_ids)}, turns {trace.turns}, final reply {reply!r}")
-        single = [n for n in names if len(gw.calls.get(n, [])) == 1]
-        if single:
-            group = gw.rollout_group(single, prompt_id="agent-demo", columns={"answer": str(a + b)})
-            print(f"rollout group of {group.group_size} single-call episodes, {group.num_tokens()} tokens, "
-                  f"policy version {group.policy_version}, {len(group.encode())} bytes on the wire")
+        group = gw.rollout_group(names, prompt_id="agent-demo", columns={"answer": str(a + b)})
+        kind = "multi-turn episodes" if group.is_episode else "single-call episodes"
+        print(f"rollout group of {group.group_size} {kind}, {group.num_tokens()} tokens "
+              f"({int(sum(m.sum() for m in group.sample_masks()))} trained), policy version {group.policy_version}, "
+              f"{len(group.encode())} bytes on the wire")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ anything with ``generate(prompts, spec)`` and a ``tokenizer``) and recorded: the
 ids as the chat template rendered them, each choice's sampled token ids and their behaviour
 log-probs (exactly as the engine returned them, never re-tokenised from text), the finish
 reason, and the policy version of the weights that sampled them. Afterwards
-:meth:`Gateway.rollout_group` turns the calls of a set of episodes into a trainable
-:class:`~rlstream.schemas.RolloutGroup`, and :meth:`Gateway.trace` lays a multi-call episode
-out as one token sequence with a loss mask (model tokens 1, everything the agent added
-between calls 0) and each call's boundaries.
+:meth:`Gateway.trace` lays a multi-call episode out as one token sequence with a loss mask
+(model tokens 1, everything the agent added between calls 0) and each call's boundaries, and
+:meth:`Gateway.rollout_group` turns the episodes of one prompt into a trainable
+:class:`~rlstream.schemas.RolloutGroup` (of multi-turn episodes, v4, when any made several calls).
 
 **A reply sent back as text keeps its sampled ids.** An agent continues a conversation by sending
 its earlier messages again with the model's reply as an assistant message (the text the gateway
