@@ -1,7 +1,9 @@
 """The OpenAI-compatible gateway in front of the tiny model's HF backend: an agent written
 against the plain ``openai`` client runs unchanged, and what the gateway recorded is exactly
-what the engine sampled (ids, and log-probs equal to a teacher-forced pass of the model); the
-producer's ``openai`` backend plays episodes through it as through any OpenAI-compatible server."""
+what the engine sampled (ids, and log-probs equal to a teacher-forced pass of the model). An agent
+that sends its replies back as text (which re-tokenises to other ids) still gets one trace of the
+sampled ids, and edited history opens a new segment. The producer's ``openai`` backend plays
+episodes through it as through any OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -227,6 +229,28 @@ async def test_a_reply_edited_later_keeps_the_earlier_sampled_ids(backend):
     assert calls[2].prompt_ids.tolist()[:len(kept)] == kept
     assert "the answer is 46" in backend.tokenizer.decode(calls[2].prompt_ids[len(kept):].tolist())
     assert [len(t.turns) for t in Gateway.segments(calls)] == [2, 1]
+
+
+async def test_the_agent_continues_the_choice_it_picked(backend):
+    """A first call with ``n=2``; the agent goes on with the second choice: the next prompt is built
+    from that choice's sampled ids, and the trace lays that choice out."""
+    from rlstream.producers.backends.base import SamplingSpec
+
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=16)) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url("pick"), api_key="unused")
+        messages = [{"role": "user", "content": "What is 12 + 34?"}]
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, n=2)
+        messages += [{"role": "assistant", "content": r.choices[1].message.content}, {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        await client.close()
+        first, second = gw.pop("pick")
+    picked = first.choices[1].token_ids
+    assert first.choices[0].text != first.choices[1].text  # precondition: the two replies differ
+    assert second.extends == (first.id, 1)
+    assert np.array_equal(second.prompt_ids[:len(first.prompt_ids) + len(picked)], np.concatenate([first.prompt_ids, picked]))
+    trace = Gateway.trace([first, second])
+    a, b = trace.turns[0]
+    assert np.array_equal(trace.token_ids[a:b], picked)
 
 
 async def test_multi_call_episodes_become_a_group_of_episodes(backend):
