@@ -1,7 +1,10 @@
 """A black-box agent trained through the gateway: the agent below is a plain `openai`-client
-program (a calculator tool loop) that knows nothing of rlstream. The gateway in front of the
-policy's engine records every call it makes; its single-call episodes become a RolloutGroup, and
-a multi-call episode becomes one masked token sequence (model tokens trained, the rest masked).
+program (a calculator tool loop) that knows nothing of rlstream. It sends the model's replies back
+as text (with their `tool_calls`), as any agent does; the gateway in front of the policy's engine
+records every call and builds each later call's prompt from the ids it sampled before, so a
+multi-call episode becomes one masked token sequence of exactly the sampled ids (model tokens
+trained, the template's tokens and the tool results masked). The episodes of the question become
+one RolloutGroup (of multi-turn episodes once any made several calls).
 
     python -m examples.tool_arithmetic.gateway_agent MODEL_DIR [--episodes 4]
 """
@@ -51,14 +54,15 @@ async def main(model_dir: str, episodes: int) -> None:
         replies = await asyncio.gather(*(agent(gw.base_url(n), task.question(a, b)) for n in names))
         for name, reply in zip(names, replies):
             calls = gw.calls.get(name, [])
-            trace = Gateway.trace(calls)
-            print(f"{name}: {len(calls)} call(s), {int(trace.mask.sum())} model tokens of {len(trace.token_ids)}, "
-                  f"turns {trace.turns}, final reply {reply!r}")
-        single = [n for n in names if len(gw.calls.get(n, [])) == 1]
-        if single:
-            group = gw.rollout_group(single, prompt_id="agent-demo", columns={"answer": str(a + b)})
-            print(f"rollout group of {group.group_size} single-call episodes, {group.num_tokens()} tokens, "
-                  f"policy version {group.policy_version}, {len(group.encode())} bytes on the wire")
+            continued = sum(c.extends is not None for c in calls)  # later calls built from the sampled ids
+            trace = Gateway.trace(calls)  # the agent never edits its history: one segment
+            print(f"{name}: {len(calls)} call(s) ({continued} continued from sampled ids), {int(trace.mask.sum())} model tokens "
+                  f"of {len(trace.token_ids)}, turns {trace.turns}, final reply {reply!r}")
+        group = gw.rollout_group(names, prompt_id="agent-demo", columns={"answer": str(a + b)})
+        kind = "multi-turn episodes" if group.is_episode else "single-call episodes"
+        print(f"rollout group of {group.group_size} {kind}, {group.num_tokens()} tokens "
+              f"({int(sum(m.sum() for m in group.sample_masks()))} trained), policy version {group.policy_version}, "
+              f"{len(group.encode())} bytes on the wire")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,36 @@ anything with ``generate(prompts, spec)`` and a ``tokenizer``) and recorded: the
 ids as the chat template rendered them, each choice's sampled token ids and their behaviour
 log-probs (exactly as the engine returned them, never re-tokenised from text), the finish
 reason, and the policy version of the weights that sampled them. Afterwards
-:meth:`Gateway.rollout_group` turns the calls of a set of episodes into a trainable
-:class:`~rlstream.schemas.RolloutGroup`, and :meth:`Gateway.trace` lays a multi-call episode
-out as one token sequence with a loss mask (model tokens 1, everything the agent added
-between calls 0) and each call's boundaries.
+:meth:`Gateway.trace` lays a multi-call episode out as one token sequence with a loss mask
+(model tokens 1, everything the agent added between calls 0) and each call's boundaries, and
+:meth:`Gateway.rollout_group` turns the episodes of one prompt into a trainable
+:class:`~rlstream.schemas.RolloutGroup` (of multi-turn episodes, v4, when any made several calls).
+
+**A reply sent back as text keeps its sampled ids.** An agent continues a conversation by sending
+its earlier messages again with the model's reply as an assistant message (the text the gateway
+returned, or its ``tool_calls``, which the gateway writes back as the text the model wrote).
+Re-tokenising that text need not give the sampled ids back: a byte-level BPE tokenizer may merge
+across the boundary of two sampled tokens (``" 1"`` ``"2"`` sampled, ``" 12"`` re-tokenised), or a
+token that is not valid UTF-8 alone decodes lossily. So when a chat call repeats an earlier call
+of its episode (that call's messages, then one of its choices' replies), the new prompt is built
+from ids, as the built-in episodes build theirs (:class:`rlstream.chat.EpisodeTemplate`):
+
+    earlier prompt ids + that choice's sampled ids + the template's tokens for what follows
+
+(the end of the model's turn it did not sample, the agent's new messages, the next generation
+prompt). The earlier call is the one with the longest conversation that matches; the new call
+records it in :attr:`CallRecord.extends`. Only the template's own tokens are rendered, never the
+model's, so the engine generates from exactly the ids the trace holds.
+
+**Edited history starts a new segment.** When the agent changed what it sends back (a reply's text
+differs from what was sampled, an earlier message was rewritten, the ``tools`` changed), the call
+is served anyway: its prompt is rendered from its messages (keeping the sampled ids of the
+longest run of the conversation that still matches an earlier call). Its prompt then no longer
+extends the call before it (unless the rendering happens to reproduce the sampled ids), so it
+opens a new *segment*: :meth:`Gateway.segments` lays an episode out as one :class:`Trace` per
+segment, each trainable on its own (model tokens are the sampled ids, with their log-probs);
+:meth:`Gateway.trace` wants a single segment and names the call that broke it. Nothing sampled is
+ever re-tokenised into the loss.
 
 Endpoints (under ``/e/<episode>/v1`` or plain ``/v1``, where the episode is the
 ``X-Episode-Id`` header or ``default``): ``POST chat/completions`` (``messages``, ``tools``,
@@ -42,6 +68,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rlstream import chat
 from rlstream.envs.tools import format_tool_call, parse_tool_calls
 from rlstream.schemas import RolloutGroup
 from rlstream.schemas.records import Sample
@@ -72,13 +99,19 @@ class CallRecord:
     policy_version: int
     messages: list[dict[str, Any]] | None = None
     ts: float = field(default_factory=time.time)
+    tools: list[dict[str, Any]] | None = None
+    extends: tuple[str, int] | None = None
+    """(call id, choice) of the earlier call whose prompt and sampled ids this call's prompt begins
+    with, because the agent sent that call's messages and reply back; None when the prompt was
+    rendered from the messages alone (a first call, or edited history)."""
 
 
 @dataclass(slots=True)
 class Trace:
-    """A multi-call episode as one sequence: ``token_ids`` = the first prompt, then per call its
-    sampled tokens (``mask`` 1, ``logprobs`` as sampled) and what the agent added before the next
-    call (``mask`` 0, ``logprobs`` 0); ``turns`` holds each call's (start, end) in ``token_ids``."""
+    """A multi-call episode (or one segment of it) as one sequence: ``token_ids`` = the first
+    prompt, then per call its sampled tokens (``mask`` 1, ``logprobs`` as sampled) and what the
+    agent added before the next call (``mask`` 0, ``logprobs`` 0); ``turns`` holds each call's
+    (start, end) in ``token_ids``."""
 
     prompt_ids: np.ndarray
     token_ids: np.ndarray
@@ -89,16 +122,47 @@ class Trace:
 
 
 def _tool_calls_text(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message with OpenAI ``tool_calls`` as the Hermes text the model wrote."""
+    """An assistant message with OpenAI ``tool_calls`` as the Hermes text the model wrote. Content
+    that already holds the ``<tool_call>`` blocks (as the gateway returns a reply) is that text."""
     calls = message.get("tool_calls") or []
-    if message.get("role") != "assistant" or not calls:
-        return {k: v for k, v in message.items() if k in ("role", "content", "name")} | {"content": message.get("content") or ""}
-    parts = [message.get("content") or ""]
+    content = message.get("content") or ""
+    if message.get("role") != "assistant" or not calls or (isinstance(content, str) and parse_tool_calls(content)[0]):
+        return {k: v for k, v in message.items() if k in ("role", "content", "name")} | {"content": content}
+    parts = [content]
     for c in calls:
         fn = c.get("function", {})
         args = fn.get("arguments") or "{}"
         parts.append(format_tool_call(fn.get("name", ""), json.loads(args) if isinstance(args, str) else args))
     return {"role": "assistant", "content": "\n".join(p for p in parts if p)}
+
+
+def _continued(tokenizer, earlier: CallRecord, choice: int, rest: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids of a call that repeats ``earlier``'s messages and its ``choice``'s reply, then
+    ``rest``: ``earlier``'s prompt ids, the ids sampled there, and the template's tokens after them
+    (raises :class:`~rlstream.chat.ChatError` where the template cannot be extended token by token)."""
+    template = chat.EpisodeTemplate(tokenizer, earlier.messages, earlier.tools)
+    sampled = earlier.choices[choice].token_ids.tolist()
+    return [*earlier.prompt_ids.tolist(), *sampled, *template.close(sampled), *template.observation(rest)]
+
+
+def _episode_sample(calls: list[CallRecord], trace: Trace) -> tuple[Sample, np.ndarray, list[int], list[dict[str, str]]]:
+    """An episode's trace as one sample of a multi-turn group: (the sample, with each token's policy
+    version; its loss mask; its turn ends, model and agent turns alternating; its conversation after
+    the first prompt, the replies as the model said them)."""
+    n = len(trace.prompt_ids)
+    versions = np.empty(len(trace.token_ids), np.int64)
+    ends: list[int] = []
+    for k, ((a, b), version) in enumerate(zip(trace.turns, trace.policy_versions)):
+        more = k + 1 < len(trace.turns)
+        nxt = trace.turns[k + 1][0] if more else b
+        versions[a:nxt] = version  # the tokens the agent added take the version of the model turn before them
+        ends += [b - n, nxt - n] if more else [b - n]
+    last = calls[-1]
+    a, b = trace.turns[-1]
+    choice = next(ch for ch in last.choices if np.array_equal(ch.token_ids, trace.token_ids[a:b]))
+    said = [*(last.messages or [])[len(calls[0].messages or []):], {"role": "assistant", "content": choice.text}]
+    sample = Sample(trace.token_ids[n:], np.minimum(trace.logprobs[n:], 0.0), choice.finish_reason, choice.text, versions[n:])
+    return sample, trace.mask[n:], ends, [{"role": str(m.get("role", "")), "content": str(m.get("content") or "")} for m in said]
 
 
 class Gateway:
@@ -176,14 +240,46 @@ class Gateway:
         known = {f.name for f in dataclasses.fields(self.defaults)}
         return dataclasses.replace(self.defaults, **{k: v for k, v in changes.items() if k in known})
 
-    async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages) -> CallRecord:
+    @staticmethod
+    def _earlier(calls: list[CallRecord], rendered: list[dict[str, Any]], tools) -> tuple[CallRecord, int] | None:
+        """The earlier chat call (and its choice) whose messages ``rendered`` repeats, followed by
+        that choice's reply as the gateway returned it; the one with the longest conversation."""
+        best = None
+        for call in calls:
+            n = len(call.messages or ())
+            if (call.messages is None or call.tools != tools or len(rendered) <= n or rendered[:n] != call.messages
+                    or rendered[n].get("role") != "assistant" or (best is not None and n <= len(best[0].messages))):
+                continue
+            for i, ch in enumerate(call.choices):
+                if rendered[n].get("content") == ch.text:
+                    best = (call, i)
+                    break
+        return best
+
+    def _prompt_ids(self, episode: str, rendered: list[dict[str, Any]], tools,
+                    earlier: tuple[CallRecord, int] | None) -> tuple[list[int], tuple[str, int] | None]:
+        """A chat call's prompt ids, and the earlier call and choice they continue (see the module
+        docstring): built from that call's ids when the agent sent its reply back, else rendered."""
+        tok = self.backend.tokenizer
+        if earlier is not None:
+            call, choice = earlier
+            try:
+                return _continued(tok, call, choice, rendered[len(call.messages) + 1:]), (call.id, choice)
+            except chat.ChatError as exc:  # a template that re-renders earlier turns: the messages as they are
+                log.info("episode %s: the chat template cannot extend call %s by tokens (%s); rendering the messages",
+                         episode, call.id, exc)
+        ids = tok.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(ids["input_ids"]), None
+
+    async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages, *, tools=None,
+                      extends: tuple[str, int] | None = None) -> CallRecord:
         spec = self._spec(body)
         version = int(self.policy_version())
         (completions,) = await self.backend.generate([np.asarray(prompt_ids, np.int32)], spec)
         record = CallRecord(id="call-" + uuid.uuid4().hex[:16], episode=episode, prompt_ids=np.asarray(prompt_ids, np.int32),
                             choices=[Choice(np.asarray(c.token_ids, np.int32), np.asarray(c.logprobs, np.float32), c.finish_reason, c.text)
                                      for c in completions],
-                            policy_version=version, messages=messages)
+                            policy_version=version, messages=messages, tools=tools, extends=extends)
         self.calls.setdefault(episode, []).append(record)
         return record
 
@@ -210,13 +306,15 @@ class Gateway:
             return web.json_response({"error": {"message": "messages must be a non-empty list", "type": "invalid_request_error"}}, status=400)
         rendered = [_tool_calls_text(m) for m in messages]
         tools = body.get("tools") or None
-        tok = self.backend.tokenizer
+        episode = self._episode(request)
         try:
-            ids = await asyncio.to_thread(lambda: list(tok.apply_chat_template(
-                rendered, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+            earlier = self._earlier(self.calls.get(episode, []), rendered, tools)
+            if earlier is None and self.calls.get(episode):
+                log.info("episode %s: a call that continues no earlier reply of the episode (edited history)", episode)
+            ids, extends = await asyncio.to_thread(self._prompt_ids, episode, rendered, tools, earlier)
         except Exception as exc:  # the agent sent what the template cannot render: its error, as OpenAI reports one
             return web.json_response({"error": {"message": f"chat template: {exc}", "type": "invalid_request_error"}}, status=400)
-        record = await self._sample(self._episode(request), ids, body, rendered)
+        record = await self._sample(episode, ids, body, rendered, tools=tools, extends=extends)
         choices = []
         for i, c in enumerate(record.choices):
             calls, _ = parse_tool_calls(c.text) if tools else ([], [])
@@ -265,57 +363,100 @@ class Gateway:
 
     def rollout_group(self, episodes: list[str], *, prompt_id: str, run: str = "", columns: dict[str, Any] | None = None,
                       producer_id: str = "gateway") -> RolloutGroup:
-        """One trainable group from single-call episodes that share a prompt: every choice of
-        every call is a sample, with its sampled ids and log-probs. The group's policy version
-        is the oldest of its calls (staleness is never understated)."""
-        calls = [c for e in episodes for c in self.pop(e)]
-        if not calls:
+        """One trainable group from episodes that share a first prompt; the gateway forgets their calls.
+
+        Single-call episodes: every choice of every call is a sample, with its sampled ids and
+        log-probs. When an episode made several calls, the group is one of multi-turn episodes
+        (RolloutGroup v4): such an episode is one sample, its :meth:`trace` after the first prompt
+        (it must be one segment), with model tokens at loss mask 1 and the tokens the agent added
+        at 0, and its turns; a single-call episode's choices are then samples of one model turn.
+        The group's policy version is the oldest of its calls (staleness is never understated);
+        when the calls' versions differ, every token carries its own (v5 version runs: a token the
+        agent added takes the version of the model turn before it)."""
+        per_episode = [calls for calls in (self.calls.get(e, []) for e in episodes) if calls]
+        if not per_episode:
             raise GatewayError(f"no calls were recorded for episodes {episodes}")
-        per_episode = {c.episode for c in calls}
-        if len(calls) != len(per_episode):
-            raise GatewayError("an episode made several calls: lay it out with trace() (a multi-turn record), not as one sample")
-        first = calls[0]
-        if any(not np.array_equal(c.prompt_ids, first.prompt_ids) for c in calls):
+        first = per_episode[0][0]
+        if any(not np.array_equal(calls[0].prompt_ids, first.prompt_ids) for calls in per_episode):
             raise GatewayError("the episodes' calls have different prompts; a group needs one prompt")
-        samples = [Sample(ch.token_ids, np.minimum(ch.logprobs, 0.0), ch.finish_reason, ch.text) for c in calls for ch in c.choices]
         messages = [m for m in (first.messages or []) if isinstance(m.get("content"), str)]
+        fields = dict(id="r" + uuid.uuid4().hex, run=run, prompt_id=prompt_id, prompt_ids=first.prompt_ids,
+                      prompt_text=self.backend.tokenizer.decode(first.prompt_ids.tolist()),
+                      policy_version=min(c.policy_version for calls in per_episode for c in calls), producer_id=producer_id,
+                      columns=dict(columns or {}),
+                      prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages] or None)
+        backend = f"gateway/{getattr(self.backend, 'name', '?')}"
+        if all(len(calls) == 1 for calls in per_episode):
+            samples = [Sample(ch.token_ids, np.minimum(ch.logprobs, 0.0), ch.finish_reason, ch.text)
+                       for (call,) in per_episode for ch in call.choices]
+            group = RolloutGroup.from_samples(samples, sampling={"backend": backend, "n": len(samples)}, **fields)
+        else:
+            group = self._episode_group(per_episode, backend, fields)
+        for e in episodes:  # forgotten once they make a group (a refused group leaves them to lay out otherwise)
+            self.calls.pop(e, None)
+        return group
+
+    @staticmethod
+    def _episode_group(per_episode: list[list[CallRecord]], backend: str, fields: dict[str, Any]) -> RolloutGroup:
+        """The multi-turn group of :meth:`rollout_group` (its ``fields`` given)."""
+        laid_out = []  # per sample: (Sample, loss mask, turn ends, conversation after the prompt)
+        for calls in per_episode:  # a single call's choices are samples of one turn; a longer episode is its trace
+            choices = range(len(calls[0].choices)) if len(calls) == 1 else (0,)
+            laid_out += [_episode_sample(calls, Gateway.trace(calls, i)) for i in choices]
+        samples = [s for s, *_ in laid_out]
+        if len({c.policy_version for calls in per_episode for c in calls}) == 1:
+            samples = [s._replace(versions=None) for s in samples]
         return RolloutGroup.from_samples(
-            samples, id="r" + uuid.uuid4().hex, run=run, prompt_id=prompt_id, prompt_ids=first.prompt_ids,
-            prompt_text=self.backend.tokenizer.decode(first.prompt_ids.tolist()),
-            policy_version=min(c.policy_version for c in calls), producer_id=producer_id, columns=dict(columns or {}),
-            sampling={"backend": f"gateway/{getattr(self.backend, 'name', '?')}", "n": len(samples)},
-            prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages] or None)
+            samples, sampling={"backend": backend, "n": len(samples)},
+            loss_mask=np.concatenate([mask for _, mask, _, _ in laid_out]).astype(np.uint8),
+            turn_counts=np.asarray([len(ends) for _, _, ends, _ in laid_out], np.int32),
+            turn_ends=np.asarray([e for _, _, ends, _ in laid_out for e in ends], np.int32),
+            turn_rewards=np.zeros(sum(len(ends) for _, _, ends, _ in laid_out), np.float32),
+            env_rewards=np.zeros(len(laid_out), np.float32),
+            episode_messages=[conv for *_, conv in laid_out], **fields)
+
+    @staticmethod
+    def segments(calls: list[CallRecord], choice: int = 0) -> list[Trace]:
+        """An episode's calls as masked token sequences (see :class:`Trace`), one per segment: a
+        call whose prompt begins with everything before it (the previous prompt, the ids sampled
+        there and what the agent added) continues the segment; any other call opens the next one
+        (edited history, see the module docstring). Of a call with several choices, the one the
+        next call continues is laid out (``extends``), else ``choice``."""
+        if not calls:
+            raise GatewayError("no calls")
+        continued = {c.extends[0]: c.extends[1] for c in calls if c.extends is not None}
+        out: list[Trace] = []
+        for call in calls:
+            ch = call.choices[continued.get(call.id, choice)]
+            so_far = out[-1].token_ids if out else None
+            if so_far is not None and np.array_equal(call.prompt_ids[:len(so_far)], so_far):
+                t = out[-1]
+                added = call.prompt_ids[len(so_far):]
+                start = len(call.prompt_ids)
+                t.token_ids = np.concatenate([so_far, added, ch.token_ids])
+                t.mask = np.concatenate([t.mask, np.zeros(len(added), np.int8), np.ones(len(ch.token_ids), np.int8)])
+                t.logprobs = np.concatenate([t.logprobs, np.zeros(len(added), np.float32), ch.logprobs.astype(np.float32)])
+                t.turns.append((start, start + len(ch.token_ids)))
+                t.policy_versions.append(call.policy_version)
+                continue
+            prompt = call.prompt_ids
+            out.append(Trace(prompt, np.concatenate([prompt, ch.token_ids]),
+                             np.concatenate([np.zeros(len(prompt), np.int8), np.ones(len(ch.token_ids), np.int8)]),
+                             np.concatenate([np.zeros(len(prompt), np.float32), ch.logprobs.astype(np.float32)]),
+                             [(len(prompt), len(prompt) + len(ch.token_ids))], [call.policy_version]))
+        return out
 
     @staticmethod
     def trace(calls: list[CallRecord], choice: int = 0) -> Trace:
-        """A multi-call episode as one masked token sequence (see :class:`Trace`). Each call's
-        prompt must begin with everything before it (the previous prompt and the tokens sampled
-        there), which holds when the agent appends to its conversation and the chat template
-        renders a prefix the same way each time; otherwise :class:`GatewayError`."""
-        if not calls:
-            raise GatewayError("no calls")
-        prompt = calls[0].prompt_ids
-        ids, mask, lps, turns = [prompt], [np.zeros(len(prompt), np.int8)], [np.zeros(len(prompt), np.float32)], []
-        length = len(prompt)
-        for k, call in enumerate(calls):
-            so_far = np.concatenate(ids)
-            if k:
-                if len(call.prompt_ids) < len(so_far) or not np.array_equal(call.prompt_ids[:len(so_far)], so_far):
-                    raise GatewayError(f"call {k} of episode {call.episode!r} does not extend the conversation before it "
-                                       "(the agent rewrote history, or the template renders earlier turns differently)")
-                added = call.prompt_ids[len(so_far):]
-                ids.append(added)
-                mask.append(np.zeros(len(added), np.int8))
-                lps.append(np.zeros(len(added), np.float32))
-                length += len(added)
-            ch = call.choices[choice]
-            ids.append(ch.token_ids)
-            mask.append(np.ones(len(ch.token_ids), np.int8))
-            lps.append(ch.logprobs.astype(np.float32))
-            turns.append((length, length + len(ch.token_ids)))
-            length += len(ch.token_ids)
-        return Trace(prompt, np.concatenate(ids), np.concatenate(mask), np.concatenate(lps), turns,
-                     [c.policy_version for c in calls])
+        """A multi-call episode as one masked token sequence (see :class:`Trace`): every call must
+        continue the one before it (see :meth:`segments`); otherwise :class:`GatewayError`."""
+        segments = Gateway.segments(calls, choice)
+        if len(segments) > 1:
+            k = len(segments[0].turns)
+            raise GatewayError(f"call {k} of episode {calls[k].episode!r} does not extend the conversation before it: it "
+                               f"starts segment 2 of {len(segments)} (the agent edited its history); lay the episode out "
+                               "with segments()")
+        return segments[0]
 
 
 __all__ = ["CallRecord", "Choice", "Gateway", "GatewayError", "Trace"]

@@ -42,11 +42,14 @@ def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(vllm_engine_c
 
     # the black-box agent path on the same engine: the gateway's records are what vLLM sampled
     # (log-probs teacher-forced over each call's prompt) and the agent saw those ids and log-probs.
-    # The agent sends its reply back as text: when the chat template's re-tokenization of it is
-    # not the sampled ids, the second call does not extend the first and trace() says so
+    # The agent sends its replies back as text; each later call's prompt is the earlier prompt, the
+    # ids sampled there and the template's tokens for the tool result, so the three calls are one
+    # trace whose model tokens are the sampled ids, whatever the text re-tokenises to
     gw = json.loads((vllm_engine_checks.out / "gateway.json").read_text())
-    assert len(gw["calls"]) == 2 and [c["policy_version"] for c in gw["calls"]] == [0, 0]
-    for call, seen in zip(gw["calls"], gw["seen"]):
+    calls = gw["calls"]
+    assert len(calls) == 3 and [c["policy_version"] for c in calls] == [0, 0, 0]
+    assert [c["extends"] for c in calls] == [None, [0, 0], [1, 0]]
+    for call, seen in zip(calls, gw["seen"]):
         assert 1 <= len(call["token_ids"]) <= 8 and seen["token_ids"] == call["token_ids"]
         assert seen["logprobs"] == pytest.approx(call["logprobs"], abs=1e-6)
         ids = torch.as_tensor(call["prompt_ids"] + call["token_ids"])[None]
@@ -55,9 +58,20 @@ def test_vllm_episode_turns_are_generated_from_the_recorded_tokens(vllm_engine_c
         n = len(call["prompt_ids"])
         forced = lp[n - 1:-1].gather(-1, ids[0, n:, None]).squeeze(-1).numpy()
         np.testing.assert_allclose(call["logprobs"], forced, atol=2e-4)
-    first, second = gw["calls"]
-    if second["prompt_ids"][:len(first["prompt_ids"]) + len(first["token_ids"])] == first["prompt_ids"] + first["token_ids"]:
-        mask = np.asarray(gw["trace"]["mask"])
-        assert np.asarray(gw["trace"]["token_ids"])[mask == 1].tolist() == first["token_ids"] + second["token_ids"]
-    else:
-        assert "does not extend the conversation" in gw["trace_error"]
+    trace = gw["trace"]
+    token_ids, mask, logprobs = (np.asarray(trace[k]) for k in ("token_ids", "mask", "logprobs"))
+    for (a, b), call in zip(trace["turns"], calls):
+        assert token_ids[a:b].tolist() == call["token_ids"] and mask[a:b].all()
+        assert token_ids[:a].tolist() == call["prompt_ids"]
+    assert mask.sum() == sum(len(c["token_ids"]) for c in calls) and (logprobs[mask == 0] == 0).all()
+    # one teacher-forced pass over the whole trace gives every model token's recorded log-prob
+    ids = torch.as_tensor(token_ids)[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    n = trace["prompt_len"]
+    forced = lp[n - 1:-1].gather(-1, ids[0, n:, None]).squeeze(-1).numpy()
+    np.testing.assert_allclose(logprobs[n:][mask[n:] == 1], forced[mask[n:] == 1], atol=2e-4)
+    # re-tokenising the text the agent sent back would not have given the sampled ids: a later
+    # call's whole-conversation rendering does not begin with the earlier prompt and its sampled ids
+    assert any(later["rendered_ids"][:len(c["prompt_ids"]) + len(c["token_ids"])] != c["prompt_ids"] + c["token_ids"]
+               for c, later in zip(calls, calls[1:]))
