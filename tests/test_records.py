@@ -17,6 +17,7 @@ from rlstream.schemas import (
     SFTExample,
     WeightsAnnouncement,
     decode_any,
+    encode_keeping,
 )
 from rlstream.schemas.codec import FLOAT32, INT32, pack_array
 
@@ -440,3 +441,21 @@ def test_weights_announcement_v1_still_decodes_and_v2_chunks_must_match_the_size
                                 chunk_sha256=["b" * 64] * 2)
     with pytest.raises(RecordError, match=r"^chunk_sha256: 2 digests for 3 chunks"):
         WeightsAnnouncement.decode(short.encode())
+
+
+@pytest.mark.parametrize("version", [5, 1])
+def test_a_scored_group_keeping_its_rollout_s_payload_decodes_as_the_re_encoded_one(version):
+    """The scorer forwards the rollout as the bytes it arrived in: the scored record decodes to
+    what re-encoding it would give, for a current payload and for an old version's."""
+    wire = make_group().to_wire()
+    if version == 1:
+        wire["v"] = 1
+        del wire["timings"]
+    payload = msgpack.packb(wire)
+    rollout = RolloutGroup.decode(payload)
+    scored = ScoredGroup(rollout=rollout, rewards=np.array([1.0, 0.0, 0.5], np.float32),
+                         components={"r": np.array([1.0, 0.0, 0.5], np.float32)}, scorer_id="s-0", run="r")
+    kept = encode_keeping(scored, rollout=payload)
+    assert payload in kept  # the rollout's bytes, not a re-encoding of them
+    assert ScoredGroup.decode(kept).encode() == ScoredGroup.decode(scored.encode()).encode()
+    assert ScoredGroup.decode(kept).rollout.encode() == rollout.encode()

@@ -1,6 +1,6 @@
 """Records that cross the broker, their MessagePack codec and validation."""
 
-from rlstream.schemas.codec import DEFAULT_LIMITS, Array, Limits, RecordError
+from rlstream.schemas.codec import DEFAULT_LIMITS, Array, Limits, RecordError, encode_keeping
 from rlstream.schemas.records import (
     RECORDS,
     DeadLetter,
@@ -20,5 +20,5 @@ from rlstream.schemas.records import (
 __all__ = [
     "DEFAULT_LIMITS", "Array", "Limits", "RecordError", "RECORDS", "DeadLetter", "MetricEvent",
     "PreferencePair", "Prompt", "Record", "RolloutGroup", "Sample", "ScoredGroup",
-    "SFTExample", "WeightsAnnouncement", "decode_any", "new_id",
+    "SFTExample", "WeightsAnnouncement", "decode_any", "encode_keeping", "new_id",
 ]

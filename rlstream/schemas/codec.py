@@ -192,6 +192,20 @@ def _enc_hook(obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
+def encode_keeping(rec: Any, **payloads: bytes) -> bytes:
+    """``rec.encode()``, with each named nested record written as the payload it arrived in
+    (``msgspec.Raw``) instead of encoded again: a stage that forwards a record it did not
+    change (the scorer, a ScoredGroup's ``rollout``) skips re-encoding it. Each payload must be
+    that record's own bytes, as validated on arrival; it then decodes to the same record as
+    the re-encoded form would, an older version of it included."""
+    wire = _wire_form(rec)
+    if wire is rec:
+        wire = rec.__copy__()
+    for name, payload in payloads.items():
+        setattr(wire, name, msgspec.Raw(payload))
+    return _encoder.encode(wire)
+
+
 def check_size(data: Any, limits: Limits) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("<payload>", f"expected bytes, got {type(data).__name__}")

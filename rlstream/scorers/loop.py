@@ -39,7 +39,7 @@ from rlstream.broker.component import RecentIds, kept_in_progress, lanes
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
-from rlstream.schemas import RolloutGroup, ScoredGroup
+from rlstream.schemas import RolloutGroup, ScoredGroup, encode_keeping
 from rlstream.scorers.functions import RewardError
 from rlstream.scorers.http import EndpointError
 from rlstream.scorers.scoring import RewardStats, Scorer
@@ -210,7 +210,9 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
         else:
             failed.append((d, r))
     origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
-    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, s.encode(), s.id, origin) for _, s in done])
+    # the rollout goes out as the bytes it came in (validated on arrival, never changed here)
+    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, encode_keeping(s, rollout=bytes(d.msg.data)),
+                                                s.id, origin) for d, s in done])
     acked = time.monotonic()
     for d, s in done:
         await d.ack()

@@ -409,16 +409,26 @@ class Scorer:
             return []
         flat = flatten(groups, self.decode)
         per_term = await asyncio.gather(*(self._term_over_groups(t, groups, flat) for t in self.terms))
+        raised = {gi: [(t.name, r[gi]) for t, r in zip(self.terms, per_term) if isinstance(r[gi], BaseException)]
+                  for gi in range(len(groups))}
+        scored = [gi for gi in range(len(groups)) if not raised[gi]]
+        # each term's rewards over the whole batch in one array (None -> NaN: no reward), the
+        # weighted total once (NaN counts 0); every group then takes its slices
+        components = {t.name: np.array([np.nan if v is None else v for gi in scored for v in r[gi]], dtype=np.float32)
+                      for t, r in zip(self.terms, per_term)}
+        total = sum(t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0) for t in self.terms)
+        totals = np.asarray(total, dtype=np.float32)
         out: list[ScoredGroup | str] = []
+        at = 0
         for gi, group in enumerate(groups):
-            errors = [(t.name, r[gi]) for t, r in zip(self.terms, per_term) if isinstance(r[gi], BaseException)]
-            if errors:
-                out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in errors))
+            if raised[gi]:
+                out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in raised[gi]))
                 continue
-            components = {t.name: np.array([np.nan if v is None else v for v in r[gi]], dtype=np.float32) for t, r in zip(self.terms, per_term)}
-            total = sum(t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0) for t in self.terms)
-            out.append(ScoredGroup(rollout=group, rewards=np.asarray(total, dtype=np.float32), components=components,
+            n = len(per_term[0][gi])
+            out.append(ScoredGroup(rollout=group, rewards=totals[at:at + n].copy(),
+                                   components={name: v[at:at + n].copy() for name, v in components.items()},
                                    scorer_id=scorer_id, run=group.run))
+            at += n
         return out
 
 
