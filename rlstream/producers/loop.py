@@ -42,9 +42,10 @@ times (:func:`rlstream.broker.component.refilled`): each group is its own reques
 and acked as soon as it is done, and its slot is refilled at once (steps 1-2 take as many
 prompts as there are free slots), so the long tail of a batch no longer holds the next one
 back. Between batches cannot do that: every update needs every request finished. hf's chunked
-loop generates a padded batch and keeps the batch lanes. An update that fails or outlives ``producer.weight_update_timeout_s``
-leaves the producer generating on its current weights: ``alert/weight_update_failures`` is
-raised, the log says why, and the next version is tried when it comes.
+loop generates a padded batch and keeps the batch lanes. An update that fails or outlives
+``producer.weight_update_timeout_s`` leaves the producer generating on its current weights:
+``alert/weight_update_failures`` is raised, the log says why, and the next version is tried
+when it comes.
 
 SIGTERM (a spot node's preemption notice, a scale-down) stops fetching; the batches in hand
 may finish (generate, publish, ack) within ``producer.drain_timeout_s``. Whatever is still
@@ -289,9 +290,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
 
     async def take_prompts(fetching: asyncio.Lock, phases: Phases, most: int) -> list | None:
-        """Steps 0-2: eval prompts first, then pacing room, then up to ``most`` prompts (kept
-        in ``in_hand`` and counted in ``pending``). ``[]``: nothing to generate now (ask again);
-        None: stop."""
+        """Steps 0-2: eval prompts first, then pacing room, then up to ``most`` prompts (counted
+        in ``pending``). ``[]``: nothing to generate now (ask again); None: stop."""
         nonlocal pending
         if not more_wanted():
             return None
@@ -354,17 +354,29 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
 
     feeding = asyncio.Lock()
     feed_phases = Phases("producer")
+    settled = asyncio.Event()  # a group in hand was stored or failed
 
     async def take_groups(free: int) -> list | None:
         """In flight on a continuous engine: prompts for the free slots, each generated,
         published and acked on its own (:func:`refilled`)."""
+        while max_groups is not None and not comp.stop.is_set() and stats.groups < max_groups <= stats.groups + pending:
+            settled.clear()  # the groups in hand may reach max_groups; a failed one is taken again
+            await settled.wait()
         deliveries = await take_prompts(feeding, feed_phases, free)
-        return None if deliveries is None else [[d] for d in deliveries]
+        if deliveries is None:
+            return None
+        held = [[d] for d in deliveries]
+        for h in held:  # in hand from now: a drain gives back even one whose task has not started
+            in_hand[id(h)] = h
+        return held
 
     async def produce_group(held: list) -> None:
         phases = Phases("producer")
         phases.seconds.update(feed_phases.seconds)  # the pacing and fetch that brought it in
-        await produce_held(held, phases)
+        try:
+            await produce_held(held, phases)
+        finally:
+            settled.set()
 
     async def produce(deliveries, phases: Phases) -> None:
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):

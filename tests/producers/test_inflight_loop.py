@@ -22,6 +22,9 @@ from rlstream.producers.backends import make_backend
 from rlstream.producers.feeder import feed
 
 
+ACK_WAIT_S = 600.0
+
+
 def continuous_hf(cfg):
     backend = make_backend(cfg)
     backend.continuous = True  # each group its own generate call: the loop's continuous path
@@ -81,13 +84,13 @@ async def test_groups_are_produced_one_by_one_exactly_once_with_each_tokens_vers
 
 async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the_drain(js, nats_server, run_id, config, dataset):
     """Stopped with groups in hand and a drain too short for them: whatever is not published
-    is nak'ed (none left in progress), nothing is published twice, and a second producer
-    produces exactly the rest."""
+    is nak'ed, nothing is published twice, and a second producer produces exactly the rest,
+    the given-back prompts long before the ack wait would have returned them."""
     n = 12
     cfg, _ = config(data_source={"path": str(dataset(n))},
                     producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 160, "min_new_tokens": 160,
                               "weight_update": "in_flight", "drain_timeout_s": 0.05})
-    lay = await layout_for(js, run_id)
+    lay = await layout_for(js, run_id, ack_wait_s=ACK_WAIT_S)
     await feed(js, lay, cfg, progress=False)
     backend, _ = continuous_hf(cfg)
     prod = InProcess(cfg, nats_server.url, backend, "p1")
@@ -97,18 +100,18 @@ async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the
 
         assert await wait_until(slots_full, 60, every=0.02)
     first = prod.stats
-    assert first.groups < n
-    consumer = await js.consumer_info(lay.prompts_stream, "producers")
-    assert consumer.num_ack_pending == 0  # published and acked, or given back
+    assert first.groups < n and first.drain_naks == 4 - first.groups
+
     stored = await rollout_count(js, lay)
     assert stored == first.groups and (await js.stream_info(lay.prompts_stream)).state.messages == n - stored
-    # the rest, by another producer
+    # the rest, by another producer: the given-back prompts come to it at once, not after the ack wait
     cfg2, _ = config(data_source={"path": str(dataset(n))},
                      producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 6, "weight_update": "in_flight"})
     backend2, _ = continuous_hf(cfg2)
     async with InProcess(cfg2, nats_server.url, backend2, "p2") as second:
-        await wait_until(lambda: _eq(rollout_count(js, lay), n), 120)
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), n), ACK_WAIT_S / 5)
     groups = await read_rollouts(js, lay)
     assert len(groups) == n and len({g.id for g in groups}) == n
+    assert (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 0
     assert set(first.group_ids).isdisjoint(second.stats.group_ids) and first.groups + second.stats.groups == n
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
