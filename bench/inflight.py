@@ -139,13 +139,13 @@ async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
         per prompt, each to its own length; on hf one padded call to the batch's longest."""
         async with gate.generation():
             if backend.continuous:
-                groups = await asyncio.gather(*(
+                groups = [g for one in await asyncio.gather(*(
                     backend.generate([ids], SamplingSpec(n=args.n, max_new_tokens=length, temperature=1.0, ignore_eos=True))
-                    for ids, length in batch))
+                    for ids, length in batch)) for g in one]
             else:
                 groups = await backend.generate([ids for ids, _ in batch], SamplingSpec(
                     n=args.n, max_new_tokens=max(length for _, length in batch), temperature=1.0, ignore_eos=True))
-        samples["n"] += sum(len(c) for g in groups for c in g)
+        samples["n"] += sum(len(g) for g in groups)
 
     def take(most: int) -> list:
         batch, queue[:] = queue[:most], queue[most:]

@@ -680,8 +680,10 @@ class ProducerConfig(Strict):
     pipeline_batches: int | None = Field(None, ge=1, le=8)
     """Batches in flight at once (fetched, generating or publishing). Default: 2 for vllm and
     openai, whose engines batch concurrent requests continuously, so the next batch joins the
-    running one instead of waiting for the loop; 1 for hf and fake. Weights are only
-    reloaded when no batch is generating."""
+    running one instead of waiting for the loop; 1 for hf and fake. With ``weight_update:
+    between_batches`` weights are only reloaded when no batch is generating; with ``in_flight``
+    on vllm there are no batches: ``batch_prompts x pipeline_batches`` prompt groups are kept in
+    the engine, each replaced as soon as it is done."""
     in_progress_s: float | None = Field(None, gt=0, le=DAY_S)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
     max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
