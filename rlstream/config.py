@@ -680,8 +680,10 @@ class ProducerConfig(Strict):
     pipeline_batches: int | None = Field(None, ge=1, le=8)
     """Batches in flight at once (fetched, generating or publishing). Default: 2 for vllm and
     openai, whose engines batch concurrent requests continuously, so the next batch joins the
-    running one instead of waiting for the loop; 1 for hf and fake. Weights are only
-    reloaded when no batch is generating."""
+    running one instead of waiting for the loop; 1 for hf and fake. With ``weight_update:
+    between_batches`` weights are only reloaded when no batch is generating; with ``in_flight``
+    on vllm there are no batches: ``batch_prompts x pipeline_batches`` prompt groups are kept in
+    the engine, each replaced as soon as it is done."""
     in_progress_s: float | None = Field(None, gt=0, le=DAY_S)
     """Seconds between in-progress acks while a batch generates (default: nats.ack_wait_s / 3)."""
     max_weights_mb: int = Field(16384, ge=1, le=1 << 22)
@@ -711,10 +713,16 @@ class ProducerConfig(Strict):
     """When new weights reach the generator. ``in_flight``: as soon as they are fetched, at a
     token boundary, while requests keep running (vllm: the engine pauses, loads, resumes; hf:
     between chunks of ``update_chunk_tokens``); every token records the version that sampled
-    it. ``between_batches``: only when no batch is generating, so a group has one version.
-    Backends that cannot (openai, fake) fall back to ``between_batches``. The default stays
-    ``between_batches`` until bench/inflight.py shows in-flight ahead on a quiet machine (on the
-    shared 2-core CPU machine it was 1.6x in one run and 0.3x in another)."""
+    it, and a continuous engine (vllm) is kept full, each prompt group published as soon as it
+    is done (:mod:`rlstream.producers.loop`). ``between_batches``: only when no batch is
+    generating, so a group has one version. Backends that cannot (openai, fake) fall back to
+    ``between_batches``.
+
+    Unset, it is what bench/inflight.py measures ahead per backend: ``in_flight`` for vllm
+    (more samples/s on a long-tailed generation-heavy workload, BENCHMARKS.md), and
+    ``between_batches`` for hf (its chunked decoding loop is slower than ``generate``), for
+    openai and fake, and under ``learner.lora`` (adapters load between batches). The run's
+    resolved config and the producer's status show the value in force."""
     update_chunk_tokens: int = Field(16, ge=1, le=1 << 20)
     """hf with ``weight_update: in_flight``: tokens generated between checks for new weights."""
     in_flight_kv: Literal["keep", "recompute"] = "keep"
@@ -1281,6 +1289,24 @@ class Config(Strict):
             ds = data.get("data_source")
             backend = "openai" if isinstance(ds, dict) and ds.get("sampling_endpoint") else "hf"
             data = {**data, "producer": {**data.get("producer", {}), "backend": backend}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _producer_weight_update(cls, data: Any) -> Any:
+        """An unset ``producer.weight_update`` is the one measured ahead for the backend:
+        ``in_flight`` on vllm, unless the learner trains a LoRA adapter; else ``between_batches``
+        (an explicit value is never changed; in_flight with LoRA is an error below)."""
+        producer = data.get("producer", {}) if isinstance(data, dict) else None
+        if isinstance(producer, dict) and "weight_update" not in producer:
+            learner = data.get("learner") or {}
+            lora = isinstance(learner, dict) and learner.get("lora") is not None
+            backend = producer.get("backend")
+            if backend is None:  # as _producer_backend resolves it
+                ds = data.get("data_source")
+                backend = "openai" if isinstance(ds, dict) and ds.get("sampling_endpoint") else "hf"
+            update = "in_flight" if backend == "vllm" and not lora else "between_batches"
+            data = {**data, "producer": {**producer, "weight_update": update}}
         return data
 
     @model_validator(mode="after")

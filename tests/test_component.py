@@ -1,4 +1,4 @@
-"""The plumbing the stages share (rlstream.broker.component): lanes, the signal path and
+"""The plumbing the stages share (rlstream.broker.component): lanes, refilled slots, the signal path and
 in-progress acks. Ordering is driven by events, never by sleeps."""
 
 import asyncio
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from rlstream.broker.component import kept_in_progress, lanes, signals_to
+from rlstream.broker.component import kept_in_progress, lanes, refilled, signals_to
 
 
 async def test_lanes_share_one_lock_and_all_return():
@@ -40,6 +40,78 @@ async def test_a_failing_lane_cancels_the_others_and_its_error_propagates():
 
     with pytest.raises(RuntimeError, match="lane failed"):
         await lanes(2, lane, name="t")
+    assert cancelled.is_set()
+
+
+async def until(pred) -> None:
+    """Yield to the event loop until ``pred()`` holds (a bounded number of turns)."""
+    for _ in range(10_000):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never held")
+
+
+async def test_refilled_keeps_the_slots_full_and_takes_as_each_item_finishes():
+    """Items finish in an order the test sets; each finished item's slot is refilled at once,
+    while the others still run (no batch waits for its slowest item)."""
+    release = {i: asyncio.Event() for i in range(6)}
+    started: list[int] = []
+    takes: list[tuple[int, list[int]]] = []
+    queue = list(range(6))
+
+    async def take(free: int):
+        batch, queue[:] = queue[:free], queue[free:]
+        takes.append((free, batch))
+        return batch or None
+
+    async def work(i: int) -> None:
+        started.append(i)
+        await release[i].wait()
+
+    task = asyncio.create_task(refilled(3, take, work, name="t"))
+    await until(lambda: len(started) == 3)
+    assert started == [0, 1, 2]
+    release[1].set()  # one finishes, the other two still run: one slot is refilled
+    await until(lambda: len(started) == 4)
+    assert started == [0, 1, 2, 3] and takes[1] == (1, [3])
+    for i in (0, 2, 3, 4, 5):
+        release[i].set()
+    await asyncio.wait_for(task, 30)
+    assert sorted(started) == list(range(6)) and takes[-1][1] == []
+
+
+async def test_refilled_stops_taking_at_stop_and_an_item_error_stops_the_rest():
+    stop = asyncio.Event()
+    started: list[int] = []
+    items = iter(range(100))
+
+    async def take(free: int):
+        return [next(items) for _ in range(free)]
+
+    async def work(i: int) -> None:
+        started.append(i)
+        if i == 1:
+            stop.set()
+        await asyncio.sleep(0)
+
+    await asyncio.wait_for(refilled(2, take, work, name="t", stop=stop, drain_s=30), 30)
+    assert stop.is_set() and len(started) < 100  # it stopped taking, and returned with nothing running
+
+    cancelled = asyncio.Event()
+
+    async def failing(i: int) -> None:
+        if i == 0:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        raise RuntimeError("item failed")
+
+    items = iter(range(100))
+    with pytest.raises(RuntimeError, match="item failed"):
+        await asyncio.wait_for(refilled(2, take, failing, name="t"), 30)
     assert cancelled.is_set()
 
 

@@ -349,3 +349,22 @@ def test_a_config_resolved_before_the_backend_split_still_loads():
     # but a value that says something is still refused
     with pytest.raises(ConfigError, match="producer.endpoint: a setting of backend 'openai'"):
         parse_config({"training_mode": "RL_GRPO", "model_checkpoint_path": "m", "producer": {**old_producer, "endpoint": "http://x"}})
+
+
+def test_weight_update_defaults_to_what_the_benchmark_measures_ahead_per_backend():
+    """Unset: in_flight on vllm, between_batches on hf, openai and fake, and under LoRA (the
+    adapters load between batches); a value given is kept, and in_flight with LoRA is refused."""
+    rl = {"training_mode": "RL_GRPO", "model_checkpoint_path": "m"}
+    lora = {"lora": {"r": 8}}
+
+    def update(producer, **sections):
+        return parse_config({**rl, "producer": producer, **sections}).producer.weight_update
+
+    assert update({"backend": "vllm"}) == "in_flight"
+    assert update({"backend": "vllm"}, learner=lora) == "between_batches"
+    assert update({}) == update({"backend": "hf"}) == update({"backend": "fake"}) == "between_batches"
+    assert update({"backend": "openai", "endpoint": "http://x"}) == "between_batches"
+    assert update({"backend": "vllm", "weight_update": "between_batches"}) == "between_batches"
+    assert update({"backend": "hf", "weight_update": "in_flight"}) == "in_flight"
+    with pytest.raises(ConfigError, match="with learner.lora the adapters load between batches"):
+        update({"backend": "vllm", "weight_update": "in_flight"}, learner=lora)

@@ -15,6 +15,8 @@ Besides :class:`Component`, the plumbing the stages share:
 - :func:`signals_to`: the one place SIGTERM/SIGINT are turned into a stop event;
 - :func:`lanes`: ``n`` copies of a loop at once, sharing one fetch lock, all stopped when
   one fails;
+- :func:`refilled`: up to ``n`` items in work at once, each its own task, a new one taken as
+  soon as one finishes (no batch waits for its slowest item);
 - :func:`kept_in_progress`: in-progress acks for records while slow work on them runs;
 - :class:`RecentIds`: the ids a stage handled recently, to ack redeliveries without redoing them;
 - :class:`ComponentMain`: the signature every component's ``main`` has.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import signal
 import time
@@ -124,6 +127,60 @@ async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name
             else:
                 drainer.cancel()
                 await asyncio.gather(drainer, return_exceptions=True)
+
+
+async def refilled(slots: int, take: Callable[[int], Awaitable[Sequence[Any] | None]],
+                   work: Callable[[Any], Awaitable[None]], *, name: str, stop: asyncio.Event | None = None,
+                   drain_s: float | None = None, give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
+    """Keep up to ``slots`` items in work at once, each ``work(item)`` its own task
+    (``<name>-item-<i>``), and refill as each one finishes: the continuous counterpart of
+    :func:`lanes`, where a lane waits for its whole batch before it takes the next.
+
+    ``take(free)`` returns up to ``free`` new items; it may wait for them (it runs beside the
+    items, so the ones finishing meanwhile are seen), returns ``[]`` to be asked again and
+    None when there will be no more. Once ``stop`` is set no new ``take`` starts (one running
+    finishes, and its items are worked). Returns when there is nothing more to take and every
+    item is done. When an item (or ``take``) raises, the rest are cancelled (what they hold
+    comes back unacked) and the error propagates. The drain is :func:`lanes`' (``stop``,
+    ``drain_s``, ``give_back``): the items and the taking are one lane.
+    """
+    numbers = itertools.count()
+
+    async def feeder(_fetching: asyncio.Lock) -> None:
+        running: set[asyncio.Task] = set()
+        taking: asyncio.Task | None = None
+        more = True
+        # a stop set while we wait must start no new take: it wakes the loop too
+        stopping = asyncio.create_task(stop.wait(), name=f"{name}-stop") if stop is not None else None
+        try:
+            while True:
+                if taking is None and more and len(running) < slots and not (stop is not None and stop.is_set()):
+                    taking = asyncio.create_task(take(slots - len(running)), name=f"{name}-take")
+                if not running and taking is None:
+                    return
+                waits = running | {t for t in (taking, stopping) if t is not None and not t.done()}
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is stopping:
+                        continue
+                    if t is taking:
+                        taking = None
+                        items = t.result()
+                        if items is None:
+                            more = False
+                            continue
+                        for item in items:
+                            running.add(asyncio.create_task(work(item), name=f"{name}-item-{next(numbers)}"))
+                    else:
+                        running.discard(t)
+                        t.result()  # an item that failed stops the rest
+        finally:
+            rest = [t for t in (*running, taking, stopping) if t is not None]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+    await lanes(1, feeder, name=name, stop=stop, drain_s=drain_s, give_back=give_back)
 
 
 RECENT_IDS = 65536

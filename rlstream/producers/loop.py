@@ -36,9 +36,16 @@ policy waits for the longest sequence in flight. ``in_flight`` (hf, vllm): a nam
 under the running requests (vllm pauses the engine at a token boundary, loads, resumes; hf
 loads between chunks of ``producer.update_chunk_tokens``); step 3 is skipped. Each token
 records the version that sampled it (RolloutGroup v4 runs) and a group's ``policy_version``
-is its oldest token's. An update that fails or outlives ``producer.weight_update_timeout_s``
-leaves the producer generating on its current weights: ``alert/weight_update_failures`` is
-raised, the log says why, and the next version is tried when it comes.
+is its oldest token's. Nothing then waits for a batch to finish, so on a continuous engine
+(vllm) the loop keeps ``batch_prompts x pipeline_batches`` prompt groups in the engine at all
+times (:func:`rlstream.broker.component.refilled`): each group is its own request, published
+and acked as soon as it is done, and its slot is refilled at once (steps 1-2 take as many
+prompts as there are free slots), so the long tail of a batch no longer holds the next one
+back. Between batches cannot do that: every update needs every request finished. hf's chunked
+loop generates a padded batch and keeps the batch lanes. An update that fails or outlives
+``producer.weight_update_timeout_s`` leaves the producer generating on its current weights:
+``alert/weight_update_failures`` is raised, the log says why, and the next version is tried
+when it comes.
 
 SIGTERM (a spot node's preemption notice, a scale-down) stops fetching; the batches in hand
 may finish (generate, publish, ack) within ``producer.drain_timeout_s``. Whatever is still
@@ -46,7 +53,8 @@ in hand then is nak'ed, so another producer takes those prompts at once instead 
 ``nats.ack_wait_s``, and the producer exits 0 without waiting for its backend's threads.
 Prompts fetched after the signal are nak'ed without generating. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
-deliveries); three failing batches in a row end the producer with an error.
+deliveries); three failing batches (groups, when kept in flight one by one) in a row end the
+producer with an error.
 
 A batch that generates for longer than ``producer.generation_timeout_s`` means a hung
 backend (the in-progress acks would otherwise hold its prompts forever): the producer logs
@@ -72,7 +80,7 @@ from typing import Any
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception
-from rlstream.broker.component import kept_in_progress, lanes
+from rlstream.broker.component import kept_in_progress, lanes, refilled
 from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
@@ -241,6 +249,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         log.warning("producer %s: the %s backend cannot update weights in flight; loading them between batches",
                     comp.component_id, backend.name)
     reporter.info["weight_update"] = "in_flight" if in_flight else "between_batches"
+    # In flight, nothing waits for a batch to finish, so a continuous engine is kept full: each
+    # prompt group is its own request, published as soon as it is done, and replaced at once.
+    continuous = in_flight and backend.continuous
+    slots = p.batch_prompts * n_lanes
+    if continuous:
+        reporter.info["groups_in_flight"] = slots
     gate = GenerationGate()
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     in_hand: dict[int, list] = {}  # fetched batches not yet acked (or failed), for the drain
@@ -275,57 +289,94 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         async with gate.reload():
             stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
 
-    async def lane(fetching: asyncio.Lock) -> None:
+    async def take_prompts(fetching: asyncio.Lock, phases: Phases, most: int) -> list | None:
+        """Steps 0-2: eval prompts first, then pacing room, then up to ``most`` prompts (counted
+        in ``pending``). ``[]``: nothing to generate now (ask again); None: stop."""
         nonlocal pending
-        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
-        while more_wanted():
-            # 0. evaluation first: it waits for nobody's pacing room
-            if await eval_waiting():
-                async with fetching:
-                    taken = await evals.fetch(p.batch_prompts, timeout=0.2)
-                if taken:
-                    in_hand[id(taken)] = taken
-                    try:
-                        await produce_eval(taken)
-                    finally:
-                        in_hand.pop(id(taken), None)
-                    continue
-            phases.start()
-            room, waited = await wait_for_room(comp, bound, p.batch_prompts, lambda: pending, eval_waiting)
-            phases.add("pacing", waited)
-            stats.pacing_wait_s += waited
-            reporter.set("producer/pacing_wait_s", waited)
-            reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
-            if room <= 0:
-                if comp.stop.is_set():
-                    break
-                continue  # eval prompts came in while waiting
+        if not more_wanted():
+            return None
+        if await eval_waiting():  # evaluation first: it waits for nobody's pacing room
             async with fetching:
-                if max_groups is not None:
-                    room = min(room, max_groups - stats.groups - pending)
-                if room <= 0 or comp.stop.is_set():
-                    break
-                with phases.time("fetch"):
-                    deliveries = await consumer.fetch(room, timeout=1.0)
-                pending += len(deliveries)
-            if not deliveries:
-                rates.restart(time.monotonic())
-                reporter.update(phases.finish())
-                continue
-            if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
-                for d in deliveries:
-                    await d.nak()
-                pending -= len(deliveries)
-                stats.drain_naks += len(deliveries)
-                log.info("producer %s: drain: nak'ed %d prompts fetched after the signal", comp.component_id, len(deliveries))
-                continue
-            in_hand[id(deliveries)] = deliveries
-            try:
-                await produce(deliveries, phases)
-            finally:
-                in_hand.pop(id(deliveries), None)
-                pending -= len(deliveries)
+                taken = await evals.fetch(p.batch_prompts, timeout=0.2)
+            if taken:
+                in_hand[id(taken)] = taken
+                try:
+                    await produce_eval(taken)
+                finally:
+                    in_hand.pop(id(taken), None)
+                return []
+        phases.start()
+        room, waited = await wait_for_room(comp, bound, most, lambda: pending, eval_waiting)
+        phases.add("pacing", waited)
+        stats.pacing_wait_s += waited
+        reporter.set("producer/pacing_wait_s", waited)
+        reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
+        if room <= 0:
+            return None if comp.stop.is_set() else []  # else eval prompts came in while waiting
+        async with fetching:
+            if max_groups is not None:
+                room = min(room, max_groups - stats.groups - pending)
+            if room <= 0 or comp.stop.is_set():
+                return None
+            with phases.time("fetch"):
+                deliveries = await consumer.fetch(room, timeout=1.0)
+            pending += len(deliveries)
+        if not deliveries:
+            rates.restart(time.monotonic())
             reporter.update(phases.finish())
+            return []
+        if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
+            for d in deliveries:
+                await d.nak()
+            pending -= len(deliveries)
+            stats.drain_naks += len(deliveries)
+            log.info("producer %s: drain: nak'ed %d prompts fetched after the signal", comp.component_id, len(deliveries))
+            return None
+        return deliveries
+
+    async def produce_held(deliveries, phases: Phases) -> None:
+        """Steps 3-6 for prompts in hand; they leave ``in_hand`` and ``pending`` however it ends."""
+        nonlocal pending
+        in_hand[id(deliveries)] = deliveries
+        try:
+            await produce(deliveries, phases)
+        finally:
+            in_hand.pop(id(deliveries), None)
+            pending -= len(deliveries)
+        reporter.update(phases.finish())
+
+    async def lane(fetching: asyncio.Lock) -> None:
+        """A batch at a time: fetch, generate, publish, ack, then the next."""
+        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
+        while (deliveries := await take_prompts(fetching, phases, p.batch_prompts)) is not None:
+            if deliveries:
+                await produce_held(deliveries, phases)
+
+    feeding = asyncio.Lock()
+    feed_phases = Phases("producer")
+    settled = asyncio.Event()  # a group in hand was stored or failed
+
+    async def take_groups(free: int) -> list | None:
+        """In flight on a continuous engine: prompts for the free slots, each generated,
+        published and acked on its own (:func:`refilled`)."""
+        while max_groups is not None and not comp.stop.is_set() and stats.groups < max_groups <= stats.groups + pending:
+            settled.clear()  # the groups in hand may reach max_groups; a failed one is taken again
+            await settled.wait()
+        deliveries = await take_prompts(feeding, feed_phases, free)
+        if deliveries is None:
+            return None
+        held = [[d] for d in deliveries]
+        for h in held:  # in hand from now: a drain gives back even one whose task has not started
+            in_hand[id(h)] = h
+        return held
+
+    async def produce_group(held: list) -> None:
+        phases = Phases("producer")
+        phases.seconds.update(feed_phases.seconds)  # the pacing and fetch that brought it in
+        try:
+            await produce_held(held, phases)
+        finally:
+            settled.set()
 
     async def produce(deliveries, phases: Phases) -> None:
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
@@ -415,8 +466,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     try:
         # one lane failing stops the others (their prompts come back unacked); after SIGTERM the
         # lanes get drain_timeout_s to finish what they hold, then it is given back
-        await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
-                    give_back=give_back)
+        if continuous:
+            await refilled(slots, take_groups, produce_group, name=f"producer-{comp.component_id}", stop=comp.stop,
+                           drain_s=p.drain_timeout_s, give_back=give_back)
+        else:
+            await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
+                        give_back=give_back)
     finally:
         if watcher is not None:
             watcher.cancel()

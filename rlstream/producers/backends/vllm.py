@@ -3,15 +3,17 @@
 Every prompt of a batch is its own engine request (``n = group_size`` samples each), all
 submitted at once, so the engine batches them continuously; when the producer keeps two
 batches in flight (``producer.pipeline_batches``), the next batch's requests join the
-running ones instead of waiting for the slowest sequence of the last batch.
+running ones instead of waiting for the slowest sequence of the last batch. With in-flight
+weight updates (the default here) the producer loop goes further and sends each prompt group as
+a batch of its own, keeping ``batch_prompts x pipeline_batches`` of them in the engine.
 ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and vLLM's default
 ``logprobs_mode="raw_logprobs"`` makes it the raw (temperature 1, unprocessed) one: the same
 quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``).
 
 New weights are loaded in place, without restarting the engine:
 ``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Between batches
-(``producer.weight_update: between_batches``) the producer loop reloads only when no request is
-in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused at a step
+(``producer.weight_update: between_batches``, the default under LoRA) the producer loop
+reloads only when no request is in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused at a step
 boundary with ``pause_generation(mode="keep")`` (running requests stay queued, none is
 dropped), the weights are reloaded, the engine's weight label is set to the policy version
 (``update_weight_version``) and generation resumes. With ``producer.in_flight_kv: recompute``
