@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -227,7 +228,15 @@ class Gateway:
 
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rlstream"}]})
 
-    def _spec(self, body: dict[str, Any]):
+    @functools.cached_property
+    def _turn_end(self) -> int | None:
+        """The chat template's end-of-turn token (``<|im_end|>``), where the template has one."""
+        try:
+            return chat.EpisodeTemplate(self.backend.tokenizer, [{"role": "user", "content": "hi"}]).end_of_turn
+        except chat.ChatError:
+            return None
+
+    def _spec(self, body: dict[str, Any], chat_call: bool = False):
         stop = body.get("stop") or ()
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
         changes = {"n": int(body.get("n") or 1), "max_new_tokens": min(int(max_tokens), self.max_tokens_cap),
@@ -235,8 +244,11 @@ class Gateway:
         for key in ("temperature", "top_p", "top_k", "seed"):
             if body.get(key) is not None:
                 changes[key] = body[key]
-        if body.get("stop_token_ids"):  # vLLM's extension: the producer's openai backend ends a turn with it
-            changes["stop_token_ids"] = tuple(int(t) for t in body["stop_token_ids"])
+        stop_ids = tuple(int(t) for t in body.get("stop_token_ids") or ())  # vLLM's extension
+        if chat_call and self._turn_end is not None and self._turn_end not in stop_ids:
+            stop_ids += (self._turn_end,)  # a chat reply ends with its turn, as a chat model's server stops it
+        if stop_ids:
+            changes["stop_token_ids"] = stop_ids
         known = {f.name for f in dataclasses.fields(self.defaults)}
         return dataclasses.replace(self.defaults, **{k: v for k, v in changes.items() if k in known})
 
@@ -273,7 +285,7 @@ class Gateway:
 
     async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages, *, tools=None,
                       extends: tuple[str, int] | None = None) -> CallRecord:
-        spec = self._spec(body)
+        spec = self._spec(body, chat_call=messages is not None)
         version = int(self.policy_version())
         (completions,) = await self.backend.generate([np.asarray(prompt_ids, np.int32)], spec)
         record = CallRecord(id="call-" + uuid.uuid4().hex[:16], episode=episode, prompt_ids=np.asarray(prompt_ids, np.int32),

@@ -465,3 +465,25 @@ async def test_a_tool_call_sent_back_as_tool_calls_continues_from_its_sampled_id
                                   np.concatenate([first.choices[0].token_ids, second.choices[0].token_ids]))
             assert backend.tokenizer.decode(trace.token_ids[trace.turns[0][1]:trace.turns[1][0]].tolist()) == \
                 "<|im_end|>\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_a_chat_reply_ends_with_its_turn(backend):
+    """As a chat model's server stops at the end of the assistant's turn, the gateway's chat
+    calls stop at the template's end-of-turn token (text completions do not)."""
+    from rlstream import chat
+    from rlstream.producers.backends.base import SamplingSpec
+
+    eot = chat.EpisodeTemplate(backend.tokenizer, [{"role": "user", "content": "hi"}]).end_of_turn
+    assert eot is not None and eot != backend.tokenizer.eos_token_id  # the tiny model's template closes turns itself
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=64)) as gw:
+        assert eot in gw._spec({"max_tokens": 8}, chat_call=True).stop_token_ids
+        assert eot not in gw._spec({"max_tokens": 8}).stop_token_ids
+        client = openai.AsyncOpenAI(base_url=gw.base_url("ep"), api_key="unused")
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                                             max_tokens=64, temperature=1.0, n=16, seed=3)
+        await client.close()
+        (call,) = gw.calls["ep"]
+        ended = [ch for ch in call.choices if ch.token_ids.size and ch.token_ids[-1] == eot]
+        assert ended, "no choice sampled the end of its turn: pick another seed"
+        for ch in call.choices:
+            assert eot not in ch.token_ids[:-1].tolist()  # nothing sampled past the end of the turn
