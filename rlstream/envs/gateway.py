@@ -42,7 +42,8 @@ Endpoints (under ``/e/<episode>/v1`` or plain ``/v1``, where the episode is the
 ``X-Episode-Id`` header or ``default``): ``POST chat/completions`` (``messages``, ``tools``,
 ``n``, ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
 ``logprobs``), ``POST completions`` (``prompt`` as text or token ids), ``GET models``. Both take
-vLLM's extensions ``top_k`` and ``stop_token_ids``; ``completions`` also ``return_token_ids``
+vLLM's extensions ``top_k`` and ``stop_token_ids`` (a chat call also stops at the chat template's
+end-of-turn token, as a chat model's server does); ``completions`` also ``return_token_ids``
 (each choice's ``token_ids``) and ``return_tokens_as_token_ids`` (log-prob tokens as
 ``token_id:N``), so the producer's ``openai`` backend can play episodes through a gateway too. A reply
 whose text holds Hermes/Qwen ``<tool_call>`` blocks comes back with OpenAI ``tool_calls`` and
