@@ -2,10 +2,10 @@
 
 1. Build a tiny Llama and a BPE tokenizer locally (nothing is downloaded).
 2. SFT warm-up on a weak player's synthetic games (`rlstream run sft.yaml`): one number per turn,
-   mostly guessed at random.
-3. GRPO on episodes against the built-in `guess_number` environment (`rlstream run grpo.yaml`):
-   each sample is a game of up to 4 guesses; the model's turns are trained on, the
-   environment's answers are in the sequence with loss mask 0.
+   guessed at random, inside the range the feedback allows or (some of the time) anywhere.
+3. GRPO on episodes against the built-in `guess_number` environment with ``show_range``
+   (`rlstream run grpo.yaml`): each sample is a game of up to 4 guesses of a number 1..16; the
+   model's turns are trained on, the environment's answers are in the sequence with loss mask 0.
 4. Evaluate the warm-up and every GRPO checkpoint on a fixed evaluation set (each secret,
    ``--eval-samples`` games each at temperature 1 with a fixed seed, with the producer's own episode
    runner) and draw both curves: the training reward and the evaluation success.
@@ -48,14 +48,18 @@ def main() -> None:
         print("[1/3] building a tiny Llama and a BPE tokenizer ...", flush=True)
         from rlstream.tiny import build_tiny_model
 
-        build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
+        build_tiny_model(model_dir, corpus=task.corpus(high=args.high), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data", informed=args.informed, high=args.high, max_turns=args.max_turns)
     game = [f"env.kwargs.high={args.high}", f"env.max_turns={args.max_turns}"]
     if not (args.skip_sft and (out / "sft" / "checkpoints" / "latest").exists()):
         print("[2/3] SFT warm-up on a weak player's games ...", flush=True)
         sft = rlstream_run(HERE / "sft.yaml", out / "sft", model_dir, data["sft"], args.sft_steps)
         print(f"      SFT loss {sft['loss_first']:.3f} -> {sft['loss_last']:.3f} in {sft['wall_s']:.0f}s", flush=True)
-    print("[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within 4 guesses) ...", flush=True)
+    print(f"      exact win rates: this warm-up player {task.win_rate(args.informed, args.high, args.max_turns):.3f}, "
+          f"uniform inside the range {task.win_rate(1.0, args.high, args.max_turns):.3f}, "
+          f"binary search {task.win_rate(1.0, args.high, args.max_turns, binary=True):.3f}", flush=True)
+    print(f"[3/3] GRPO on guess-the-number episodes (reward 1 for finding the number within {args.max_turns} guesses) ...",
+          flush=True)
     sft_model = (out / "sft" / "checkpoints" / "latest").resolve()
     grpo_and_evaluate(HERE, out, sft_model, data, args, [*game, *args.set], "guess_number", "the fixed evaluation games", t0)
 

@@ -11,6 +11,11 @@ Partial credit (``max_guesses`` and ``consistency_credit``): the episode itself 
 ``consistency_credit`` times the share of replies that named a number the feedback so far still
 allowed. A win is still 1.0, so any credit below 1 keeps finding the number the goal, while games
 that use the feedback lose less than games that ignore it.
+
+Shown range (``show_range``): the feedback also names the numbers it still allows, e.g.
+``higher, 9 to 16`` (the secret is above the guess, and the guesses so far leave 9..16). The
+game is the same (the range follows from the feedback), but the player's state is then in its
+last user turn instead of spread over the whole history, which a small model can read.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class GuessEpisode:
     replies: int = 0
     consistent: int = 0
     allowed: tuple[int, int] = (0, -1)
+    show_range: bool = False
 
     def __post_init__(self) -> None:
         self.allowed = (self.low, self.high)
@@ -68,7 +74,10 @@ class GuessEpisode:
             self.allowed = (max(lo, guess + 1), hi)
         else:
             self.allowed = (lo, min(hi, guess - 1))
-        return self._lost([{"role": "user", "content": "higher" if guess < self.secret else "lower"}], {})
+        feedback = "higher" if guess < self.secret else "lower"
+        if self.show_range:
+            feedback += f", {self.allowed[0]} to {self.allowed[1]}"
+        return self._lost([{"role": "user", "content": feedback}], {})
 
     async def close(self) -> None:
         return None
@@ -76,12 +85,13 @@ class GuessEpisode:
 
 class GuessNumber:
     """The environment: ``low``..``high`` inclusive, the secret read from ``secret_column``;
-    ``max_guesses`` and ``consistency_credit``: partial credit for a lost game (module docstring)."""
+    ``max_guesses`` and ``consistency_credit``: partial credit for a lost game; ``show_range``: the
+    feedback names the numbers still allowed (module docstring)."""
 
     name = "guess_number"
 
     def __init__(self, low: int = 1, high: int = 8, secret_column: str = "secret", max_guesses: int | None = None,
-                 consistency_credit: float = 0.0):
+                 consistency_credit: float = 0.0, show_range: bool = False):
         if high <= low:
             raise ValueError(f"guess_number: high ({high}) must exceed low ({low})")
         if consistency_credit and max_guesses is None:
@@ -92,6 +102,7 @@ class GuessNumber:
             raise ValueError(f"guess_number: max_guesses ({max_guesses}) must be at least 1")
         self.low, self.high, self.secret_column = low, high, secret_column
         self.max_guesses, self.consistency_credit = max_guesses, consistency_credit
+        self.show_range = show_range
 
     async def start(self, prompt: Prompt) -> GuessEpisode:
         if self.secret_column not in prompt.columns:
@@ -102,4 +113,4 @@ class GuessNumber:
         messages = [dict(m) for m in prompt.messages] if prompt.messages else [
             {"role": "user", "content": prompt.text or instructions(self.low, self.high)}]
         return GuessEpisode(secret, self.low, self.high, messages, max_guesses=self.max_guesses,
-                            consistency_credit=self.consistency_credit)
+                            consistency_credit=self.consistency_credit, show_range=self.show_range)

@@ -51,3 +51,22 @@ def test_partial_credit_win_is_one_and_a_reply_without_a_number_counts_as_a_gues
 def test_partial_credit_needs_max_guesses():
     with pytest.raises(ValueError, match="max_guesses"):
         GuessNumber(1, 8, consistency_credit=0.3)
+
+
+def test_show_range_names_the_numbers_the_feedback_still_allows():
+    env = GuessNumber(1, 16, show_range=True)
+    # secret 11: "8" -> higher, 9..16; "14" -> lower, 9..13; "3" (ignores the feedback) -> higher,
+    # and the range stays 9..13 (3 tells nothing new); "10" -> higher, 11..13; "11" -> correct
+    turns = play(env, 11, ["8", "14", "3", "10", "11"])
+    assert [t.messages[0]["content"] for t in turns] == [
+        "higher, 9 to 16", "lower, 9 to 13", "higher, 9 to 13", "higher, 11 to 13", "correct"]
+    assert turns[-1].done and turns[-1].reward == 1.0
+
+
+def test_show_range_is_off_by_default_and_leaves_the_reward_alone():
+    assert [t.messages[0]["content"] for t in play(GuessNumber(1, 16), 11, ["8", "14"])] == ["higher", "lower"]
+    env = GuessNumber(1, 8, max_guesses=2, consistency_credit=0.4, show_range=True)
+    # secret 6: "4" -> higher, 5..8 (consistent); "2" is below 5 (not consistent): 0.4 * 1/2 = 0.2
+    turns = play(env, 6, ["4", "2"])
+    assert [t.messages[0]["content"] for t in turns] == ["higher, 5 to 8", "higher, 5 to 8"]
+    assert turns[-1].done and turns[-1].reward == pytest.approx(0.2)
