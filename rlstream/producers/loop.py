@@ -51,7 +51,8 @@ SIGTERM (a spot node's preemption notice, a scale-down) stops fetching; the batc
 may finish (generate, publish, ack) within ``producer.drain_timeout_s``. Whatever is still
 in hand then is nak'ed, so another producer takes those prompts at once instead of after
 ``nats.ack_wait_s``, and the producer exits 0 without waiting for its backend's threads.
-Prompts fetched after the signal are nak'ed without generating. A batch whose
+No fetch starts after the signal; prompts a fetch already asked for are in hand like the
+rest (the broker has delivered them), and finish or are nak'ed with them. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
 deliveries); three failing batches (groups, when kept in flight one by one) in a row end the
 producer with an error.
@@ -325,13 +326,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             rates.restart(time.monotonic())
             reporter.update(phases.finish())
             return []
-        if comp.stop.is_set():  # fetched as the signal came: give them back ungenerated
-            for d in deliveries:
-                await d.nak()
-            pending -= len(deliveries)
-            stats.drain_naks += len(deliveries)
-            log.info("producer %s: drain: nak'ed %d prompts fetched after the signal", comp.component_id, len(deliveries))
-            return None
+        # a signal that came while the fetch was out: these prompts were delivered before it,
+        # so they are in hand like the rest and finish (or are nak'ed) within the drain
         return deliveries
 
     async def produce_held(deliveries, phases: Phases) -> None:
