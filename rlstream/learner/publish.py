@@ -212,9 +212,12 @@ def _staged(lcfg, run: str, version: int) -> StagedFile:
     return StagedFile(shared_dir(lcfg.local_path if local else lcfg.shared_path, run, version), durable=not local)
 
 
-def _place(staged: StagedFile | None, lcfg, run: str, version: int, data, config_json: str, chunk: int) -> list[str]:
-    """Bytes handed over as they are (an adapter, a caller's bytes) are copied into a staged file first."""
-    if staged is None:
+def _place(data: bytes | bytearray | StagedFile, lcfg, run: str, version: int, config_json: str, chunk: int) -> list[str]:
+    """The version's folder in place; bytes handed over as they are (an adapter, a caller's
+    bytes) are copied into a staged file first."""
+    if isinstance(data, StagedFile):
+        staged = data
+    else:
         staged = _staged(lcfg, run, version)
         staged.alloc(len(data))[:] = data
     try:
@@ -262,8 +265,7 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray | StagedFile, *, ver
     else:
         local = transport == "local"
         directory = shared_dir(lcfg.local_path if local else lcfg.shared_path, layout.run, version)
-        staged = data if isinstance(data, StagedFile) else None
-        digests = await asyncio.to_thread(_place, staged, lcfg, layout.run, version, data, config_json, chunk)
+        digests = await asyncio.to_thread(_place, data, lcfg, layout.run, version, config_json, chunk)
         location = f"file://{directory}"
         if local:
             extra["host"] = host_id()
