@@ -26,6 +26,7 @@ SIGTERM/SIGINT finish the batch in hand (publish and ack) and exit.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,7 +48,18 @@ from rlstream.scorers.scoring import RewardStats, Scorer
 log = logging.getLogger(__name__)
 
 def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
-    """Decode completion ids for groups that carry no text (the tokenizer loads on first use)."""
+    """Decode completion ids for samples that carry no text.
+
+    A completion can carry an empty text (it ended at once, or only special tokens), so the
+    first batch often needs a decode: the tokenizer is read here, at start, rather than at
+    that first batch, where importing transformers (2-3 s of CPU) held up the run's first
+    step. When the tokenizer's own ``tokenizer.json`` decodes exactly as transformers would
+    (:func:`plain_tokenizer`), ``tokenizers`` reads it directly (tens of milliseconds);
+    otherwise transformers loads it on first use."""
+    path = Path(cfg.tokenizer_path or cfg.model_checkpoint_path)
+    plain = plain_tokenizer(path)
+    if plain is not None:
+        return lambda ids: plain.decode(ids.tolist(), skip_special_tokens=True)
     tokenizer = None
 
     def decode(ids: np.ndarray) -> str:
@@ -55,10 +67,48 @@ def text_decoder(cfg: Config) -> Callable[[np.ndarray], str]:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.tokenizer_path or cfg.model_checkpoint_path)))
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
         return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     return decode
+
+
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""transformers classes that use ``tokenizer.json`` as it is (model-specific classes may
+rebuild parts of the pipeline in code)."""
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+                      "additional_special_tokens", "extra_special_tokens")
+
+
+def plain_tokenizer(path: Path):
+    """``tokenizers.Tokenizer`` for ``path`` when its ``decode(ids, skip_special_tokens=True)``
+    equals transformers' for that tokenizer, else None: a generic tokenizer class, no
+    clean-up of tokenization spaces, and every special token that the configs name marked
+    special in ``tokenizer.json``. Files that disagree on what is special (transformers may
+    add a named token on load) are left to transformers."""
+    files = [path / "tokenizer_config.json", path / "special_tokens_map.json"]
+    if not (path / "tokenizer.json").is_file() or not files[0].is_file():
+        return None
+    try:
+        configs = [json.loads(f.read_text()) for f in files if f.is_file()]
+        added = json.loads((path / "tokenizer.json").read_text()).get("added_tokens") or []
+    except (OSError, ValueError):
+        return None
+    if configs[0].get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES or configs[0].get("clean_up_tokenization_spaces"):
+        return None
+    special = {t.get("content") for t in added if t.get("special")}
+    named: set[str] = set()
+    for conf in configs:
+        for key in SPECIAL_TOKEN_KEYS:
+            value = conf.get(key)
+            values = value.values() if isinstance(value, dict) and "content" not in value else (
+                value if isinstance(value, list) else [value])
+            named.update(v.get("content") if isinstance(v, dict) else v for v in values if v)
+    if not named <= special:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
 async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.Event | None = None, **_unused) -> int:
