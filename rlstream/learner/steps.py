@@ -523,7 +523,7 @@ STEPS: dict[str, Callable[[Learner, list], dict[str, float]]] = {"SFT": sft_step
 
 def collates_ahead(cfg: Config) -> bool:
     """The mode's step takes its batch collated ahead (:func:`collate_groups`): the RL modes."""
-    return cfg.learner.collate_ahead and cfg.training_mode not in STEPS
+    return cfg.learner.collate_ahead and cfg.is_rl
 
 
 def train_step(learner: Learner, batch: list, collated: Collated | None = None) -> dict[str, float]:
