@@ -145,7 +145,8 @@ def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> Toke
                        in_completion, np.int64)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    recorded = {name: _per_token(rows, k, in_completion, name) for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
+    recorded = {name: _per_token(rows, k, in_completion, name)
+                for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
     return TokenBatch(torch.from_numpy(input_ids), torch.from_numpy(in_row.astype(np.int64)), torch.from_numpy(gather_idx),
                       targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
 

@@ -379,7 +379,8 @@ def collate_groups(learner: Learner, groups: list[ScoredGroup]) -> Collated:
     rows, rewards = group_rows(learner.cfg, groups)
     tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple) for m in micro_batches(rows, lcfg.micro_batch_size)]
     # per token: a sample whose weights changed in flight is as stale as each of its tokens
-    versions = torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups else torch.zeros(0, dtype=torch.long)
+    versions = (torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups
+                else torch.zeros(0, dtype=torch.long))
     return Collated([g.id for g in groups], rows, rewards, tbs, versions, time.perf_counter() - t0)
 
 

@@ -177,6 +177,6 @@ def test_the_batch_tensors_do_not_depend_on_the_learner_state(tiny_model_dir, tm
     assert before.ids == after.ids and torch.equal(before.rewards, after.rewards)
     assert torch.equal(before.token_versions, after.token_versions)
     for a, b in zip(before.tbs, after.tbs):
-        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "gather_idx", "targets", "mask", "old_logprobs",
-                                                                        "advantages", "policy_versions"))
+        fields = ("input_ids", "gather_idx", "targets", "mask", "old_logprobs", "advantages", "policy_versions")
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
     assert [r.advantage for r in before.rows] == [r.advantage for r in after.rows]
