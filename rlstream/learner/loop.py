@@ -10,6 +10,8 @@
   (:mod:`rlstream.learner.steps`), the full state dict and saving;
 - **weights** (:mod:`rlstream.learner.publish`) and **checkpoints**
   (:mod:`rlstream.learner.checkpoint`);
+- **collate ahead** (:class:`CollateAhead`, RL modes): the next batch's tensors are built
+  in a thread while the current batch trains; ``take`` still decides what is trained;
 - **held-out evaluation** (:mod:`rlstream.learner.evaluation`, with an ``eval`` section):
   rounds pinned to a policy version, begun at the start, after every ``eval.every``-th
   publish and after the last step; a round still generating holds the next publish.
