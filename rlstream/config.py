@@ -1026,6 +1026,12 @@ class LearnerConfig(Strict):
     """Publish weights off the step: the step pays for the snapshot (serialising the state dict);
     upload and announcement run in a background task while training goes on. At most one
     publish runs and one waits; a newer version replaces the waiting one (``publish/superseded``)."""
+    collate_ahead: bool = True
+    """RL modes: while a batch trains, collate the groups the next batch will most likely hold
+    (advantages, padded tensors) in a thread, off the step's critical path. The next batch is
+    still taken and judged (duplicates, staleness, filter) when it trains; the tensors are used
+    only if it holds exactly those groups. Off: each step collates its own batch (the thread
+    gains nothing where the learner has no spare core: it competes with the step)."""
     reference_model_path: str | None = None
     """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
     max_seq_len: int = Field(1024, ge=8, le=1 << 24)

@@ -115,56 +115,79 @@ def truncate(prompt: np.ndarray, completion: np.ndarray, max_len: int) -> tuple[
 
 def collate(rows: list[Row], pad_id: int, max_len: int, pad_to: int = 1) -> TokenBatch:
     """Right-pad ``rows`` into a :class:`TokenBatch`; the length L is rounded up to a multiple
-    of ``pad_to`` (length bucketing for compiled models)."""
-    fitted = [truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len) for r in rows]
-    lengths = [len(p) + c for p, c in fitted]
-    B, L = len(rows), -(-max(lengths) // pad_to) * pad_to
-    T = max(1, max(c for _, c in fitted))
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    gather_idx = torch.zeros((B, T), dtype=torch.long)
-    targets = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    old = torch.zeros((B, T), dtype=torch.float32)
-    for i, (row, (p, c)) in enumerate(zip(rows, fitted)):
-        n = len(p)
-        comp = np.asarray(row.completion_ids[:c], dtype=np.int64)
-        input_ids[i, :n] = torch.from_numpy(np.asarray(p, dtype=np.int64))
-        input_ids[i, n:n + c] = torch.from_numpy(comp)
-        attention[i, :n + c] = 1
-        gather_idx[i, :c] = torch.arange(n - 1, n - 1 + c)
-        targets[i, :c] = torch.from_numpy(comp)
-        mask[i, :c] = _token_mask(row, c)
-        if row.old_logprobs is not None:
-            old[i, :c] = torch.tensor(np.asarray(row.old_logprobs[:c], dtype=np.float32))
+    of ``pad_to`` (length bucketing for compiled models).
+
+    Vectorised: each per-token field is concatenated once over the rows (each row's kept
+    part) and scattered into its padded tensor with one boolean-mask assignment, which fills
+    row by row, position by position: the concatenation order. No per-row tensor ops."""
+    prompts = [np.asarray(r.prompt_ids) for r in rows]
+    completions = [np.asarray(r.completion_ids) for r in rows]
+    kept_prompt, c = _fit(np.fromiter(map(len, prompts), np.int64, len(rows)),
+                          np.fromiter(map(len, completions), np.int64, len(rows)), max_len)
+    lengths = kept_prompt + c
+    B, L = len(rows), -(-int(lengths.max()) // pad_to) * pad_to
+    T = max(1, int(c.max()))
+    in_row = np.arange(L) < lengths[:, None]                      # [B, L] a real token
+    in_completion = np.arange(T) < c[:, None]                    # [B, T] a kept completion token
+    n = [int(x) for x in kept_prompt]
+    k = [int(x) for x in c]
+    comp = _cat([x[:ci] for x, ci in zip(completions, k)], np.int64)
+    tokens = _cat([piece for p, ni, x, ci in zip(prompts, n, completions, k) for piece in (p[len(p) - ni:], x[:ci])], np.int64)
+    input_ids = np.full((B, L), pad_id, np.int64)
+    input_ids[in_row] = tokens
+    gather_idx = np.where(in_completion, kept_prompt[:, None] - 1 + np.arange(T), 0)
+    targets = _padded(comp, in_completion, np.int64)
+    mask = _padded(_cat([_token_mask(r, ci) for r, ci in zip(rows, k)], np.float32), in_completion, np.float32)
+    old = _padded(_cat([np.zeros(ci, np.float32) if r.old_logprobs is None else np.asarray(r.old_logprobs[:ci], np.float32)
+                        for r, ci in zip(rows, k)], np.float32), in_completion, np.float32)
+    versions = _padded(_cat([np.full(ci, r.policy_version, np.int64) if r.token_versions is None
+                             else np.asarray(r.token_versions[:ci], np.int64) for r, ci in zip(rows, k)], np.int64),
+                       in_completion, np.int64)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    versions = torch.zeros((B, T), dtype=torch.long)
-    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
-        versions[i, :c] = (torch.from_numpy(np.asarray(row.token_versions[:c], dtype=np.int64)) if row.token_versions is not None
-                           else row.policy_version)
-    recorded = {name: _per_token(rows, fitted, name, T) for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
-    return TokenBatch(input_ids, attention, gather_idx, targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
+    recorded = {name: _per_token(rows, k, in_completion, name)
+                for name in ("ref_logprobs", "teacher_logprobs", "token_advantages")}
+    return TokenBatch(torch.from_numpy(input_ids), torch.from_numpy(in_row.astype(np.int64)), torch.from_numpy(gather_idx),
+                      targets, mask, old, rewards, advantages, policy_versions=versions, **recorded)
 
 
-def _token_mask(row: Row, c: int) -> torch.Tensor:
+def _fit(prompt_len: np.ndarray, completion_len: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`truncate`'s lengths for many rows at once: (prompt tokens kept, completion tokens kept)."""
+    over = prompt_len + completion_len > max_len
+    if not over.any():
+        return prompt_len, completion_len
+    room_prompt = np.maximum(1, np.minimum(prompt_len, max_len - np.minimum(completion_len, max_len // 2)))
+    prompt = np.where(over, np.minimum(room_prompt, prompt_len), prompt_len)  # an empty prompt stays empty
+    return prompt, np.where(over, np.maximum(0, np.minimum(completion_len, max_len - prompt)), completion_len)
+
+
+def _cat(pieces: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
+
+
+def _padded(flat: np.ndarray, where: np.ndarray, dtype) -> torch.Tensor:
+    """``flat`` (the rows' kept tokens back to back) placed at ``where`` [B, T], 0 elsewhere."""
+    out = np.zeros(where.shape, dtype)
+    out[where] = flat
+    return torch.from_numpy(out)
+
+
+def _token_mask(row: Row, c: int) -> np.ndarray:
     """The loss mask of a row's first ``c`` completion tokens: 0 everywhere for a dropped row,
     else its ``loss_mask`` (1 on model tokens, 0 on environment tokens), else all 1."""
     if not row.keep:
-        return torch.zeros(c)
+        return np.zeros(c, np.float32)
     if row.loss_mask is None:
-        return torch.ones(c)
-    return torch.from_numpy(np.asarray(row.loss_mask[:c], dtype=np.float32))
+        return np.ones(c, np.float32)
+    return np.asarray(row.loss_mask[:c], dtype=np.float32)
 
 
-def _per_token(rows: list[Row], fitted: list[tuple[np.ndarray, int]], name: str, T: int) -> torch.Tensor | None:
+def _per_token(rows: list[Row], kept: list[int], where: np.ndarray, name: str) -> torch.Tensor | None:
     """A recorded per-token annotation as [B, T] (0 where padded), or None unless every row has it."""
-    if any(getattr(r, name) is None for r in rows):
+    values = [getattr(r, name) for r in rows]
+    if any(v is None for v in values):
         return None
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    for i, (row, (_, c)) in enumerate(zip(rows, fitted)):
-        out[i, :c] = torch.tensor(np.asarray(getattr(row, name)[:c], dtype=np.float32))
-    return out
+    return _padded(_cat([np.asarray(v[:c], np.float32) for v, c in zip(values, kept)], np.float32), where, np.float32)
 
 
 def micro_batches(rows: list, size: int) -> list[list]:
@@ -230,7 +253,7 @@ def _collate_packed(rows: list[Row], fitted: list[tuple[np.ndarray, int]], layou
             doc_row[d] = r
             gather_idx[d, :c] = torch.arange(start + n - 1, start + n - 1 + c)
             targets[d, :c] = torch.from_numpy(comp)
-            mask[d, :c] = _token_mask(rows[i], c)
+            mask[d, :c] = torch.from_numpy(_token_mask(rows[i], c))
             if rows[i].old_logprobs is not None:
                 old[d, :c] = torch.tensor(np.asarray(rows[i].old_logprobs[:c], dtype=np.float32))
             start, d = end, d + 1

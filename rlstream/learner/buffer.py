@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from rlstream.broker.io import Delivery
 
@@ -89,13 +89,32 @@ class GroupBuffer:
                     self.gaps_skipped += lowest - self.next_seq
                     self.next_seq = lowest
                     continue
-            self.changed.clear()
-            waits = [asyncio.ensure_future(self.changed.wait()), asyncio.ensure_future(stop.wait())]
-            timeout = 0.25 if self._gap_since is not None else None
-            done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
+            await self.wait_changed(stop, timeout=0.25 if self._gap_since is not None else None)
         return None
+
+    def ready(self) -> Iterator[Delivery]:
+        """The waiting groups :meth:`next` hands out next, in stream order: the unbroken run
+        from ``next_seq`` (dead sequences passed over), up to the first sequence not here yet.
+        A look only: they stay in the buffer (iterate with no ``await`` in between)."""
+        if not self.waiting:
+            return
+        seq = self.next_seq if self.next_seq is not None else min(self.waiting)
+        while True:
+            if seq in self.dead:
+                seq += 1
+            elif seq in self.waiting:
+                yield self.waiting[seq]
+                seq += 1
+            else:
+                return
+
+    async def wait_changed(self, stop: asyncio.Event, timeout: float | None = None) -> None:
+        """Until groups are added (or skipped as dead), ``stop`` is set or ``timeout`` passes."""
+        self.changed.clear()
+        waits = [asyncio.ensure_future(self.changed.wait()), asyncio.ensure_future(stop.wait())]
+        done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
 
     def rewind(self, deliveries: list[Delivery]) -> None:
         """Put taken-but-untrained groups back (a batch interrupted by stop): they are read

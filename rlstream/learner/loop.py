@@ -10,6 +10,8 @@
   (:mod:`rlstream.learner.steps`), the full state dict and saving;
 - **weights** (:mod:`rlstream.learner.publish`) and **checkpoints**
   (:mod:`rlstream.learner.checkpoint`);
+- **collate ahead** (:class:`CollateAhead`, RL modes): the next batch's tensors are built
+  in a thread while the current batch trains; ``take`` still decides what is trained;
 - **held-out evaluation** (:mod:`rlstream.learner.evaluation`, with an ``eval`` section):
   rounds pinned to a policy version, begun at the start, after every ``eval.every``-th
   publish and after the last step; a round still generating holds the next publish.
@@ -42,7 +44,7 @@ from rlstream.learner import distributed as dist
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint
 from rlstream.learner.runner import LocalRunner, StepRunner, make_runner
 from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, StreamSource, Taken
-from rlstream.learner.steps import Learner, LearnerError, build_learner, group_rows
+from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
 from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
 from rlstream.rundir import RunDir, default_run_dir
 
@@ -143,6 +145,41 @@ class Checkpoints:
             return None
 
 
+class CollateAhead:
+    """The next batch collated while the current one trains (``learner.collate_ahead``).
+
+    It only looks: ``source.upcoming`` names the groups the next ``take`` will most likely
+    return, judged at the version that batch is expected to train at, and leaves them in the
+    buffer; :func:`~rlstream.learner.steps.collate_groups` builds their tensors in a thread
+    (numpy and torch release the GIL) while the step runs. Nothing is taken, counted,
+    recorded or acked, so checkpoints, kill -9 and resume see what they would without it. The
+    next ``take`` judges the groups again, at the version they train at (staleness, duplicates
+    of the batch in training, the group filter): the tensors are used only when it took
+    exactly the groups foreseen, else the step collates its own.
+    """
+
+    def __init__(self, learner: Learner, source: BatchSource, training: Taken, version: int):
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._collate(learner, source, training, version), name="learner-collate-ahead")
+
+    async def _collate(self, learner: Learner, source: BatchSource, training: Taken, version: int) -> Collated | None:
+        groups = await source.upcoming(self._stop, training, version)
+        if groups is None:
+            return None
+        return await asyncio.to_thread(collate_groups, learner, groups)
+
+    async def result(self) -> Collated | None:
+        """Stop looking; the batch collated ahead (once a collation under way is done), or None."""
+        self._stop.set()
+        return await self._task
+
+
+def _version_after_step(cfg: Config, state: LearnerState) -> int:
+    """The policy version after the step now starting, if it publishes as scheduled (a step
+    skipped as nonfinite, or a publish held for an eval round, leaves it one lower)."""
+    return state.policy_version + (1 if (state.step + 1) % cfg.learner.publish_every == 0 else 0)
+
+
 async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None,
                    adapter_config: str | None = None) -> dict[str, float]:
     """A new policy version: the full weights (or the LoRA adapter) out, then the version
@@ -223,7 +260,8 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
         await comp.state.put_int(LEARNER_STEP, state.step)
     # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
     # after a step counts in the next pass (``time/learner/checkpoint_s``). The step adds
-    # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`).
+    # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`);
+    # a collation ahead that is still running when the step ends counts as collate too.
     publisher = None
     if comp is not None and cfg.learner.publish_in_background:
         from rlstream.learner.publish import BackgroundPublisher
@@ -255,44 +293,58 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
     if evaluator is not None and cfg.eval.at_start and state.step == 0:
         await evaluator.begin(state.policy_version, state.step)
     phases.start()
+    ahead: CollateAhead | None = None
     with open(metrics_path, "a") as metrics_file:
-        while state.step < limit and not stop.is_set():
-            t_wait = time.perf_counter()
-            taken = await source.take(stop)
-            if taken is None:
-                break
-            t_step = time.perf_counter()
-            phases.add("wait", t_step - t_wait)
-            trained_at = state.policy_version  # the version the batch's staleness is measured against
-            m = await asyncio.to_thread(runner.step, taken.records)  # forward, loss, backward, update
-            m["time/step_s"] = time.perf_counter() - t_step
-            m["time/wait_data_s"] = t_step - t_wait
-            source.hold(taken)
-            m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
-            last = state.step >= limit  # with evaluation, the final weights are published for their round
-            due = m["optim/stepped"] > 0 and (state.step % cfg.learner.publish_every == 0 or deferred
-                                               or (evaluator is not None and last))
-            if evaluator is not None and due:
-                if last:
-                    await evaluator.wait_generated(stop)
-                deferred = await evaluator.holding()
-                due = not deferred
-            if comp is not None and due:
-                with phases.time("publish"):
-                    m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))
-                if evaluator is not None and evaluator.due(state.policy_version):
-                    if publisher is not None:  # the round's version is announced (never superseded) before its prompts
-                        await publisher.flush()
-                    await evaluator.begin(state.policy_version, state.step)
-            m.update(phases.finish())
-            if cfg.is_online:
-                m.update(reward_term_metrics(taken.records))
-            await _log(m, taken, source, state, metrics_file, comp)
-            await _report(reports, cfg, m, taken, state, trained_at)
-            phases.start()
-            if state.step % cfg.checkpoint.interval == 0:
-                with phases.time("checkpoint"):
-                    await checkpoints.save()
+        try:
+            while state.step < limit and not stop.is_set():
+                t_wait = time.perf_counter()
+                collated = await ahead.result() if ahead is not None else None  # waits only for a collation under way
+                t_take = time.perf_counter()
+                taken = await source.take(stop)
+                if taken is None:
+                    break
+                t_step = time.perf_counter()
+                phases.add("collate", t_take - t_wait)
+                phases.add("wait", t_step - t_take)
+                trained_at = state.policy_version  # the version the batch's staleness is measured against
+                if collated is not None and collated.ids != taken.ids:
+                    collated = None  # not the batch foreseen: the step collates its own
+                ahead = (CollateAhead(learner, source, taken, _version_after_step(cfg, state))
+                         if collates_ahead(cfg) and state.step + 1 < limit else None)
+                m = await asyncio.to_thread(runner.step, taken.records, collated)  # forward, loss, backward, update
+                m["time/step_s"] = time.perf_counter() - t_step
+                m["time/wait_data_s"] = t_step - t_take
+                m["learner/collated_ahead"] = float(collated is not None)
+                m["time/collate_ahead_s"] = collated.seconds if collated is not None else 0.0
+                source.hold(taken)
+                m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
+                last = state.step >= limit  # with evaluation, the final weights are published for their round
+                due = m["optim/stepped"] > 0 and (state.step % cfg.learner.publish_every == 0 or deferred
+                                                   or (evaluator is not None and last))
+                if evaluator is not None and due:
+                    if last:
+                        await evaluator.wait_generated(stop)
+                    deferred = await evaluator.holding()
+                    due = not deferred
+                if comp is not None and due:
+                    with phases.time("publish"):
+                        m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))
+                    if evaluator is not None and evaluator.due(state.policy_version):
+                        if publisher is not None:  # the round's version is announced (never superseded) before its prompts
+                            await publisher.flush()
+                        await evaluator.begin(state.policy_version, state.step)
+                m.update(phases.finish())
+                if cfg.is_online:
+                    m.update(reward_term_metrics(taken.records))
+                await _log(m, taken, source, state, metrics_file, comp)
+                await _report(reports, cfg, m, taken, state, trained_at)
+                phases.start()
+                if state.step % cfg.checkpoint.interval == 0:
+                    with phases.time("checkpoint"):
+                        await checkpoints.save()
+        finally:
+            if ahead is not None:  # it took nothing: there is nothing to put back
+                await ahead.result()
     if publisher is not None:  # the last version is out before the run reports its end (and its eval round)
         await publisher.flush()
     if evaluator is not None and not stop.is_set():

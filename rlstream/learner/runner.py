@@ -19,7 +19,7 @@ import torch
 
 from rlstream.learner import distributed as dist
 from rlstream.learner.checkpoint import LearnerState, load_checkpoint, save_checkpoint
-from rlstream.learner.steps import Learner, train_step
+from rlstream.learner.steps import Collated, Learner, train_step
 
 
 class StepRunner(Protocol):
@@ -28,8 +28,8 @@ class StepRunner(Protocol):
     def resume(self, path: Path | None) -> LearnerState | None:
         """Load ``path`` (None: start fresh); returns the restored state, or None."""
 
-    def step(self, batch: list) -> dict[str, float]:
-        """One optimizer step on ``batch``; its metrics."""
+    def step(self, batch: list, collated: Collated | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch`` (``collated``: its tensors, built ahead); its metrics."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight (the adapter alone under LoRA), on CPU, for a publish."""
@@ -70,8 +70,8 @@ class LocalRunner:
         self.learner.done_ids = set(state.trained_ids) | set(state.dropped_ids)
         return state
 
-    def step(self, batch: list) -> dict[str, float]:
-        return train_step(self.learner, batch)
+    def step(self, batch: list, collated: Collated | None = None) -> dict[str, float]:
+        return train_step(self.learner, batch, collated)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return published_tensors(self.learner)
@@ -99,11 +99,11 @@ class LeaderRunner(LocalRunner):
         dist.send(dist.Op.RESUME, path=str(path) if path is not None else None)
         return super().resume(path)
 
-    def step(self, batch: list) -> dict[str, float]:
+    def step(self, batch: list, collated: Collated | None = None) -> dict[str, float]:
         # A step that raises leaves the followers inside a collective: they cannot hear "stop".
         self._in_step = True
-        dist.send(dist.Op.STEP, batch)
-        out = super().step(batch)
+        dist.send(dist.Op.STEP, batch)  # the followers collate their own
+        out = super().step(batch, collated)
         self._in_step = False
         return out
 

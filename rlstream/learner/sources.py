@@ -1,8 +1,10 @@
 """Batch sources: where the learner's batches come from, and when what it trained is acked.
 
-A source gives the loop three things:
+A source gives the loop four things:
 
 - ``take(stop)``: the next batch (None: the data is exhausted, or ``stop`` was set);
+- ``upcoming(stop, training, version)``: a look at the batch ``take`` will most likely return
+  next, taking nothing (the loop collates it while the current batch trains);
 - ``hold(taken)``: the batch was trained; keep it unacked until a checkpoint holds its effect;
 - ``ack_through(checkpoint)``: record the source's position in the state, run the checkpoint,
   and, once it is durable, ack everything held.
@@ -63,6 +65,10 @@ class Taken:
 class BatchSource(Protocol):
     async def take(self, stop: asyncio.Event) -> Taken | None: ...
 
+    async def upcoming(self, stop: asyncio.Event, training: Taken, version: int) -> list | None:
+        """The records the next ``take`` will most likely return, without taking them (None:
+        not known, or ``stop`` was set)."""
+
     def hold(self, taken: Taken) -> None: ...
 
     async def ack_through(self, checkpoint: Checkpoint) -> Path | None: ...
@@ -100,6 +106,9 @@ class OfflineSource:
         ds, lcfg = self.learner.cfg.data_source, self.learner.cfg.learner
         batch = next_offline_batch(self.examples, self.learner.state, lcfg.batch_groups, ds.epochs, ds.shuffle_seed)
         return Taken(batch) if batch is not None else None
+
+    async def upcoming(self, stop: asyncio.Event, training: Taken, version: int) -> list | None:
+        return None  # SFT and DPO steps collate their own batches
 
     def hold(self, taken: Taken) -> None:
         return None  # the state's epoch position is the whole record of what was used
@@ -153,37 +162,52 @@ class StreamBatch:
     duplicates: int = 0
 
 
+def group_verdict(learner: Learner, g: ScoredGroup, version: int, batch_ids: set[str]) -> str | None:
+    """Why group ``g`` is not trained in a batch at policy ``version``: ``"duplicate"`` (its id
+    was trained or dropped before, or is in ``batch_ids``, the batch's ids so far), ``"stale"``
+    (its oldest token lags more than ``max_staleness`` versions) or ``"filtered"`` (the group
+    filter drops it); None: it is trained. Changes nothing."""
+    cfg = learner.cfg
+    if g.id in learner.done_ids or g.id in batch_ids:
+        return "duplicate"
+    # admitted by its oldest token (``policy_version`` is the oldest token's version)
+    if not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), version, cfg.max_staleness)[0]):
+        return "stale"
+    if cfg.algorithm_params.group_filter and not bool(
+            adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]):
+        return "filtered"
+    return None
+
+
 async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None) -> StreamBatch | None:
     """The next ``batch_groups`` trainable groups in stream order. Already-trained ids,
     too-stale groups and (with a group filter) all-equal-reward groups are dropped, counted
-    and held for ack. None when ``stop`` is set first (the groups taken so far are put back).
+    and held for ack (:func:`group_verdict`, at the learner's policy version now). None when
+    ``stop`` is set first (the groups taken so far are put back).
 
     ``on_drop`` (async, no arguments) runs after each dropped group: the stream uses it to
     admit a replacement, or producers paced on ``pacing.admit`` would wait forever for a
     batch that dropped groups can never fill."""
     cfg, state = learner.cfg, learner.state
-    group_filter = cfg.algorithm_params.group_filter
     out = StreamBatch([])
+    ids: set[str] = set()
     while len(out.deliveries) < cfg.learner.batch_groups:
         d = await buf.next(stop)
         if d is None:
             buf.rewind(out.deliveries)
             return None
         g: ScoredGroup = d.record
-        if g.id in learner.done_ids or any(x.record.id == g.id for x in out.deliveries):
+        verdict = group_verdict(learner, g, state.policy_version, ids)
+        if verdict == "duplicate":
             state.duplicates_skipped += 1
             out.duplicates += 1
             buf.mark_handled(d)
             continue
         state.groups_consumed += 1
-        # admitted by its oldest token (``policy_version`` is the oldest token's version)
-        stale = not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), state.policy_version, cfg.max_staleness)[0])
-        filtered = False
-        if group_filter and not stale:
-            filtered = not bool(adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0])
-            state.keep_rate = adv.update_keep_rate(state.keep_rate, not filtered, KEEP_RATE_BATCHES * cfg.learner.batch_groups)
-        if stale or filtered:
-            if stale:
+        if cfg.algorithm_params.group_filter and verdict != "stale":
+            state.keep_rate = adv.update_keep_rate(state.keep_rate, verdict != "filtered", KEEP_RATE_BATCHES * cfg.learner.batch_groups)
+        if verdict is not None:
+            if verdict == "stale":
                 state.dropped_stale += 1
                 out.dropped_stale += 1
             else:
@@ -196,6 +220,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
                 await on_drop()
             continue
         out.deliveries.append(d)
+        ids.add(g.id)
     return out
 
 
@@ -243,6 +268,25 @@ class StreamSource:
         if taken is None:
             return None
         return Taken([d.record for d in taken.deliveries], taken.deliveries)
+
+    async def upcoming(self, stop: asyncio.Event, training: Taken, version: int) -> list | None:
+        """The groups the next :meth:`take` will most likely return, judged by
+        :func:`group_verdict` at policy ``version`` (the one that batch is expected to train
+        at) with the ids of ``training`` (the batch in training) counted as trained. A look
+        only: they stay in the buffer, and nothing is counted, recorded or acked (``take``
+        judges them again). Waits until enough have arrived; None once ``stop`` is set."""
+        n = self.learner.cfg.learner.batch_groups
+        while not stop.is_set():
+            chosen: list = []
+            ids = set(training.ids)
+            for d in self.buf.ready():
+                if group_verdict(self.learner, d.record, version, ids) is None:
+                    chosen.append(d.record)
+                    ids.add(d.record.id)
+                    if len(chosen) == n:
+                        return chosen
+            await self.buf.wait_changed(stop)
+        return None
 
     def hold(self, taken: Taken) -> None:
         self.learner.state.trained_ids.extend(taken.ids)

@@ -254,13 +254,14 @@ def group_rows(cfg: Config, groups: list[ScoredGroup]) -> tuple[list[Row], torch
             advantages = torch.zeros_like(rewards)  # per token, from the critic (rl_step)
         else:
             advantages = adv.compute_advantages(params, rewards.unsqueeze(0))[0]
-        reasons = [s.finish_reason for s in g.rollout.samples]
+        samples = g.rollout.samples  # built on each access
+        reasons = [s.finish_reason for s in samples]
         keep = adv.overlong_mask(reasons) if params.masks_truncated else torch.ones(len(reasons), dtype=torch.bool)
         # per-token log-probs recorded by the reference / teacher stages (None when absent)
         ref = g.per_sample(g.ref_logprobs) or [None] * len(reasons)
         teacher = g.per_sample(g.teacher_logprobs) or [None] * len(reasons)
         masks, token_adv, advantages = episode_tokens(cfg, g, rewards, advantages)
-        for s, r, a, k, rl, tl, m, ta in zip(g.rollout.samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher,
+        for s, r, a, k, rl, tl, m, ta in zip(samples, rewards.tolist(), advantages.tolist(), keep.tolist(), ref, teacher,
                                              masks, token_adv):
             rows.append(Row(g.rollout.prompt_ids, s.completion_ids, s.logprobs, reward=r, advantage=a, finish_reason=s.finish_reason,
                             policy_version=g.rollout.policy_version, keep=bool(k), ref_logprobs=rl, teacher_logprobs=tl,
@@ -350,12 +351,49 @@ def distill_token_advantages(params, tb: TokenBatch) -> torch.Tensor:
     return out
 
 
-def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
+@dataclass
+class Collated:
+    """A batch of scored groups as the step's tensors: everything :func:`rl_step` derives from
+    the records and the config alone (nothing from the weights or the learner's state), so it
+    can be built ahead of the step, in another thread."""
+
+    ids: list[str]
+    """The groups' ids, in batch order: the batch these tensors are for."""
+    rows: list[Row]
+    rewards: torch.Tensor
+    """[N*G] every sample's reward."""
+    tbs: list[TokenBatch]
+    """One per micro-batch, on the CPU."""
+    token_versions: torch.Tensor
+    """[sum of completion lengths] long: the version that sampled each token (staleness metrics)."""
+    seconds: float = 0.0
+    """How long building it took."""
+
+
+def collate_groups(learner: Learner, groups: list[ScoredGroup]) -> Collated:
+    """``groups`` as :class:`Collated` tensors: rows with their advantages, micro-batches
+    collated (on the CPU; the step moves them to its device). Reads only the config and the
+    pad id: safe to run in a thread beside a step."""
+    t0 = time.perf_counter()
+    lcfg = learner.cfg.learner
+    rows, rewards = group_rows(learner.cfg, groups)
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    # per token: a sample whose weights changed in flight is as stale as each of its tokens
+    versions = (torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups
+                else torch.zeros(0, dtype=torch.long))
+    return Collated([g.id for g in groups], rows, rewards, tbs, versions, time.perf_counter() - t0)
+
+
+def rl_step(learner: Learner, groups: list[ScoredGroup], collated: Collated | None = None) -> dict[str, float]:
+    """One update on ``groups``; ``collated``: their tensors built ahead (None: built here)."""
     cfg, params = learner.cfg, learner.cfg.algorithm_params
-    lcfg = cfg.learner
     loss_fn = losses.policy_loss_fn(params)
-    rows, rewards = group_rows(cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    if collated is None:
+        collated = collate_groups(learner, groups)
+    if collated.ids != [g.id for g in groups]:
+        raise LearnerError(f"tensors collated for groups {collated.ids} given with groups {[g.id for g in groups]}")
+    rows, rewards = collated.rows, collated.rewards
+    tbs = [tb.to(learner.device) for tb in collated.tbs]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     module, critic = learner.engine.module, learner.critic
     max_tokens = generation_budget(groups)
@@ -396,9 +434,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup]) -> dict[str, float]:
             break
     out = losses.finish_offpolicy_metrics(_merged(learner, acc, weights), drop_parts=True)
     out.pop("policy/tokens", None)
-    # per token: a sample whose weights changed in flight is as stale as each of its tokens
-    versions = torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups else torch.zeros(0, dtype=torch.long)
-    out.update(adv.staleness_stats(versions, learner.state.policy_version))
+    out.update(adv.staleness_stats(collated.token_versions, learner.state.policy_version))
     out["reward/mean"] = float(rewards.mean()) if rewards.numel() else 0.0
     out["samples"] = float(len(rows))
     out["tokens"] = float(token_norm)
@@ -486,18 +522,27 @@ STEPS: dict[str, Callable[[Learner, list], dict[str, float]]] = {"SFT": sft_step
 """The step of each training mode whose records are not scored groups (default: :func:`rl_step`)."""
 
 
-def train_step(learner: Learner, batch: list) -> dict[str, float]:
+def collates_ahead(cfg: Config) -> bool:
+    """The mode's step takes its batch collated ahead (:func:`collate_groups`): the RL modes."""
+    return cfg.learner.collate_ahead and cfg.is_rl
+
+
+def train_step(learner: Learner, batch: list, collated: Collated | None = None) -> dict[str, float]:
     """One optimizer step (``epochs_per_batch`` of them for PPO epochs) on exactly ``batch``:
     ScoredGroups (RL), SFTExamples (SFT) or PreferencePairs (DPO). Deterministic on CPU given
     the same learner state. Advances ``learner.state.step``; never touches the broker.
+    ``collated``: the RL batch's tensors built ahead (:func:`collate_groups`), the same as the
+    step would build.
 
     Adds its phases to ``learner.phases``: forward, backward and optimizer as they run, and
-    ``collate`` for the rest of the step (rows, advantages, collation, PPO's value pass, metrics)."""
+    ``collate`` for the rest of the step (rows, advantages, collation unless done ahead, PPO's
+    value pass, metrics)."""
     phases = learner.phases
     timed = ("forward", "backward", "optimizer")
     before = sum(phases.seconds.get(p, 0.0) for p in timed)
     t0 = time.perf_counter()
-    out = STEPS.get(learner.cfg.training_mode, rl_step)(learner, batch)
+    step = STEPS.get(learner.cfg.training_mode)
+    out = step(learner, batch) if step is not None else rl_step(learner, batch, collated)
     inside = sum(phases.seconds.get(p, 0.0) for p in timed) - before
     phases.add("collate", time.perf_counter() - t0 - inside)
     return out
