@@ -4,8 +4,11 @@
 
 One linear loop: fetch up to ``scorer.batch_groups`` groups from the durable consumer
 ``scorers`` (shared by every scorer, so adding one adds throughput), skip ids already
-scored (acked again), score the rest off the event loop, publish the ScoredGroups with
-message id = group id, and ack each group once its publish is acked by JetStream.
+scored (acked again) or still in hand (left unacked), score the rest (microsecond rules on
+the event loop, anything slower off it), publish the ScoredGroups with message id = group
+id, and ack each group once its publish is acked by JetStream. Until then the batch is kept
+with in-progress acks, so a publish retried while the broker is away does not get it
+redelivered.
 ``scorer.pipeline_batches`` (default 2) copies of the loop run at once, so the next batch is
 fetched and scored while the last one waits for JetStream.
 
@@ -152,21 +155,28 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
             async with fetching:
                 with phases.time("fetch"):
                     deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
-                # at-least-once delivery: a group scored before (or being scored by the other
-                # lane) is acked again, not re-scored
+                # at-least-once delivery: a group scored before is acked again, not re-scored;
+                # one still in hand (the other lane scoring or publishing it) is left unacked,
+                # since its scored record may not be stored yet: it comes back if that fails
                 fresh: list[Delivery[RolloutGroup]] = []
                 for d in deliveries:
-                    if d.record.id in shared.seen or d.record.id in shared.in_flight:
+                    record_id = d.record.id
+                    if record_id in shared.in_flight:
+                        reporter.inc("scorer/duplicates_skipped")
+                    elif record_id in shared.seen:
                         await d.ack()
                         reporter.inc("scorer/duplicates_skipped")
                     else:
-                        shared.in_flight.add(d.record.id)
+                        shared.in_flight.add(record_id)
                         fresh.append(d)
             if not fresh:
                 reporter.update(phases.finish())
                 continue
             try:
-                await score_batch(shared, fresh, phases)
+                # in-progress acks while the batch is in hand, its publish included (retried
+                # while the broker is away): it is not redelivered before it is acked
+                async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
+                    await score_batch(shared, fresh, phases)
             finally:
                 shared.in_flight.difference_update(d.record.id for d in fresh)
             reporter.update(phases.finish())
@@ -191,11 +201,10 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
     comp, consumer = shared.comp, shared.consumer
     reporter, layout = comp.reporter, comp.layout
 
-    # 1. score, keeping the records with in-progress acks if it is slow
+    # 1. score
     t0 = time.monotonic()
     try:
-        async with kept_in_progress(fresh, shared.cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
-            results = await shared.scorer.score([d.record for d in fresh], scorer_id=shared.component_id)
+        results = await shared.scorer.score([d.record for d in fresh], scorer_id=shared.component_id)
     except EndpointError as exc:
         log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
         for d in fresh:
