@@ -4,7 +4,8 @@
 
 One linear loop: fetch up to ``scorer.batch_groups`` groups from the durable consumer
 ``scorers`` (shared by every scorer, so adding one adds throughput), skip ids already
-scored (acked again) or still in hand (left unacked), score the rest (microsecond rules on
+scored or in hand (acked again; but the message in hand itself, delivered again, is left
+unacked until its scored record is stored), score the rest (microsecond rules on
 the event loop, anything slower off it), publish the ScoredGroups with message id = group
 id, and ack each group once its publish is acked by JetStream. Until then the batch is kept
 with in-progress acks, so a publish retried while the broker is away does not get it
@@ -113,7 +114,8 @@ class ScorerLanes:
     scorer: Scorer
     component_id: str
     seen: RecentIds = field(default_factory=RecentIds)
-    in_flight: set[str] = field(default_factory=set)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """The groups in a lane's hands: record id -> the stream sequence of the message that brought it."""
     stats: RewardStats = field(default_factory=RewardStats)
     window_start: float = field(default_factory=time.monotonic)
     window_groups: int = 0
@@ -155,20 +157,21 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
             async with fetching:
                 with phases.time("fetch"):
                     deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
-                # at-least-once delivery: a group scored before is acked again, not re-scored;
-                # one still in hand (the other lane scoring or publishing it) is left unacked,
-                # since its scored record may not be stored yet: it comes back if that fails
+                # at-least-once delivery: a group scored before, or another message with the
+                # id of one in hand, is acked again, not re-scored; the very message in hand,
+                # delivered again, is left unacked: its scored record may not be stored yet,
+                # and it must come back if that fails
                 fresh: list[Delivery[RolloutGroup]] = []
                 for d in deliveries:
                     record_id = d.record.id
-                    if record_id in shared.in_flight:
-                        reporter.inc("scorer/duplicates_skipped")
-                    elif record_id in shared.seen:
-                        await d.ack()
-                        reporter.inc("scorer/duplicates_skipped")
-                    else:
-                        shared.in_flight.add(record_id)
+                    held = shared.in_flight.get(record_id)
+                    if held is None and record_id not in shared.seen:
+                        shared.in_flight[record_id] = d.stream_seq
                         fresh.append(d)
+                        continue
+                    if held != d.stream_seq:
+                        await d.ack()
+                    reporter.inc("scorer/duplicates_skipped")
             if not fresh:
                 reporter.update(phases.finish())
                 continue
@@ -178,7 +181,8 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
                 async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
                     await score_batch(shared, fresh, phases)
             finally:
-                shared.in_flight.difference_update(d.record.id for d in fresh)
+                for d in fresh:
+                    del shared.in_flight[d.record.id]
             reporter.update(phases.finish())
 
     if evals is None:

@@ -162,6 +162,10 @@ async def test_duplicates_are_skipped_and_metrics_published(js, nats_server, run
         while time.monotonic() < deadline and not (events and events[-1].get("scorer/duplicates_skipped") == 1
                                                    and "reward/exact_match/mean" in events[-1]):
             await asyncio.sleep(0.1)
+        # the second message is acked too (its twin's record is what scoring stores), not left to come back
+        while time.monotonic() < deadline and (await js.consumer_info(lay.rollouts_stream, Layout.SCORERS)).num_ack_pending:
+            await asyncio.sleep(0.1)
+        assert (await js.consumer_info(lay.rollouts_stream, Layout.SCORERS)).num_ack_pending == 0
     await sub.unsubscribe()
     assert await count(js, lay.rollouts_stream) == 2 and await count(js, lay.scored_stream) == 1
     last = events[-1]
