@@ -229,7 +229,8 @@ def main() -> None:
     cpu = {side: min(v) for side, v in CPU_US.items() if v}
     for side, label in (("raw", "raw nats-py scorer"), ("exact_match", "rlstream scorer")):
         if side in cpu:
-            print(f"exact_match: {label}: {cpu[side]:.1f} CPU us/group (each round: {', '.join(f'{v:.1f}' for v in CPU_US[side])})")
+            rounds = ", ".join(f"{v:.1f}" for v in CPU_US[side])
+            print(f"exact_match: {label}: {cpu[side]:.1f} CPU us/group (each round: {rounds})")
     (m_ours, m_direct, _), (c_ours, c_direct, c_raw) = res["math"], res["exact_match"]
     verdict("scorers", math_scorer_groups_per_s=m_ours, math_direct_groups_per_s=m_direct, math_ratio=m_ours / m_direct,
             exact_match_scorer_groups_per_s=c_ours, exact_match_direct_groups_per_s=c_direct,

@@ -198,7 +198,8 @@ class PullBatches:
 
     async def start(self) -> "PullBatches":
         self.inbox = self.nc.new_inbox()
-        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._arrived, pending_msgs_limit=DEFAULT_JS_SUB_PENDING_MSGS_LIMIT,
+        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._arrived,
+                                           pending_msgs_limit=DEFAULT_JS_SUB_PENDING_MSGS_LIMIT,
                                            pending_bytes_limit=DEFAULT_JS_SUB_PENDING_BYTES_LIMIT)
         return self
 
@@ -335,7 +336,8 @@ class Consumer(Generic[R]):
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             return []
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.errors.NoRespondersError,
-                nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError):
+                nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError,
+                nats.js.errors.NoStreamResponseError):
             self.broker_waits += 1  # the broker away for a moment (a node lost, a leader election): try again
             await asyncio.sleep(min(timeout, 1.0))
             return []

@@ -445,7 +445,8 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("optional", "nullable", "kinds", "arrays", "required_arrays", "optional_arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("optional", "nullable", "kinds", "arrays", "required_arrays", "optional_arrays", "checked", "checkers", "by_check",
+                 "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)

@@ -401,7 +401,8 @@ class Scorer:
                     await asyncio.to_thread(w.join, 5.0)
 
     # -- scoring ---------------------------------------------------------------------------
-    async def _term_values(self, term: Term, groups: list[RolloutGroup], flat: Flat) -> tuple[np.ndarray, dict[int, BaseException]]:
+    async def _term_values(self, term: Term, groups: list[RolloutGroup],
+                           flat: Flat) -> tuple[np.ndarray, dict[int, BaseException]]:
         """The term's values over the batch (float64 [len(flat)], NaN = no reward), and the
         groups whose own call raised, by index (their values NaN)."""
         try:
