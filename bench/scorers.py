@@ -170,8 +170,11 @@ CPU_US: dict[str, list[float]] = {}
 shared machine does not skew the way it skews wall time."""
 
 
-def _cpu_s(proc) -> float:
-    t = psutil.Process(proc.pid).cpu_times()
+def _cpu_s(proc) -> float | None:
+    try:
+        t = psutil.Process(proc.pid).cpu_times()
+    except psutil.Error:  # already gone: no figure this round
+        return None
     return t.user + t.system
 
 
@@ -194,7 +197,7 @@ async def _watch(js, lay, proc, n: int, side: str = "") -> tuple[float, int]:
         await asyncio.sleep(0.05)  # light polling: the scorer and the server share these cores
     if last is None or first is None or last[0] <= first[0]:
         raise RuntimeError("the scorer did not finish")
-    if side and last[1] > first[1]:
+    if side and last[1] > first[1] and first[2] is not None and last[2] is not None:
         CPU_US.setdefault(side, []).append(1e6 * (last[2] - first[2]) / (last[1] - first[1]))
     return (last[1] - first[1]) / (last[0] - first[0]), first[1]
 
