@@ -14,9 +14,17 @@ per group) and ``math`` (math-verify: the scoring dominates). Goal: ratio >= 0.9
 
 A cheap rule cannot reach that goal through any broker: the rule costs microseconds per group,
 one JetStream hop in Python hundreds. So for ``exact_match`` a third path shows what the loop
-itself costs: a hand-written raw nats-py scorer in its own process (batched pull, plain
-``msgpack.unpackb`` without validation, the same rule, a plain msgpack result published with
-``publish_async``, ack), against which the rlstream scorer's ratio is printed too.
+itself costs: a hand-written raw nats-py scorer in its own process (pulls of 64 as the
+scorer's, plain ``msgpack.unpackb`` without validation, the same rule, a plain msgpack
+result published with ``publish_async``, each ack once every publish of its batch is acked:
+the scorer's at-least-once order), against which the rlstream scorer's ratio is printed too.
+It does less than the product must (no validation, dead letters, de-duplication by message
+id, in-progress acks, origin header, metrics, reward components): a ceiling for all of that,
+but not for the pull, which it makes with nats-py's ``fetch`` (a task per message, ~33 us of
+CPU each, where rlstream's consumer takes ~10 us).
+
+Each scorer process's CPU time per group (user + system, from the first scored group seen to
+the last) is printed as well: a shared machine moves it far less than it moves groups/s.
 
     python bench/scorers.py [--quick]
 """
@@ -32,6 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -108,7 +117,7 @@ async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], ru
     proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "scorer", str(cfg), "--nats", server_url, "--id", "bench"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        return await _watch(js, lay, proc, len(groups))
+        return await _watch(js, lay, proc, len(groups), rule if rule == "exact_match" else "")
     finally:
         proc.terminate()
         proc.wait(30)
@@ -149,31 +158,47 @@ async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> tup
     proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", server_url, run, str(len(groups))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        return await _watch(js, lay, proc, len(groups))
+        return await _watch(js, lay, proc, len(groups), "raw")
     finally:
         proc.terminate()
         proc.wait(30)
         await nc.close()
 
 
-async def _watch(js, lay, proc, n: int) -> tuple[float, int]:
+CPU_US: dict[str, list[float]] = {}
+"""CPU microseconds per group of each scorer process (user + system), per round: the figure a
+shared machine does not skew the way it skews wall time."""
+
+
+def _cpu_s(proc) -> float | None:
+    try:
+        t = psutil.Process(proc.pid).cpu_times()
+    except psutil.Error:  # already gone: no figure this round
+        return None
+    return t.user + t.system
+
+
+async def _watch(js, lay, proc, n: int, side: str = "") -> tuple[float, int]:
     """Groups/s between the first and the last scored group seen on the scored stream, and how
-    many were already scored at the first sighting (the direct loop's clock starts there too)."""
+    many were already scored at the first sighting (the direct loop's clock starts there too).
+    The process's CPU time over the same span, per group, goes to ``CPU_US[side]``."""
     first = last = None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         done = (await js.stream_info(lay.scored_stream)).state.messages
         now = time.perf_counter()
         if done and first is None:
-            first = (now, done)
+            first = (now, done, _cpu_s(proc))
         if done >= n:
-            last = (now, done)
+            last = (now, done, _cpu_s(proc))
             break
         if proc.poll() is not None and proc.returncode != 0:
             raise RuntimeError(f"scorer exited: {proc.stderr.read().decode()[-2000:]}")
         await asyncio.sleep(0.05)  # light polling: the scorer and the server share these cores
     if last is None or first is None or last[0] <= first[0]:
         raise RuntimeError("the scorer did not finish")
+    if side and last[1] > first[1] and first[2] is not None and last[2] is not None:
+        CPU_US.setdefault(side, []).append(1e6 * (last[2] - first[2]) / (last[1] - first[1]))
     return (last[1] - first[1]) / (last[0] - first[0]), first[1]
 
 
@@ -204,10 +229,16 @@ def main() -> None:
             rows.append((f"{rule}: raw nats-py scorer", raw, raw * G, raw / direct, 1.0))
         rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct, ours / raw if raw else "-"))
     table(f"scoring groups of {G} completions", rows, ("path", "groups/s", "completions/s", "vs direct", "vs raw nats-py"))
+    cpu = {side: min(v) for side, v in CPU_US.items() if v}
+    for side, label in (("raw", "raw nats-py scorer"), ("exact_match", "rlstream scorer")):
+        if side in cpu:
+            rounds = ", ".join(f"{v:.1f}" for v in CPU_US[side])
+            print(f"exact_match: {label}: {cpu[side]:.1f} CPU us/group (each round: {rounds})")
     (m_ours, m_direct, _), (c_ours, c_direct, c_raw) = res["math"], res["exact_match"]
     verdict("scorers", math_scorer_groups_per_s=m_ours, math_direct_groups_per_s=m_direct, math_ratio=m_ours / m_direct,
             exact_match_scorer_groups_per_s=c_ours, exact_match_direct_groups_per_s=c_direct,
             exact_match_raw_groups_per_s=c_raw, exact_match_vs_raw=c_ours / c_raw,
+            exact_match_cpu_us_per_group=cpu.get("exact_match"), exact_match_raw_cpu_us_per_group=cpu.get("raw"),
             exact_match_ratio=c_ours / c_direct, exact_match_ok=c_ours / c_direct >= 0.9,
             ratio=min(m_ours / m_direct, c_ours / c_direct), goal=0.9)
 

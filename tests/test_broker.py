@@ -171,6 +171,54 @@ async def test_rollout_records_cross_the_broker_intact(js, run_id):
     await d.ack()
 
 
+async def test_fetch_takes_what_is_there_and_keeps_what_came_for_another_request(js, run_id):
+    """A fetch returns the records there now (fewer than asked); records that arrived for a
+    request no fetch waits on any more (one given up on) come first in the next fetch, and the
+    status that ends such a request does not end the fetch waiting then."""
+    import json
+
+    lay = await ensure_layout(js, run_id)
+    await Publisher(js).publish_many([Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(4)])
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    pull = consumer.sub
+    assert [d.record.id for d in await consumer.fetch(2, timeout=5)] == ["p0", "p1"]
+    # a request the consumer's inbox answers but no fetch is waiting on: 3 asked, 2 there,
+    # so its 404 comes after them
+    await js._nc.publish(pull.api, json.dumps({"batch": 3, "no_wait": True}).encode(), reply=f"{pull.inbox}.0")
+
+    async def arrived():
+        return len(pull.ready) == 2
+
+    assert await wait_until(arrived, 10)
+    await Publisher(js).publish(lay.prompts, prompt(4).encode(), "p4")
+    got = await consumer.fetch(10, timeout=5)
+    assert [d.record.id for d in got] == ["p2", "p3", "p4"]
+    for d in got:
+        await d.ack()
+    # the 408 ending a waiting request given up on, arriving while a fetch waits on its own
+    # request, leaves that fetch waiting: it takes the record published after it
+    await js._nc.publish(pull.api, json.dumps({"batch": 1, "expires": 300_000_000}).encode(), reply=f"{pull.inbox}.0")
+
+    async def publish_later():
+        await asyncio.sleep(1.0)
+        await Publisher(js).publish(lay.prompts, prompt(5).encode(), "p5")
+
+    later = asyncio.create_task(publish_later())
+    got = await consumer.fetch(1, timeout=10)
+    await later
+    assert [d.record.id for d in got] == ["p5"]
+
+
+async def test_fetch_from_a_consumer_that_is_gone_waits_for_the_broker(js, run_id):
+    """No one answers the pull (the durable consumer deleted, JetStream away): the fetch returns
+    nothing and counts a wait for the broker, as for a connection lost, instead of raising."""
+    lay = await ensure_layout(js, run_id)
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    await js.delete_consumer(lay.prompts_stream, Layout.PRODUCERS)
+    assert await consumer.fetch(4, timeout=0.5) == []
+    assert consumer.broker_waits == 1
+
+
 def rollout(i: int, g: int = 1, **fields) -> RolloutGroup:
     samples = [Sample(np.array([3, 4], np.int32), np.array([-0.1, -2.0], np.float32))] * g
     return RolloutGroup.from_samples(samples, id=f"g{i}", prompt_id="p", prompt_ids=np.array([1, 2], np.int32),

@@ -129,6 +129,11 @@ async def test_kept_in_progress_acks_until_the_block_ends():
         for _ in range(4):  # two rounds of both deliveries
             await asyncio.wait_for(beats.get(), 30)
     assert not any(t.get_name() == "keep" for t in asyncio.all_tasks())
+    # work done before the first beat is due starts no task and sends nothing
+    async with kept_in_progress([_Delivery(beats)], 30, name="keep-fast"):
+        await asyncio.sleep(0)
+        assert not any(t.get_name() == "keep-fast" for t in asyncio.all_tasks())
+    assert beats.empty()
 
 
 async def test_signals_to_sets_stop_and_removes_its_handlers():

@@ -213,20 +213,30 @@ class RecentIds:
 @contextlib.asynccontextmanager
 async def kept_in_progress(deliveries: Sequence[Any], every_s: float, *, name: str) -> AsyncIterator[None]:
     """In-progress acks for ``deliveries`` every ``every_s`` seconds while inside (a task
-    named ``name``), so slow work on them does not get them redelivered meanwhile."""
+    named ``name``), so slow work on them does not get them redelivered meanwhile. The task
+    starts only once the work has lasted ``every_s``: a fast stage's batches, done before
+    then, pay a timer and no task."""
 
     async def keep() -> None:
         while True:
-            await asyncio.sleep(every_s)
             for d in deliveries:
                 await d.in_progress()
+            await asyncio.sleep(every_s)
 
-    task = asyncio.create_task(keep(), name=name)
+    keeper: asyncio.Task | None = None
+
+    def start() -> None:
+        nonlocal keeper
+        keeper = asyncio.create_task(keep(), name=name)
+
+    timer = asyncio.get_running_loop().call_later(every_s, start)
     try:
         yield
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        timer.cancel()
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
 
 
 class Component:

@@ -148,10 +148,11 @@ def empty_array(dtype: np.dtype) -> np.ndarray:
     return arr
 
 
-def _wire_form(rec: Any) -> Any:
+def _wire_form(rec: Any, kept: Any = ()) -> Any:
     """What encodes for ``rec``: itself, or a shallow copy whose empty appended arrays and
-    None fields are left off the wire (``UNSET``), nested records likewise. Absent, they
-    decode to their defaults again."""
+    None fields are left off the wire (``UNSET``), nested records likewise (but those named
+    in ``kept``, which go out as the payload they came in). Absent, they decode to their
+    defaults again."""
     plan = _PLANS.get(type(rec)) or plan_of(type(rec))
     out = rec
     for n in plan.optional:
@@ -165,6 +166,8 @@ def _wire_form(rec: Any) -> Any:
                 out = rec.__copy__()
             setattr(out, n, msgspec.UNSET)
     for n, _ in plan.records:
+        if n in kept:
+            continue
         sub = getattr(rec, n)
         wire = _wire_form(sub)
         if wire is not sub:
@@ -198,7 +201,7 @@ def encode_keeping(rec: Any, **payloads: bytes) -> bytes:
     change (the scorer, a ScoredGroup's ``rollout``) skips re-encoding it. Each payload must be
     that record's own bytes, as validated on arrival; it then decodes to the same record as
     the re-encoded form would, an older version of it included."""
-    wire = _wire_form(rec)
+    wire = _wire_form(rec, payloads)
     if wire is rec:
         wire = rec.__copy__()
     for name, payload in payloads.items():
@@ -442,7 +445,8 @@ _NESTED: set[str] = set()  # names of fields that hold a nested record (``rollou
 class _Plan:
     """What the codec derived from one record class's annotations."""
 
-    __slots__ = ("optional", "nullable", "kinds", "arrays", "checked", "checkers", "by_check", "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
+    __slots__ = ("optional", "nullable", "kinds", "arrays", "required_arrays", "optional_arrays", "checked", "checkers", "by_check",
+                 "array_types", "expected_types", "array_maps", "free", "records", "strings", "floats", "wire", "decoder")
 
     def __init__(self, cls: type) -> None:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -457,8 +461,9 @@ class _Plan:
             factory = f.default_factory
             if kind[0] == _ARRAY and f.name not in ("v", "id") and (default is not msgspec.NODEFAULT or factory is not msgspec.NODEFAULT):
                 # an array a later version appended (with a default): absent from older payloads
+                # absent, it decodes straight to the shared empty array (no step in _from_wire)
                 optional.append(f.name)
-                wire_type, default, factory = wire_type | None, None, msgspec.NODEFAULT
+                wire_type, default, factory = wire_type | None, empty_array(kind[1].dtype), msgspec.NODEFAULT
             elif f.name in ("v", "id") or kind[0] == _ARRAY:
                 default, factory = msgspec.NODEFAULT, msgspec.NODEFAULT  # required on the wire
             elif f.name == "ts":
@@ -472,6 +477,8 @@ class _Plan:
             else:
                 wire_fields.append((f.name, wire_type))
         self.arrays = [(n, k[1]) for n, k in self.kinds.items() if k[0] == _ARRAY]
+        self.required_arrays = [(n, spec) for n, spec in self.arrays if n not in optional]
+        self.optional_arrays = [(n, spec) for n, spec in self.arrays if n in optional]
         # the appended arrays (their defaults are empty) are left off the wire while empty,
         # and fields whose default is None while None
         self.optional = tuple(optional)
@@ -647,12 +654,14 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
         if not 1 <= w.v <= cls.VERSION:
             cls._check_version(w.v, path)
         w.v = cls.VERSION  # an older version decodes with the newer fields' defaults: it is now this version
-        for n, spec in plan.arrays:
+        for n, spec in plan.required_arrays:
+            setattr(w, n, view_array(getattr(w, n), spec, path + n, limits))
+        for n, spec in plan.optional_arrays:
+            # an array a later version appended: absent while empty (and from older payloads),
+            # it is already the shared empty array
             value = getattr(w, n)
-            if value is None:  # an array a later version appended: absent while empty, and from older payloads
-                setattr(w, n, empty_array(spec.dtype))
-                continue
-            setattr(w, n, view_array(value, spec, path + n, limits))
+            if type(value) is not np.ndarray:
+                setattr(w, n, empty_array(spec.dtype) if value is None else view_array(value, spec, path + n, limits))
         for n, spec in plan.array_maps:
             setattr(w, n, {k: view_array(a, spec, f"{path}{n}.{k}", limits) for k, a in getattr(w, n).items()})
         if plan.free:

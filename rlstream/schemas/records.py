@@ -42,6 +42,7 @@ from rlstream.schemas.codec import (
     capped,
     decode_tagged,
     decoder_for,
+    empty_array,
     plan_of,
 )
 
@@ -416,8 +417,9 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
     components: capped(dict[str, MaybeFloats], MAX_NAMES) = msgspec.field(default_factory=dict)
     scorer_id: str = ""
     score_s: float = 0.0
-    ref_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
-    teacher_logprobs: LogProbs = msgspec.field(default_factory=lambda: np.zeros(0, FLOAT32))  # v2
+    # absent (the scorer's, before any annotator): the shared read-only empty array, as decoded
+    ref_logprobs: LogProbs = msgspec.field(default_factory=lambda: empty_array(FLOAT32))  # v2
+    teacher_logprobs: LogProbs = msgspec.field(default_factory=lambda: empty_array(FLOAT32))  # v2
     annotated_by: capped(dict[str, str], MAX_NAMES) = msgspec.field(default_factory=dict)  # v2
 
     def __post_init__(self) -> None:

@@ -22,6 +22,9 @@ import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
+
 from rlstream.imports import ImportPathError, import_callable
 
 
@@ -50,29 +53,50 @@ def is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def check_rewards(name: str, values: Any, n: int) -> list[float | None]:
-    """The function's output as floats and Nones; anything else is a :class:`RewardError`."""
+def reward_values(name: str, values: Any, n: int) -> np.ndarray:
+    """The function's output as a float64 array [n], NaN where it gave no reward (None or
+    NaN); anything but ``n`` finite floats and Nones is a :class:`RewardError`.
+
+    A list of Python floats (what the rules return) or a numeric array is taken whole; any
+    other list is checked value by value, to name the first bad one.
+    """
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "fiu":
+        out = values.astype(np.float64)
+    elif type(values) is list and all(type(v) is float for v in values):
+        out = np.array(values, dtype=np.float64)
+    else:
+        out = np.array(_checked(name, values, n), dtype=np.float64)
+    if len(out) != n:
+        raise RewardError(f"reward {name!r} returned {len(out)} values for {n} completions")
+    infinite = np.flatnonzero(np.isinf(out))
+    if len(infinite):
+        i = int(infinite[0])
+        raise RewardError(f"reward {name!r} returned {out[i]} at index {i}: rewards must be finite")
+    return out
+
+
+def _checked(name: str, values: Any, n: int) -> list[float]:
+    """Value by value: each a float (NaN for None), or the :class:`RewardError` naming the first bad one."""
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise RewardError(f"reward {name!r} returned {type(values).__name__}, expected a list of {n} floats")
     if len(values) != n:
         raise RewardError(f"reward {name!r} returned {len(values)} values for {n} completions")
-    out: list[float | None] = []
+    out: list[float] = []
     for i, v in enumerate(values):
         if v is None:
-            out.append(None)
+            out.append(math.nan)
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise RewardError(f"reward {name!r} returned {v!r} ({type(v).__name__}) at index {i}, expected a float or None")
-        v = float(v)
-        if math.isnan(v):
-            out.append(None)
-        elif math.isinf(v):
-            raise RewardError(f"reward {name!r} returned {v} at index {i}: rewards must be finite")
-        else:
-            out.append(v)
+        out.append(float(v))
     return out
+
+
+def check_rewards(name: str, values: Any, n: int) -> list[float | None]:
+    """:func:`reward_values` as a list, None where there is no reward."""
+    return [None if math.isnan(v) else v for v in reward_values(name, values, n).tolist()]
 
 
 async def call_function(

@@ -4,8 +4,12 @@
 
 One linear loop: fetch up to ``scorer.batch_groups`` groups from the durable consumer
 ``scorers`` (shared by every scorer, so adding one adds throughput), skip ids already
-scored (acked again), score the rest off the event loop, publish the ScoredGroups with
-message id = group id, and ack each group once its publish is acked by JetStream.
+scored or in hand (acked again; but the message in hand itself, delivered again, is left
+unacked until its scored record is stored), score the rest (microsecond rules on
+the event loop, anything slower off it), publish the ScoredGroups with message id = group
+id, and ack each group once its publish is acked by JetStream. Until then the batch is kept
+with in-progress acks, so a publish retried while the broker is away does not get it
+redelivered.
 ``scorer.pipeline_batches`` (default 2) copies of the loop run at once, so the next batch is
 fetched and scored while the last one waits for JetStream.
 
@@ -26,6 +30,7 @@ SIGTERM/SIGINT finish the batch in hand (publish and ack) and exit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -132,6 +137,12 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
             await consumer.start()
             if evals is not None:
                 await evals.start()
+            if stop is None:
+                # a scorer that owns its process: what start-up built lives as long as it does,
+                # so it leaves the collector's full passes, which would walk all of it every
+                # few thousand groups (~5 us a group of a microsecond rule)
+                gc.collect()
+                gc.freeze()
             await score_stream(cfg, comp, consumer, scorer, component_id, evals)
         finally:
             for c in (consumer, evals):
@@ -153,7 +164,8 @@ class ScorerLanes:
     scorer: Scorer
     component_id: str
     seen: RecentIds = field(default_factory=RecentIds)
-    in_flight: set[str] = field(default_factory=set)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """The groups in a lane's hands: record id -> the stream sequence of the message that brought it."""
     stats: RewardStats = field(default_factory=RewardStats)
     window_start: float = field(default_factory=time.monotonic)
     window_groups: int = 0
@@ -195,23 +207,32 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
             async with fetching:
                 with phases.time("fetch"):
                     deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
-                # at-least-once delivery: a group scored before (or being scored by the other
-                # lane) is acked again, not re-scored
+                # at-least-once delivery: a group scored before, or another message with the
+                # id of one in hand, is acked again, not re-scored; the very message in hand,
+                # delivered again, is left unacked: its scored record may not be stored yet,
+                # and it must come back if that fails
                 fresh: list[Delivery[RolloutGroup]] = []
                 for d in deliveries:
-                    if d.record.id in shared.seen or d.record.id in shared.in_flight:
-                        await d.ack()
-                        reporter.inc("scorer/duplicates_skipped")
-                    else:
-                        shared.in_flight.add(d.record.id)
+                    record_id = d.record.id
+                    held = shared.in_flight.get(record_id)
+                    if held is None and record_id not in shared.seen:
+                        shared.in_flight[record_id] = d.stream_seq
                         fresh.append(d)
+                        continue
+                    if held != d.stream_seq:
+                        await d.ack()
+                    reporter.inc("scorer/duplicates_skipped")
             if not fresh:
                 reporter.update(phases.finish())
                 continue
             try:
-                await score_batch(shared, fresh, phases)
+                # in-progress acks while the batch is in hand, its publish included (retried
+                # while the broker is away): it is not redelivered before it is acked
+                async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
+                    await score_batch(shared, fresh, phases)
             finally:
-                shared.in_flight.difference_update(d.record.id for d in fresh)
+                for d in fresh:
+                    del shared.in_flight[d.record.id]
             reporter.update(phases.finish())
 
     if evals is None:
@@ -234,11 +255,10 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
     comp, consumer = shared.comp, shared.consumer
     reporter, layout = comp.reporter, comp.layout
 
-    # 1. score, keeping the records with in-progress acks if it is slow
+    # 1. score
     t0 = time.monotonic()
     try:
-        async with kept_in_progress(fresh, shared.cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
-            results = await shared.scorer.score([d.record for d in fresh], scorer_id=shared.component_id)
+        results = await shared.scorer.score([d.record for d in fresh], scorer_id=shared.component_id)
     except EndpointError as exc:
         log.warning("scoring %d groups failed (%s); they will be redelivered", len(fresh), exc)
         for d in fresh:

@@ -10,10 +10,14 @@ How ``None`` ("no reward") combines: the sample's reward is the weighted sum of 
 components with ``None`` counted as 0; in ``ScoredGroup.components`` a ``None`` is NaN,
 so a component's mean (``reward/<name>/mean``) is taken over the samples it scored.
 
-Where the work runs: the cheap rules in one thread per batch; ``math`` in a process pool
-(``scorer.processes`` workers: math-verify needs a main thread for its timeouts; 0 = a
-thread with the timeouts off); Python functions in a thread (``async def`` ones on the
-event loop); the reward model over HTTP. The terms of a batch run concurrently.
+Where the work runs: the rules whose cost is linear in the text and small (``exact_match``,
+the length rules, ``env``) on the event loop while a batch's completions hold at most
+:data:`INLINE_CHARS` characters (microseconds of work: a thread hop would cost more than the
+rule), else in one thread per batch, as ``format`` (a pattern from the config can backtrack
+for long) and ``reasoning_gym`` always run; ``math`` in a process pool (``scorer.processes``
+workers: math-verify needs a main thread for its timeouts; 0 = a thread with the timeouts
+off); Python functions in a thread (``async def`` ones on the event loop); the reward model
+over HTTP. The terms of a batch run concurrently.
 
 Failures: an :class:`~rlstream.scorers.http.EndpointError` fails the whole batch (the
 loop naks it for redelivery). Any other exception from a term is retried group by group,
@@ -39,13 +43,17 @@ import numpy as np
 from rlstream.config import Config, RewardTerm
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers import rewards
-from rlstream.scorers.functions import RewardError, ScorerState, call_function, check_rewards, load_function
+from rlstream.scorers.functions import RewardError, ScorerState, call_function, load_function, reward_values
 from rlstream.scorers.http import EndpointError, RewardModelClient
 
 log = logging.getLogger(__name__)
 
 POOL_EXIT_S = 10.0
 """How long :meth:`Scorer.close` waits for a busy pool worker before terminating it."""
+
+INLINE_CHARS = 1 << 16
+"""A batch whose completions hold at most this many characters is scored by the cheap rules
+on the event loop (well under a millisecond); a larger one goes to a thread."""
 
 # Keys TRL passes itself: a dataset column of the same name is not forwarded.
 _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -69,9 +77,17 @@ class Flat:
     sizes: list[int]
     groups: list[RolloutGroup]
     _ids: list[list[int]] | None = None
+    _chars: int = -1
 
     def __len__(self) -> int:
         return len(self.completions)
+
+    @property
+    def chars(self) -> int:
+        """Characters in all the completions."""
+        if self._chars < 0:
+            self._chars = sum(map(len, self.completions))
+        return self._chars
 
     @property
     def completion_ids(self) -> list[list[int]]:
@@ -149,7 +165,7 @@ class Term:
 
     name: str
     weight: float
-    score: Callable[[Flat], Any]  # async (Flat) -> list[float | None]
+    score: Callable[[Flat], Any]  # async (Flat) -> float64 [len(flat)], NaN = no reward
     batch_fatal: bool = False
     """True when a failure is about the service, not the data (no per-group retry)."""
 
@@ -263,9 +279,9 @@ class Scorer:
             fn = load_function(t.function)
 
             async def run_function(flat: Flat, fn=fn, name=t.name, params=p):
-                return await call_function(name, fn, prompts=flat.trl_prompts, completions=flat.trl_completions,
-                                           completion_ids=flat.completion_ids, columns=flat.columns,
-                                           state=flat.state, params=params)
+                return _values(await call_function(name, fn, prompts=flat.trl_prompts, completions=flat.trl_completions,
+                                                   completion_ids=flat.completion_ids, columns=flat.columns,
+                                                   state=flat.state, params=params))
 
             return Term(t.name, t.weight, run_function)
         if t.rule == "math":
@@ -274,6 +290,7 @@ class Scorer:
                 self.pool = math_pool(self.processes)
             return Term(t.name, t.weight, self._math)
         rule: Callable[[Flat], list[float | None]]
+        inline = t.rule in ("exact_match", "length_penalty", "overlong", "env")  # linear in the text, and cheap
         if t.rule == "exact_match":
             _check_params(t, {"extract", "case_sensitive"})
 
@@ -329,18 +346,20 @@ class Scorer:
         else:  # pragma: no cover - the config's Literal lists the rules
             raise RewardError(f"unknown rule {t.rule!r}")
 
-        async def run_rule(flat: Flat, rule=rule, name=t.name):
-            return check_rewards(name, await asyncio.to_thread(rule, flat), len(flat))
+        async def run_rule(flat: Flat, rule=rule, name=t.name, inline=inline):
+            if inline and flat.chars <= INLINE_CHARS:
+                return reward_values(name, rule(flat), len(flat))
+            return reward_values(name, await asyncio.to_thread(rule, flat), len(flat))
 
         return Term(t.name, t.weight, run_rule)
 
     # -- the terms that leave the process --------------------------------------------------
-    async def _math(self, flat: Flat) -> list[float | None]:
+    async def _math(self, flat: Flat) -> np.ndarray:
         answers = _answers(flat, self.answer_column)
         if self.pool is None:
             # In a thread math-verify's timeouts are off; it warns about that on every call.
             logging.getLogger("math_verify").setLevel(logging.ERROR)
-            return await asyncio.to_thread(rewards.math_scores, flat.completions, answers, False)
+            return _values(await asyncio.to_thread(rewards.math_scores, flat.completions, answers, False))
         loop = asyncio.get_running_loop()
         n = len(flat)
         step = -(-n // self.processes)
@@ -352,11 +371,11 @@ class Scorer:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = math_pool(self.processes)
             raise EndpointError(f"math-verify worker process died: {exc}") from exc
-        return [v for part in parts for v in part]
+        return _values([v for part in parts for v in part])
 
-    async def _model(self, flat: Flat) -> list[float]:
+    async def _model(self, flat: Flat) -> np.ndarray:
         assert self.client is not None
-        return await self.client.score(flat.prompts, flat.completions)
+        return _values(await self.client.score(flat.prompts, flat.completions))
 
     async def start(self) -> None:
         """Start the pool's workers now (imports take a second) rather than on the first batch."""
@@ -382,23 +401,26 @@ class Scorer:
                     await asyncio.to_thread(w.join, 5.0)
 
     # -- scoring ---------------------------------------------------------------------------
-    async def _term_over_groups(self, term: Term, groups: list[RolloutGroup], flat: Flat) -> list[list[float | None] | BaseException]:
-        """The term's values per group; a group whose own call raises gets its exception."""
+    async def _term_values(self, term: Term, groups: list[RolloutGroup],
+                           flat: Flat) -> tuple[np.ndarray, dict[int, BaseException]]:
+        """The term's values over the batch (float64 [len(flat)], NaN = no reward), and the
+        groups whose own call raised, by index (their values NaN)."""
         try:
-            values = await term.score(flat)
+            return await term.score(flat), {}
         except EndpointError:
             raise
         except Exception as exc:
             if term.batch_fatal:
                 raise
             if len(groups) == 1:
-                return [exc]
-            return [r for g in groups for r in await self._term_over_groups(term, [g], flatten([g], self.decode))]
-        out, i = [], 0
-        for n in flat.sizes:
-            out.append(values[i:i + n])
-            i += n
-        return out
+                return np.full(len(flat), np.nan), {0: exc}
+            parts, raised = [], {}
+            for gi, g in enumerate(groups):
+                values, bad = await self._term_values(term, [g], flatten([g], self.decode))
+                parts.append(values)
+                if bad:
+                    raised[gi] = bad[0]
+            return np.concatenate(parts), raised
 
     async def score(self, groups: list[RolloutGroup], scorer_id: str = "") -> list[ScoredGroup | str]:
         """A ScoredGroup per group, or for a group whose reward raised, the traceback text.
@@ -408,28 +430,29 @@ class Scorer:
         if not groups:
             return []
         flat = flatten(groups, self.decode)
-        per_term = await asyncio.gather(*(self._term_over_groups(t, groups, flat) for t in self.terms))
-        raised = {gi: [(t.name, r[gi]) for t, r in zip(self.terms, per_term) if isinstance(r[gi], BaseException)]
-                  for gi in range(len(groups))}
-        scored = [gi for gi in range(len(groups)) if not raised[gi]]
-        # each term's rewards over the whole batch in one array (None -> NaN: no reward), the
-        # weighted total once (NaN counts 0); every group then takes its slices
-        components = {t.name: np.array([np.nan if v is None else v for gi in scored for v in r[gi]], dtype=np.float32)
-                      for t, r in zip(self.terms, per_term)}
+        per_term = await asyncio.gather(*(self._term_values(t, groups, flat) for t in self.terms))
+        # each term's rewards over the whole batch in one array (NaN: no reward), the weighted
+        # total once (NaN counts 0); every group then takes its slices (views: nothing copied)
+        components = {t.name: values.astype(np.float32) for t, (values, _) in zip(self.terms, per_term)}
         total = sum(t.weight * np.nan_to_num(components[t.name].astype(np.float64), nan=0.0) for t in self.terms)
         totals = np.asarray(total, dtype=np.float32)
         out: list[ScoredGroup | str] = []
         at = 0
-        for gi, group in enumerate(groups):
-            if raised[gi]:
-                out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in raised[gi]))
-                continue
-            n = len(per_term[0][gi])
-            out.append(ScoredGroup(rollout=group, rewards=totals[at:at + n].copy(),
-                                   components={name: v[at:at + n].copy() for name, v in components.items()},
-                                   scorer_id=scorer_id, run=group.run))
+        for gi, (group, n) in enumerate(zip(groups, flat.sizes)):
+            raised = [(t.name, bad[gi]) for t, (_, bad) in zip(self.terms, per_term) if gi in bad]
+            if raised:
+                out.append("\n".join(f"reward {name!r} raised:\n" + "".join(traceback.format_exception(e)) for name, e in raised))
+            else:
+                out.append(ScoredGroup(rollout=group, rewards=totals[at:at + n],
+                                       components={name: v[at:at + n] for name, v in components.items()},
+                                       scorer_id=scorer_id, run=group.run))
             at += n
         return out
+
+
+def _values(values: list[float | None]) -> np.ndarray:
+    """Rewards our own code computed (math-verify, the reward model) as float64, None -> NaN."""
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Rule rewards by hand-picked cases; how terms combine into rewards and components."""
 
 import math
+import threading
 
 import msgspec
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 from helpers.scorers import config, group
 
 from rlstream.scorers import rewards
-from rlstream.scorers.functions import RewardError, check_rewards
+from rlstream.scorers import scoring
+from rlstream.scorers.functions import RewardError, check_rewards, reward_values
 from rlstream.scorers.scoring import RewardStats, Scorer, overlong_settings
 
 
@@ -148,6 +150,59 @@ def test_check_rewards():
         check_rewards("r", [math.inf], 1)
     with pytest.raises(RewardError, match="expected a float or None"):
         check_rewards("r", ["1"], 1)
+
+
+def test_reward_values_take_floats_whole_and_check_the_rest_one_by_one():
+    # a list of floats or a numeric array in one piece; NaN and None both mean no reward
+    np.testing.assert_array_equal(reward_values("r", [1.0, float("nan"), -0.5], 3), [1.0, np.nan, -0.5])
+    np.testing.assert_array_equal(reward_values("r", np.array([1, 0], np.int64), 2), [1.0, 0.0])
+    np.testing.assert_array_equal(reward_values("r", (1, None), 2), [1.0, np.nan])
+    assert reward_values("r", [0.25], 1).dtype == np.float64
+    # the same refusals either way, naming the index
+    with pytest.raises(RewardError, match="returned inf at index 1: rewards must be finite"):
+        reward_values("r", [0.0, math.inf], 2)
+    with pytest.raises(RewardError, match="returned -inf at index 0"):
+        reward_values("r", np.array([-np.inf]), 1)
+    with pytest.raises(RewardError, match="returned 2 values for 3"):
+        reward_values("r", [1.0, 2.0], 3)
+    with pytest.raises(RewardError, match="True .bool. at index 0"):
+        reward_values("r", np.array([True]), 1)
+    with pytest.raises(RewardError, match="at index 1, expected a float or None"):
+        reward_values("r", [1.0, np.float32(1.0)], 2)
+
+
+async def test_cheap_rules_stay_on_the_event_loop_unless_the_batch_is_large(monkeypatch):
+    # a thread hop costs more than exact_match on a few completions: a small batch is scored
+    # on the event loop; a batch with more text than INLINE_CHARS, and a format pattern
+    # (which can backtrack for long) always, leave it
+    threads = []
+
+    def exact_match(completion, answer, **kw):
+        threads.append(("exact_match", threading.get_ident()))
+        return 1.0
+
+    def format_reward(completion, pattern, **kw):
+        threads.append(("format", threading.get_ident()))
+        return 0.0
+
+    monkeypatch.setattr(rewards, "exact_match", exact_match)
+    scorer = Scorer(config({"terms": [{"rule": "exact_match"}]}))
+    await scorer.score([group("small", ["4", "5"], columns={"answer": "4"})])
+    assert threads == [("exact_match", threading.get_ident())] * 2
+    threads.clear()
+    monkeypatch.setattr(scoring, "INLINE_CHARS", 10)
+    [scored] = await scorer.score([group("large", ["4" * 6, "5" * 6], columns={"answer": "4"})])
+    assert len(threads) == 2 and all(t != threading.get_ident() for _, t in threads)
+    np.testing.assert_array_equal(scored.rewards, [1.0, 1.0])
+    await scorer.close()
+
+    monkeypatch.setattr(scoring, "INLINE_CHARS", 1 << 16)
+    monkeypatch.setattr(rewards, "format_reward", format_reward)
+    scorer = Scorer(config({"terms": [{"rule": "format", "params": {"pattern": "x"}}]}))
+    threads.clear()
+    await scorer.score([group("small", ["4"], columns={"answer": "4"})])
+    assert len(threads) == 1 and threads[0][1] != threading.get_ident()
+    await scorer.close()
 
 
 async def test_terms_combine_with_weights_and_none():

@@ -14,8 +14,9 @@ import pytest
 import yaml
 from helpers.scorers import config, group, scorer_env
 
-from rlstream.broker import Outgoing, Publisher, ensure_layout
+from rlstream.broker import Layout, Outgoing, Publisher, ensure_layout
 from rlstream.broker.server import free_port
+from rlstream.config import NatsConfig
 from rlstream.schemas import DeadLetter, MetricEvent, RolloutGroup, ScoredGroup
 from rlstream.scorers import loop
 from rlstream.scorers.loop import RecentIds
@@ -161,12 +162,59 @@ async def test_duplicates_are_skipped_and_metrics_published(js, nats_server, run
         while time.monotonic() < deadline and not (events and events[-1].get("scorer/duplicates_skipped") == 1
                                                    and "reward/exact_match/mean" in events[-1]):
             await asyncio.sleep(0.1)
+        # the second message is acked too (its twin's record is what scoring stores), not left to come back
+        while time.monotonic() < deadline and (await js.consumer_info(lay.rollouts_stream, Layout.SCORERS)).num_ack_pending:
+            await asyncio.sleep(0.1)
+        assert (await js.consumer_info(lay.rollouts_stream, Layout.SCORERS)).num_ack_pending == 0
     await sub.unsubscribe()
     assert await count(js, lay.rollouts_stream) == 2 and await count(js, lay.scored_stream) == 1
     last = events[-1]
     assert last["scorer/duplicates_skipped"] == 1 and last["scorer/groups"] == 1 and last["scorer/failures"] == 0
     assert last["reward/exact_match/mean"] == 0.5 and last["reward/exact_match/std"] == 0.5   # [1, 0]
     assert last["reward/mean"] == 0.5 and "scorer/latency_s" in last and "scorer/groups_per_s" in last
+
+
+async def test_a_group_is_acked_only_once_its_scored_record_is_stored(js, nats_server, run_id):
+    """While its scored record cannot be stored (the scored stream gone) the scorer retries the
+    publish and the rollout stays unacked, kept with in-progress acks past several ack waits;
+    a scorer gone then leaves it unacked, so it is delivered again, to the next scorer, which
+    scores and acks it once the scored stream is back."""
+    ack_wait = 2.0  # longer than a fetch waits to fill its batch (1 s), before the in-progress acks start
+    lay = await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait))
+    cfg = config({"terms": [{"rule": "exact_match"}]}, run=run_id, nats={"ack_wait_s": ack_wait})
+    g = group("kept", ["1", "2"], columns={"answer": "1"}, run=run_id)
+
+    async def consumer():
+        return await js.consumer_info(lay.rollouts_stream, Layout.SCORERS)
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop.main(cfg, nats_server.url, "s0", stop=stop), name="scorer-s0")
+    deadline = time.monotonic() + 30
+    while (await consumer()).num_waiting < 1:
+        assert time.monotonic() < deadline and not task.done(), "the scorer did not start"
+        await asyncio.sleep(0.1)
+    await js.delete_stream(lay.scored_stream)
+    await publish(js, lay, [g])
+    while (await consumer()).num_ack_pending < 1:
+        assert time.monotonic() < deadline, "the group was not delivered"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(3 * ack_wait)  # the publish fails and is retried meanwhile
+    info = await consumer()
+    assert info.num_ack_pending == 1 and info.ack_floor.stream_seq == 0   # not acked...
+    assert info.num_redelivered == 0                                      # ...and kept, not redelivered
+    task.cancel()  # a scorer gone in the middle of its publish
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait))  # the scored stream back
+    async with scorer(cfg, nats_server.url, "s1"):
+        [scored] = await read(js, lay.scored, lay.scored_stream, ScoredGroup, 1)
+        deadline = time.monotonic() + 30
+        while (info := await consumer()).ack_floor.stream_seq < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+    assert scored.id == "kept" and scored.scorer_id == "s1" and list(scored.rewards) == [1.0, 0.0]
+    assert info.ack_floor.stream_seq == 1 and info.num_ack_pending == 0
+    assert info.delivered.consumer_seq == 2  # one record, two deliveries: to s0, then again to s1
+    assert await count(js, lay.scored_stream) == 1
 
 
 def test_recent_ids_forget_the_oldest():
