@@ -13,10 +13,11 @@ quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``
 New weights are loaded in place, without restarting the engine:
 ``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Between batches
 (``producer.weight_update: between_batches``, the default under LoRA) the producer loop
-reloads only when no request is in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused at a step
-boundary with ``pause_generation(mode="keep")`` (running requests stay queued, none is
-dropped), the weights are reloaded, the engine's weight label is set to the policy version
-(``update_weight_version``) and generation resumes. With ``producer.in_flight_kv: recompute``
+reloads only when no request is in flight. In flight (:meth:`VLLMBackend.update_in_flight`)
+the engine core is paused at a step boundary in ``keep`` mode (running requests stay queued,
+none is dropped), the weights are reloaded, the engine's weight label is set to the policy
+version and generation resumes; the pause and the reload are sent together, then the label
+and the resume, so the engine stands still for the reload and one round trip only. With ``producer.in_flight_kv: recompute``
 the pause also clears the KV cache, which preempts the running requests: on
 resume each is prefilled again, prompt and tokens so far, under the new weights, so every
 later token is sampled exactly as a teacher-forced pass of the new version scores it.
@@ -213,18 +214,34 @@ class VLLMBackend(Backend):
 
     async def update_in_flight(self, source: WeightsSource) -> None:
         """Pause at a step boundary (requests kept), reload, relabel, resume. The engine resumes
-        whatever happens (a failed reload leaves the old weights generating, and raises)."""
+        whatever happens (a failed reload leaves the old weights generating, and raises).
+
+        The engine stands still for the reload and one round trip to this process, not four:
+        the pause and the reload go out back to back, then the new label and the resume. That
+        is safe because the engine core handles its input in order, between steps, and while
+        paused waits on it without stepping; each call sends its message before it first
+        waits, so tasks created in order send in order (one socket, first in first out). A
+        failed reload is seen before anything is relabelled, so no token is stamped with a
+        version that did not sample it. (``AsyncLLM.pause_generation`` would add a 20 ms sleep
+        and its round trip; its multimodal cache clear has nothing to clear for a text model.)"""
         import time
 
         target = await self._staged(source)
+        core = self.engine.engine_core
         t0 = time.perf_counter()
-        await self.engine.pause_generation(mode="keep", clear_cache=self.recompute_kv)
         try:
-            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
-            await self.engine.update_weight_version(str(source.version))
+            outcomes = await asyncio.gather(core.pause_scheduler_async(mode="keep", clear_cache=self.recompute_kv),
+                                            core.collective_rpc_async("reload_weights", kwargs={"weights_path": target}),
+                                            return_exceptions=True)
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                raise failed
+            await asyncio.gather(core.set_weight_version_async(str(source.version)), core.resume_scheduler_async())
             self.policy_version = source.version
+        except BaseException:
+            await core.resume_scheduler_async()  # a second resume does nothing
+            raise
         finally:
-            await self.engine.resume_generation()
             self.paused_s += time.perf_counter() - t0
         self._prune(target)
 
