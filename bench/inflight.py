@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import logging
 import os
 import sys
 import tempfile
@@ -92,12 +93,20 @@ def endless(prompts: list, median: float, sigma: float, cap: int, seed: int) -> 
             yield prompts[(block * 1024 + j) % len(prompts)], length
 
 
-def generated_tokens() -> float:
-    """Tokens the vLLM engine has generated so far (its ``vllm:generation_tokens`` counter,
-    counted per engine step, finished or not)."""
+def engine_counts() -> tuple[float, float]:
+    """Tokens the vLLM engine has generated so far and the steps it has taken (its
+    ``vllm:generation_tokens`` counter, counted per step, finished or not, and the count of its
+    ``vllm:iteration_tokens`` histogram). Tokens per step is the batch the engine ran: the
+    engine's own occupancy, which no stall of this process's event loop can blur."""
     from prometheus_client import REGISTRY
 
-    return float(sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == "vllm:generation_tokens_total"))
+    names = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_count")
+    totals = dict.fromkeys(names, 0.0)
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals[names[0]], totals[names[1]]
 
 
 def write_versions(model_dir: Path, out: Path, k: int) -> list[Path]:
@@ -231,22 +240,23 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
     if in_flight:
         tasks.append(asyncio.create_task(watcher(), name="bench-watcher"))
     work = asyncio.create_task(scheduled(), name="bench-work")
-    engine = generated_tokens if backend.continuous else (lambda: float("nan"))
+    engine = engine_counts if backend.continuous else (lambda: (float("nan"), float("nan")))
     paused = lambda: getattr(backend, "paused_s", 0.0)  # noqa: E731
     if window is None:
-        paused0, tokens0 = paused(), engine()
+        paused0, (tokens0, steps0) = paused(), engine()
         await work
         t_end = time.perf_counter()
     else:
         finished, _ = await asyncio.wait({work}, timeout=window[0])
-        paused0, tokens0 = paused(), engine()
+        paused0, (tokens0, steps0) = paused(), engine()
         if not finished:
             finished, _ = await asyncio.wait({work}, timeout=span[1] - time.perf_counter())
         t_end = time.perf_counter()
         if finished:  # the supply is endless: only an error ends the work early
             work.result()
             raise RuntimeError(f"{mode}: the work ended inside the window")
-    generated, paused_s = engine() - tokens0, paused() - paused0
+    (tokens1, steps1), paused_s = engine(), paused() - paused0
+    generated, steps = tokens1 - tokens0, steps1 - steps0
     done.set()
     monitor.stop.set()
     await asyncio.gather(*tasks)  # the watcher finishes an update it is in
@@ -261,10 +271,96 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
         await work
     seconds = t_end - span[0]
     idle = monitor.empty_s + paused_s if backend.continuous else float("nan")
-    return {"mode": mode, "samples": counted["samples"], "tokens": counted["tokens"], "generated": generated,
+    return {"mode": mode, "samples": counted["samples"], "tokens": counted["tokens"], "generated": generated, "steps": steps,
             "seconds": seconds, "samples_per_s": counted["samples"] / seconds, "idle_s": idle, "idle_frac": idle / seconds,
             "updates": counted["updates"], "paused_s": paused_s,
             "request_s": monitor.request_s if backend.continuous else float("nan"), "monitored_s": max(monitor.seconds, 1e-9)}
+
+
+async def loop_mode(backend, mode: str, args, model_dir: Path, server, weights: list[bytes],
+                    length_of: dict[tuple[int, ...], int], data_path: Path) -> dict:
+    """The steady state of the producer loop itself (:func:`rlstream.producers.loop.run`, the
+    ``weight_update`` of ``mode``) against a nats-server: prompts fetched from the broker,
+    paced, tokenised, generated, published and acked by the product's code, and the weights
+    published by the learner's (:func:`rlstream.learner.publish.publish_bytes`, object store)
+    and fetched by the producer's. The one thing the bench adds is each prompt's drawn length
+    (``length_of``: prompt token ids -> length), as the scheduling measurement asks for it. What
+    counts: groups stored in the rollouts stream during the window, and the engine's tokens."""
+    import dataclasses
+    import uuid
+
+    from rlstream.broker import Component
+    from rlstream.config import parse_config
+    from rlstream.learner.publish import publish_bytes
+    from rlstream.producers.feeder import feed
+    from rlstream.producers.loop import run
+
+    cfg = parse_config({
+        "run": f"bench-inflight-{uuid.uuid4().hex[:8]}", "training_mode": "RL_GRPO",
+        "model_checkpoint_path": str(model_dir), "data_source": {"path": str(data_path), "shuffle_seed": None},
+        "algorithm_params": {"group_size": args.n},
+        "producer": {"backend": "vllm", "batch_prompts": args.batch, "max_new_tokens": args.cap, "weight_update": mode,
+                     "in_flight_kv": "keep", "drain_timeout_s": 0.1, "seed": 0, "vllm": {"max_model_len": args.cap + 64}},
+        "nats": {"ack_wait_s": 600.0},
+    })
+    plain = backend.generate
+
+    async def drawn(prompts, spec):  # each prompt its own request, to its drawn length
+        per = await asyncio.gather(*(plain([ids], dataclasses.replace(
+            spec, max_new_tokens=length_of[tuple(int(t) for t in ids)], min_new_tokens=0, ignore_eos=True)) for ids in prompts))
+        return [g for one in per for g in one]
+
+    backend.generate = drawn
+    done = asyncio.Event()
+    learner = Component(cfg, server.url, "learner", "bench-learner", handle_signals=False)
+    producer = Component(cfg, server.url, "producer", "bench-producer", handle_signals=False)
+    try:
+        async with learner:
+            await feed(learner.js, learner.layout, cfg, progress=False)
+            await learner.state.set_admit(10**9)  # pacing is not measured here
+            version0 = backend.policy_version
+
+            async def publish() -> None:  # a new version every --interval seconds
+                version = version0
+                while not done.is_set():
+                    try:
+                        await asyncio.wait_for(done.wait(), args.interval)
+                    except asyncio.TimeoutError:
+                        version += 1
+                        await publish_bytes(learner, cfg.learner, weights[version % len(weights)], version=version,
+                                            step=version, config_json="{}")
+
+            async def stored() -> int:
+                return (await learner.js.stream_info(learner.layout.rollouts_stream)).state.messages
+
+            async with producer:
+                t0 = time.perf_counter()
+                monitor = Monitor(backend, since=t0 + args.warmup)
+                tasks = [asyncio.create_task(monitor.run(), name="bench-monitor"),
+                         asyncio.create_task(publish(), name="bench-learner")]
+                work = asyncio.create_task(run(producer, backend, cfg), name="bench-producer-loop")
+                finished, _ = await asyncio.wait({work}, timeout=args.warmup)
+                start = (await stored(), engine_counts(), backend.paused_s, backend.policy_version, time.perf_counter())
+                if not finished:
+                    finished, _ = await asyncio.wait({work}, timeout=args.window)
+                end = (await stored(), engine_counts(), backend.paused_s, backend.policy_version, time.perf_counter())
+                if finished:
+                    work.result()
+                    raise RuntimeError(f"loop {mode}: the producer stopped inside the window")
+                done.set()
+                monitor.stop.set()
+                producer.stop.set()  # drains: what is in hand after drain_timeout_s is given back
+                await asyncio.gather(*tasks)
+                await work
+    finally:
+        del backend.generate
+    seconds = end[4] - start[4]
+    groups, generated, steps = end[0] - start[0], end[1][0] - start[1][0], end[1][1] - start[1][1]
+    idle = monitor.empty_s + end[2] - start[2]
+    return {"mode": mode, "samples": groups * args.n, "tokens": float("nan"), "generated": generated, "steps": steps,
+            "seconds": seconds, "samples_per_s": groups * args.n / seconds, "idle_s": idle, "idle_frac": idle / seconds,
+            "updates": end[3] - start[3], "paused_s": end[2] - start[2], "request_s": monitor.request_s,
+            "monitored_s": max(monitor.seconds, 1e-9)}
 
 
 def make_backend(args, model_dir: Path):
@@ -280,10 +376,11 @@ def make_backend(args, model_dir: Path):
 
 def summed(rs: list[dict]) -> dict:
     """One mode's rounds added up: counts summed, rates over the summed seconds."""
-    total = {k: sum(x[k] for x in rs) for k in ("samples", "tokens", "generated", "seconds", "idle_s", "updates",
+    total = {k: sum(x[k] for x in rs) for k in ("samples", "tokens", "generated", "steps", "seconds", "idle_s", "updates",
                                                   "request_s", "monitored_s")}
     s = total["seconds"]
     return {**total, "samples_per_s": total["samples"] / s, "tokens_per_s": total["tokens"] / s,
+            "per_step": total["generated"] / total["steps"] if total["steps"] else float("nan"),
             "generated_per_s": total["generated"] / s, "idle_frac": total["idle_s"] / s,
             "requests": total["request_s"] / total["monitored_s"], "mean_length": total["tokens"] / max(total["samples"], 1)}
 
@@ -300,6 +397,8 @@ async def main_async(args) -> None:
         order += ["in_flight_lanes"] + (["in_flight_recompute"] if args.recompute else [])
     steady_order = order[:2]
     window = (args.warmup, args.window)
+    loop_runs = args.loop and backend.continuous
+    server = None
     try:
         from rlstream.producers.backends.base import SamplingSpec
         from rlstream.schemas import Prompt
@@ -322,35 +421,78 @@ async def main_async(args) -> None:
                 print(f"round {r} steady {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
                       f"{x['seconds']:.2f}s = {x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, {x['updates']} updates",
                       flush=True)
+        loop = {m: [] for m in steady_order} if loop_runs else {}
+        if loop_runs:
+            import json
+
+            from rlstream.broker.server import EmbeddedServer
+
+            server = EmbeddedServer(tmp / "nats")
+            server.start()
+            logging.getLogger("rlstream").setLevel(logging.ERROR)  # each run ends in a drain that gives back what it holds
+            backend.recompute_kv = False  # in_flight_kv: keep
+            # more prompts than the window can take, each with the steady state's drawn length, in its order
+            texts = [f"Q: item {i} of the stream? A:" for i in range(args.loop_prompts)]
+            drawn = [length for _, length in itertools.islice(endless(texts, args.median, args.sigma, args.cap, seed=1),
+                                                              len(texts))]
+            length_of = {tuple(int(t) for t in backend.encode_prompt(Prompt(id=str(i), text=text))[0]): length
+                         for i, (text, length) in enumerate(zip(texts, drawn))}
+            assert len(length_of) == len(texts), "two prompts tokenise alike"
+            data_path = tmp / "prompts.jsonl"
+            data_path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+            weights = [(folder / "model.safetensors").read_bytes() for folder in folders]
+            for r in range(args.rounds):
+                for mode in (steady_order if r % 2 == 0 else steady_order[::-1]):
+                    loop[mode].append(x := await loop_mode(backend, mode, args, model_dir, server, weights, length_of,
+                                                           data_path))
+                    print(f"round {r} loop {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
+                          f"{x['seconds']:.2f}s = {x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, "
+                          f"{x['updates']} updates", flush=True)
     finally:
         await backend.close()
+        if server is not None:
+            server.stop()
     workload = (f"{backend.name}, lengths lognormal(median {args.median}, sigma {args.sigma}) clipped to [128, {args.cap}], "
                 f"{args.n} samples per prompt, a new version every {args.interval}s, {args.rounds} rounds")
     f = {m: summed(rs) for m, rs in fixed.items()}
     table(f"fixed work: {args.prompts} prompts each round, until the last is done; {workload}",
-          [(m, x["samples"], x["seconds"], x["samples_per_s"], x["generated_per_s"], x["idle_frac"], x["requests"], x["updates"])
-           for m, x in f.items()],
-          ("mode", "samples", "wall s", "samples/s", "tokens/s", "idle", "requests", "updates"))
+          [(m, x["samples"], x["seconds"], x["samples_per_s"], x["generated_per_s"], x["per_step"], x["idle_frac"],
+            x["requests"], x["updates"]) for m, x in f.items()],
+          ("mode", "samples", "wall s", "samples/s", "tokens/s", "tokens/step", "idle", "requests", "updates"))
     s = {m: summed(rs) for m, rs in steady.items()}
     table(f"steady state: endless prompts, {args.warmup:g}s warm-up, then a {args.window:g}s window each round; {workload}",
           [(m, x["samples"], x["seconds"], x["samples_per_s"], x["tokens_per_s"], x["generated_per_s"], x["mean_length"],
-            x["idle_frac"], x["requests"], x["updates"]) for m, x in s.items()],
-          ("mode", "samples", "window s", "samples/s", "tokens/s done", "tokens/s generated", "mean length", "idle",
-           "requests", "updates"))
+            x["per_step"], x["idle_frac"], x["requests"], x["updates"]) for m, x in s.items()],
+          ("mode", "samples", "window s", "samples/s", "tokens/s done", "tokens/s generated", "mean length", "tokens/step",
+           "idle", "requests", "updates"))
+    lp = {m: summed(rs) for m, rs in loop.items()}
+    if lp:
+        table(f"the producer loop against a nats-server, steady state as above; {workload}",
+              [(m, x["samples"], x["seconds"], x["samples_per_s"], x["generated_per_s"], x["per_step"], x["idle_frac"],
+                x["requests"], x["updates"]) for m, x in lp.items()],
+              ("mode", "samples", "window s", "samples/s", "tokens/s generated", "tokens/step", "idle", "requests",
+               "updates"))
     bb, inf = s["between_batches"], s["in_flight"]
     ratios = {"samples": inf["samples_per_s"] / bb["samples_per_s"], "tokens": inf["generated_per_s"] / bb["generated_per_s"]}
     ratio = min(r for r in ratios.values() if r == r)  # hf: no engine counter (nan)
     fixed_ratio = f["in_flight"]["samples_per_s"] / f["between_batches"]["samples_per_s"]
+    loop_ratios = ({"samples": lp["in_flight"]["samples_per_s"] / lp["between_batches"]["samples_per_s"],
+                    "tokens": lp["in_flight"]["generated_per_s"] / lp["between_batches"]["generated_per_s"]} if lp else {})
     print(f"{backend.name}: in_flight / between_batches, fixed work: {fixed_ratio:.2f}x samples/s; steady state: "
           f"{ratios['samples']:.2f}x samples/s, {ratios['tokens']:.2f}x tokens generated/s; in_flight engine idle "
           f"{inf['idle_frac']:.1%} in the steady state ({f['in_flight']['idle_frac']:.1%} fixed work)", flush=True)
+    if lp:
+        print(f"the producer loop: {loop_ratios['samples']:.2f}x samples/s, {loop_ratios['tokens']:.2f}x tokens generated/s; "
+              f"in_flight engine idle {lp['in_flight']['idle_frac']:.1%}", flush=True)
     print(f"verdict: steady state, the smaller of its samples/s and tokens/s ratios, {ratio:.2f}x (goal {RATIO_GOAL}x), "
           f"and its idle (goal < {IDLE_GOAL:.0%}). A producer runs without end: the fixed work's last sequences, finishing "
           "alone in an emptying engine, are a cost a run pays once, not per update; samples counted in a window "
-          "favour whichever mode leaves its long ones unfinished at the window's edge, tokens generated do not.", flush=True)
-    figures = {f"{kind}_{k}_{m}": x[k] for kind, d in (("fixed", f), ("steady", s)) for m, x in d.items()
-               for k in ("samples_per_s", "generated_per_s", "idle_frac", "requests", "updates")}
+          "favour whichever mode leaves its long ones unfinished at the window's edge, tokens generated do not. The "
+          "producer loop's figures add the broker, tokenising and publishing, on the engine's own cores here.", flush=True)
+    figures = {f"{kind}_{k}_{m}": x[k] for kind, d in (("fixed", f), ("steady", s), ("loop", lp)) for m, x in d.items()
+               for k in ("samples_per_s", "generated_per_s", "per_step", "idle_frac", "requests", "updates")}
     figures.update({f"steady_mean_length_{m}": x["mean_length"] for m, x in s.items()})
+    figures.update({f"loop_{k}_ratio": v for k, v in loop_ratios.items()})
     verdict("inflight", backend=backend.name, **figures, fixed_ratio=fixed_ratio, steady_samples_ratio=ratios["samples"],
             steady_tokens_ratio=ratios["tokens"], ratio_of="steady state: min(samples/s, tokens generated/s)",
             idle_ok=bool(inf["idle_frac"] < IDLE_GOAL), ratio=ratio, goal=RATIO_GOAL)
@@ -372,10 +514,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=16, help="hf in flight: update_chunk_tokens")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="also run in flight with the KV cache recomputed (in_flight_kv: recompute)")
+    p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
+                   help="vllm: also measure the producer loop itself against a nats-server (off with --quick)")
+    p.add_argument("--loop-prompts", type=int, default=2000, help="the producer loop: prompts fed per run")
     args = p.parse_args()
     if args.quick:
         args.prompts, args.batch, args.cap, args.median, args.rounds, args.interval = 24, 6, 512, 160.0, 1, 2.0
-        args.warmup, args.window = 4.0, 8.0
+        args.warmup, args.window, args.loop = 4.0, 8.0, False
     asyncio.run(main_async(args))
 
 
