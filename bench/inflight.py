@@ -24,7 +24,7 @@ mode scheduled by the producer loop's own plumbing (:mod:`rlstream.broker.compon
 - ``in_flight_recompute``: ``in_flight`` with the running sequences' KV recomputed under the
   new weights (``in_flight_kv: recompute``). Printed, not part of the goal.
 
-Each mode is measured twice, on the same seeded sequence of prompts and lengths:
+Each goal mode is measured three ways, on the same seeded sequence of prompts and lengths:
 
 - **fixed work**: ``--prompts`` prompts, from the first one taken to the last sequence done.
   It charges every mode once with the end of the run, where the last long sequences finish
@@ -38,22 +38,31 @@ Each mode is measured twice, on the same seeded sequence of prompts and lengths:
   the tokens the engine generated in the window are counted too (vLLM's
   ``vllm:generation_tokens`` counter: every token, finished or not), and the mean length of the
   counted samples is printed.
+- **the producer loop** (vllm; not with ``--quick``): the steady state again, but run by
+  :func:`rlstream.producers.loop.run` itself against a nats-server in this process's machine,
+  ``between_batches`` and ``in_flight``: prompts fed to the broker (``--loop-prompts``, in the
+  steady state's order and lengths), paced, fetched, tokenised, generated, published and
+  acked by the product's code, each new version published by the learner's code to the object
+  store and fetched by the producer's. The measurements above time the scheduling alone;
+  this one adds everything a real producer does around the engine, on the same two cores.
 
-Figures per mode: samples/s; tokens/s; engine idle time (seconds with no request in the engine
-plus seconds paused for updates, sampled every 5 ms) as a share of the time measured; and the
-mean number of requests in the engine (its occupancy: the batch barrier shows as a low mean;
-``2 x --batch`` is full). Goal: samples/s ratio in_flight / between_batches >= 1.2 and
-in-flight idle < 5%. The verdict reads the steady state (a producer runs without end: the fixed
-work's end is a cost a run pays once, not once per update), taking the smaller of its
-samples/s and generated tokens/s ratios; the fixed-work ratio is printed beside it.
-``--quick`` runs the two goal modes only.
+Figures per mode: samples/s; tokens/s; tokens per engine step (the batch the engine ran, from
+its own counters: ``2 x --batch x --n`` is full); engine idle time (seconds with no request in
+the engine plus seconds paused for updates, sampled every 5 ms) as a share of the time
+measured; and the mean number of requests in the engine as this process sees them (the batch
+barrier shows as a low mean; ``2 x --batch`` is full; a stalled event loop blurs it, the
+engine's tokens per step do not). Goal: samples/s ratio in_flight / between_batches >= 1.2
+and in-flight idle < 5%. The verdict reads the steady state (a producer runs without end: the
+fixed work's end is a cost a run pays once, not once per update), taking the smaller of its
+samples/s and generated tokens/s ratios; the fixed-work and producer-loop ratios are printed
+beside it. ``--quick`` runs the two goal modes only.
 
 ``--backend hf`` makes the same comparison on the HF backend, as the loop runs it there: one
 lane (hf's ``pipeline_batches``), each batch one padded ``generate`` call to its longest
 drawn length; in flight, hf's chunked decoding loop (``update_chunk_tokens`` 16) loads each
 version between chunks. It sets hf's default (no goal; engine idle is not sampled there).
 
-    python bench/inflight.py [--quick] [--backend hf]
+    python bench/inflight.py [--quick] [--backend hf] [--no-loop]
 """
 
 from __future__ import annotations
