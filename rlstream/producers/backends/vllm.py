@@ -8,7 +8,12 @@ weight updates (the default here) the producer loop goes further and sends each 
 a batch of its own, keeping ``batch_prompts x pipeline_batches`` of them in the engine.
 ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and vLLM's default
 ``logprobs_mode="raw_logprobs"`` makes it the raw (temperature 1, unprocessed) one: the same
-quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``).
+quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``). The
+engine does not detokenise unless the sampling has stop strings (which need its text): its
+incremental detokenizer, and the token string it attaches to every sampled log-prob, run on
+this process's event loop token by token: about a third of its time with the engine full. The
+text is decoded once per completion instead (``skip_special_tokens``, as the scorers decode
+completions that carry none).
 
 New weights are loaded in place, without restarting the engine:
 ``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Between batches
@@ -154,7 +159,9 @@ class VLLMBackend(Backend):
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
             seed=self._request_seed(spec),
             output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(spec.stop),  # stop strings need the engine's text; otherwise we decode once, at the end
         )
+        decode = None if params.detokenize else self.tokenizer
 
         async def one(ids: np.ndarray) -> list[Completion]:
             self.requests += 1
@@ -170,7 +177,7 @@ class VLLMBackend(Backend):
                 self.running -= 1
             if final is None:
                 raise ProducerError(f"vLLM request {request_id} ended without an output")
-            return [self._completion(c, version) for c in final.outputs]
+            return [self._completion(c, version, decode) for c in final.outputs]
 
         return list(await asyncio.gather(*(one(ids) for ids in prompts)))
 
@@ -184,13 +191,15 @@ class VLLMBackend(Backend):
         return spec.seed + self.batches
 
     @staticmethod
-    def _completion(c, version: int) -> Completion:
+    def _completion(c, version: int, tokenizer=None) -> Completion:
+        """A finished vLLM completion; with ``tokenizer``, its text is decoded here, once."""
         ids = np.asarray(c.token_ids, np.int32)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise ProducerError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
         lps = [step[int(t)].logprob for t, step in zip(ids, c.logprobs)]
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-        return Completion(ids, clean_logprobs(lps), reason, c.text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
+        text = c.text if tokenizer is None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return Completion(ids, clean_logprobs(lps), reason, text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
     async def _staged(self, source: WeightsSource) -> str:
         """The directory vLLM reloads ``source`` from: its path, or its bytes written to scratch."""
