@@ -198,7 +198,9 @@ class VLLMBackend(Backend):
             raise ProducerError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
         lps = [step[int(t)].logprob for t, step in zip(ids, c.logprobs)]
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-        text = c.text if tokenizer is None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        text = c.text
+        if tokenizer is not None:  # as the engine's detokenizer: the token that stopped it is not shown
+            text = tokenizer.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids, skip_special_tokens=True)
         return Completion(ids, clean_logprobs(lps), reason, text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
     async def _staged(self, source: WeightsSource) -> str:
