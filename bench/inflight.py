@@ -182,8 +182,8 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
     done = asyncio.Event()
     t_start = time.perf_counter()
     span = (t_start, float("inf")) if window is None else (t_start + window[0], t_start + window[0] + window[1])
-    counted = {"samples": 0, "tokens": 0, "updates": 0}
-    counting = lambda now: span[0] <= now <= span[1]  # noqa: E731
+    finished_at: list[tuple[float, int, int]] = []  # (when, samples, tokens) per generate call
+    loaded_at: list[float] = []  # when each update was loaded
 
     def source(version: int) -> WeightsSource:
         return WeightsSource(version, path=str(folders[version % len(folders)]))
@@ -199,7 +199,7 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
         while not done.is_set():
             if published[-1] > backend.policy_version:
                 await backend.update_in_flight(source(published[-1]))
-                counted["updates"] += counting(time.perf_counter())
+                loaded_at.append(time.perf_counter())
             await asyncio.sleep(0.01)
 
     async def generate(batch) -> None:
@@ -214,9 +214,7 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
             else:
                 groups = await backend.generate([ids for ids, _ in batch], SamplingSpec(
                     n=args.n, max_new_tokens=max(length for _, length in batch), temperature=1.0, ignore_eos=True))
-        if counting(time.perf_counter()):
-            counted["samples"] += sum(len(g) for g in groups)
-            counted["tokens"] += sum(len(c.token_ids) for g in groups for c in g)
+        finished_at.append((time.perf_counter(), sum(len(g) for g in groups), sum(len(c.token_ids) for g in groups for c in g)))
 
     def take(most: int) -> list:
         if time.perf_counter() > span[1]:  # the window is over: no new work (what runs is cancelled)
@@ -229,7 +227,7 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
                 async with gate.reload():
                     if published[-1] > backend.policy_version:
                         await backend.load_weights(source(published[-1]))
-                        counted["updates"] += counting(time.perf_counter())
+                        loaded_at.append(time.perf_counter())
             await generate(batch)
 
     async def take_groups(free: int) -> list | None:  # the loop's continuous feed: a group per free slot
@@ -252,12 +250,12 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
     engine = engine_counts if backend.continuous else (lambda: (float("nan"), float("nan")))
     paused = lambda: getattr(backend, "paused_s", 0.0)  # noqa: E731
     if window is None:
-        paused0, (tokens0, steps0) = paused(), engine()
+        paused0, (tokens0, steps0), t_begin = paused(), engine(), t_start
         await work
         t_end = time.perf_counter()
     else:
         finished, _ = await asyncio.wait({work}, timeout=window[0])
-        paused0, (tokens0, steps0) = paused(), engine()
+        paused0, (tokens0, steps0), t_begin = paused(), engine(), time.perf_counter()  # a stalled loop wakes late
         if not finished:
             finished, _ = await asyncio.wait({work}, timeout=span[1] - time.perf_counter())
         t_end = time.perf_counter()
@@ -278,11 +276,13 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
         await asyncio.sleep(0.5)  # the engine handles the aborts
     else:  # hf generates in a thread, which a cancel would leave running beside the next mode
         await work
-    seconds = t_end - span[0]
+    seconds = t_end - t_begin
+    inside = [(n, tokens) for when, n, tokens in finished_at if t_begin <= when <= t_end]
+    samples, tokens = sum(n for n, _ in inside), sum(tokens for _, tokens in inside)
     idle = monitor.empty_s + paused_s if backend.continuous else float("nan")
-    return {"mode": mode, "samples": counted["samples"], "tokens": counted["tokens"], "generated": generated, "steps": steps,
-            "seconds": seconds, "samples_per_s": counted["samples"] / seconds, "idle_s": idle, "idle_frac": idle / seconds,
-            "updates": counted["updates"], "paused_s": paused_s,
+    return {"mode": mode, "samples": samples, "tokens": tokens, "generated": generated, "steps": steps,
+            "seconds": seconds, "samples_per_s": samples / seconds, "idle_s": idle, "idle_frac": idle / seconds,
+            "updates": sum(t_begin <= when <= t_end for when in loaded_at), "paused_s": paused_s,
             "request_s": monitor.request_s if backend.continuous else float("nan"), "monitored_s": max(monitor.seconds, 1e-9)}
 
 
