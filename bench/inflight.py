@@ -24,28 +24,60 @@ mode scheduled by the producer loop's own plumbing (:mod:`rlstream.broker.compon
 - ``in_flight_recompute``: ``in_flight`` with the running sequences' KV recomputed under the
   new weights (``in_flight_kv: recompute``). Printed, not part of the goal.
 
-Figures per mode: samples/s; engine idle time (seconds with no request in the engine plus
-seconds paused for updates, sampled every 5 ms) as a share of the run; and the mean number of
-requests in the engine (its occupancy: the batch barrier shows as a low mean). Goal: samples/s
-ratio in_flight / between_batches >= 1.2 and in-flight idle < 5% of the run.
+Each goal mode is measured three ways, on the same seeded sequence of prompts and lengths:
+
+- **fixed work**: ``--prompts`` prompts, from the first one taken to the last sequence done.
+  It charges every mode once with the end of the run, where the last long sequences finish
+  alone in an emptying engine; in a run of seconds that end weighs as much as the updates.
+- **steady state**: an endless supply of prompts, as a producer in a run has. ``--warmup``
+  seconds are not counted, then what is published during the next ``--window`` seconds is
+  (a group when its samples are done, a batch when its longest is); then the work in hand is
+  cancelled. So neither start-up nor the final drain counts, for either mode, while every
+  update inside the window (and between batches, every drain it forces) does. Samples counted
+  in a window favour a mode that leaves its long sequences unfinished at the window's edge, so
+  the tokens the engine generated in the window are counted too (vLLM's
+  ``vllm:generation_tokens`` counter: every token, finished or not), and the mean length of the
+  counted samples is printed.
+- **the producer loop** (vllm; not with ``--quick``): the steady state again, but run by
+  :func:`rlstream.producers.loop.run` itself against a nats-server in this process's machine,
+  ``between_batches`` and ``in_flight``: prompts fed to the broker (``--loop-prompts``, in the
+  steady state's order and lengths), paced, fetched, tokenised, generated, published and
+  acked by the product's code, each new version published by the learner's code to the object
+  store and fetched by the producer's. The measurements above time the scheduling alone;
+  this one adds everything a real producer does around the engine, on the same two cores.
+
+Figures per mode: samples/s; tokens/s; tokens per engine step (the batch the engine ran, from
+its own counters: ``2 x --batch x --n`` is full); engine idle time (seconds with no request in
+the engine plus seconds paused for updates, sampled every 5 ms) as a share of the time
+measured; and the mean number of requests in the engine as this process sees them (the batch
+barrier shows as a low mean; ``2 x --batch`` is full; a stalled event loop blurs it, the
+engine's tokens per step do not). Goal: samples/s ratio in_flight / between_batches >= 1.2
+and in-flight idle < 5%. The verdict reads the steady state (a producer runs without end: the
+fixed work's end is a cost a run pays once, not once per update), taking the smaller of its
+samples/s and generated tokens/s ratios; the fixed-work and producer-loop ratios are printed
+beside it. ``--quick`` runs the two goal modes only.
 
 ``--backend hf`` makes the same comparison on the HF backend, as the loop runs it there: one
 lane (hf's ``pipeline_batches``), each batch one padded ``generate`` call to its longest
 drawn length; in flight, hf's chunked decoding loop (``update_chunk_tokens`` 16) loads each
 version between chunks. It sets hf's default (no goal; engine idle is not sampled there).
 
-    python bench/inflight.py [--quick] [--backend hf]
+    python bench/inflight.py [--quick] [--backend hf] [--no-loop]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import logging
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
@@ -60,6 +92,30 @@ def lengths(n: int, median: float, sigma: float, cap: int, seed: int) -> list[in
 
     rng = np.random.default_rng(seed)
     return [int(x) for x in np.clip(rng.lognormal(np.log(median), sigma, n), 128, cap)]
+
+
+def endless(prompts: list, median: float, sigma: float, cap: int, seed: int) -> Iterator[tuple[Any, int]]:
+    """The steady state's prompt supply: item ``i`` is ``prompts[i % len(prompts)]`` with the
+    ``i``-th length of one seeded draw, so every mode takes the same sequence, in order."""
+    for block in itertools.count():
+        for j, length in enumerate(lengths(1024, median, sigma, cap, seed=seed * 1_000_003 + block)):
+            yield prompts[(block * 1024 + j) % len(prompts)], length
+
+
+def engine_counts() -> tuple[float, float]:
+    """Tokens the vLLM engine has generated so far and the steps it has taken (its
+    ``vllm:generation_tokens`` counter, counted per step, finished or not, and the count of its
+    ``vllm:iteration_tokens`` histogram). Tokens per step is the batch the engine ran: the
+    engine's own occupancy, which no stall of this process's event loop can blur."""
+    from prometheus_client import REGISTRY
+
+    names = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_count")
+    totals = dict.fromkeys(names, 0.0)
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals[names[0]], totals[names[1]]
 
 
 def write_versions(model_dir: Path, out: Path, k: int) -> list[Path]:
@@ -81,26 +137,38 @@ def write_versions(model_dir: Path, out: Path, k: int) -> list[Path]:
 
 
 class Monitor:
-    """Samples ``backend.running`` every 5 ms: seconds with no request in the engine, and the
-    time-weighted mean number of requests in it."""
+    """Samples ``backend.running`` every 5 ms from ``since`` (a ``perf_counter`` time) until
+    ``stop``: seconds with no request in the engine, and the time-weighted mean number of
+    requests in it."""
 
-    def __init__(self, backend):
-        self.backend, self.empty_s, self.request_s, self.seconds, self.stop = backend, 0.0, 0.0, 0.0, asyncio.Event()
+    def __init__(self, backend, since: float = 0.0):
+        self.backend, self.since, self.stop = backend, since, asyncio.Event()
+        self.empty_s, self.request_s, self.seconds = 0.0, 0.0, 0.0
 
     async def run(self) -> None:
         last = time.perf_counter()
         while not self.stop.is_set():
             await asyncio.sleep(0.005)
             now = time.perf_counter()
-            running = self.backend.running
-            if running == 0:
-                self.empty_s += now - last
-            self.request_s += running * (now - last)
-            self.seconds += now - last
+            if now > self.since:
+                dt = now - max(last, self.since)
+                running = self.backend.running
+                if running == 0:
+                    self.empty_s += dt
+                self.request_s += running * dt
+                self.seconds += dt
             last = now
 
 
-async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
+async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, folders,
+                   window: tuple[float, float] | None = None) -> dict:
+    """One mode on ``items`` ((prompt ids, completion length) pairs), scheduled as the loop
+    schedules it. Fixed work (``window`` None): until ``items`` runs out and the last sequence
+    is done; everything counts. Steady state (``window = (warmup_s, measure_s)``, ``items``
+    endless): the first ``warmup_s`` seconds are not counted, then samples published (and tokens
+    generated) during the next ``measure_s`` seconds are; then no new work is taken and the work
+    in hand is cancelled (its requests aborted; on hf, finished uncounted), so neither start-up
+    nor the last sequences' drain is measured."""
     from rlstream.broker.component import lanes, refilled
     from rlstream.producers.backends.base import SamplingSpec, WeightsSource
     from rlstream.producers.loop import GenerationGate
@@ -110,12 +178,12 @@ async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
     if backend.name == "hf":  # as HFBackend.from_config builds it for the mode
         backend.update_chunk_tokens = args.chunk if in_flight else None
     gate = GenerationGate()
-    queue = list(zip(prompts, lens))
     published = [backend.policy_version]  # the learner's newest version
-    loaded = {"n": 0}
-    samples = {"n": 0}
     done = asyncio.Event()
     t_start = time.perf_counter()
+    span = (t_start, float("inf")) if window is None else (t_start + window[0], t_start + window[0] + window[1])
+    finished_at: list[tuple[float, int, int]] = []  # (when, samples, tokens) per generate call
+    loaded_at: list[float] = []  # when each update was loaded
 
     def source(version: int) -> WeightsSource:
         return WeightsSource(version, path=str(folders[version % len(folders)]))
@@ -131,12 +199,13 @@ async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
         while not done.is_set():
             if published[-1] > backend.policy_version:
                 await backend.update_in_flight(source(published[-1]))
-                loaded["n"] += 1
+                loaded_at.append(time.perf_counter())
             await asyncio.sleep(0.01)
 
     async def generate(batch) -> None:
         """One batch (or one group) as the loop generates it, under the gate: on vllm a request
-        per prompt, each to its own length; on hf one padded call to the batch's longest."""
+        per prompt, each to its own length; on hf one padded call to the batch's longest. Its
+        samples count when the loop would publish them: all of them once the call returns."""
         async with gate.generation():
             if backend.continuous:
                 groups = [g for one in await asyncio.gather(*(
@@ -145,11 +214,12 @@ async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
             else:
                 groups = await backend.generate([ids for ids, _ in batch], SamplingSpec(
                     n=args.n, max_new_tokens=max(length for _, length in batch), temperature=1.0, ignore_eos=True))
-        samples["n"] += sum(len(g) for g in groups)
+        finished_at.append((time.perf_counter(), sum(len(g) for g in groups), sum(len(c.token_ids) for g in groups for c in g)))
 
     def take(most: int) -> list:
-        batch, queue[:] = queue[:most], queue[most:]
-        return batch
+        if time.perf_counter() > span[1]:  # the window is over: no new work (what runs is cancelled)
+            return []
+        return list(itertools.islice(items, most))
 
     async def lane(_fetching: asyncio.Lock) -> None:  # the loop's lane: a batch, then the next
         while batch := take(args.batch):
@@ -157,33 +227,149 @@ async def one_mode(backend, mode: str, prompts, lens, args, folders) -> dict:
                 async with gate.reload():
                     if published[-1] > backend.policy_version:
                         await backend.load_weights(source(published[-1]))
-                        loaded["n"] += 1
+                        loaded_at.append(time.perf_counter())
             await generate(batch)
 
     async def take_groups(free: int) -> list | None:  # the loop's continuous feed: a group per free slot
         return [[item] for item in take(free)] or None
 
-    monitor = Monitor(backend)
-    paused0 = getattr(backend, "paused_s", 0.0)
+    async def scheduled() -> None:
+        lanes_n = backend.concurrent_batches  # producer.pipeline_batches' default
+        if mode in ("in_flight", "in_flight_recompute") and backend.continuous:
+            await refilled(lanes_n * args.batch, take_groups, generate, name="bench")
+        else:
+            await lanes(lanes_n, lane, name="bench")
+
+    monitor = Monitor(backend, since=span[0])
     tasks = [asyncio.create_task(learner(), name="bench-learner")]
     if backend.continuous:  # hf has no engine to sample
         tasks.append(asyncio.create_task(monitor.run(), name="bench-monitor"))
     if in_flight:
         tasks.append(asyncio.create_task(watcher(), name="bench-watcher"))
-    lanes_n = backend.concurrent_batches  # producer.pipeline_batches' default
-    if mode in ("in_flight", "in_flight_recompute") and backend.continuous:
-        await refilled(lanes_n * args.batch, take_groups, generate, name="bench")
+    work = asyncio.create_task(scheduled(), name="bench-work")
+    engine = engine_counts if backend.continuous else (lambda: (float("nan"), float("nan")))
+    paused = lambda: getattr(backend, "paused_s", 0.0)  # noqa: E731
+    if window is None:
+        paused0, (tokens0, steps0), t_begin = paused(), engine(), t_start
+        await work
+        t_end = time.perf_counter()
     else:
-        await lanes(lanes_n, lane, name="bench")
-    wall = time.perf_counter() - t_start
+        finished, _ = await asyncio.wait({work}, timeout=window[0])
+        paused0, (tokens0, steps0), t_begin = paused(), engine(), time.perf_counter()  # a stalled loop wakes late
+        if not finished:
+            finished, _ = await asyncio.wait({work}, timeout=span[1] - time.perf_counter())
+        t_end = time.perf_counter()
+        if finished:  # the supply is endless: only an error ends the work early
+            work.result()
+            raise RuntimeError(f"{mode}: the work ended inside the window")
+    (tokens1, steps1), paused_s = engine(), paused() - paused0
+    generated, steps = tokens1 - tokens0, steps1 - steps0
     done.set()
     monitor.stop.set()
-    await asyncio.gather(*tasks)
-    paused = getattr(backend, "paused_s", 0.0) - paused0
-    idle = monitor.empty_s + paused if backend.continuous else float("nan")
-    return {"mode": mode, "samples": samples["n"], "wall_s": wall, "samples_per_s": samples["n"] / wall, "idle_s": idle,
-            "idle_frac": idle / wall, "updates": loaded["n"], "paused_s": paused,
+    await asyncio.gather(*tasks)  # the watcher finishes an update it is in
+    if not work.done() and backend.continuous:
+        work.cancel()
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.5)  # the engine handles the aborts
+    else:  # hf generates in a thread, which a cancel would leave running beside the next mode
+        await work
+    seconds = t_end - t_begin
+    inside = [(n, tokens) for when, n, tokens in finished_at if t_begin <= when <= t_end]
+    samples, tokens = sum(n for n, _ in inside), sum(tokens for _, tokens in inside)
+    idle = monitor.empty_s + paused_s if backend.continuous else float("nan")
+    return {"mode": mode, "samples": samples, "tokens": tokens, "generated": generated, "steps": steps,
+            "seconds": seconds, "samples_per_s": samples / seconds, "idle_s": idle, "idle_frac": idle / seconds,
+            "updates": sum(t_begin <= when <= t_end for when in loaded_at), "paused_s": paused_s,
             "request_s": monitor.request_s if backend.continuous else float("nan"), "monitored_s": max(monitor.seconds, 1e-9)}
+
+
+async def loop_mode(backend, mode: str, args, model_dir: Path, server, weights: list[bytes],
+                    length_of: dict[tuple[int, ...], int], data_path: Path) -> dict:
+    """The steady state of the producer loop itself (:func:`rlstream.producers.loop.run`, the
+    ``weight_update`` of ``mode``) against a nats-server: prompts fetched from the broker,
+    paced, tokenised, generated, published and acked by the product's code, and the weights
+    published by the learner's (:func:`rlstream.learner.publish.publish_bytes`, object store)
+    and fetched by the producer's. The one thing the bench adds is each prompt's drawn length
+    (``length_of``: prompt token ids -> length), as the scheduling measurement asks for it. What
+    counts: groups stored in the rollouts stream during the window, and the engine's tokens."""
+    import dataclasses
+    import uuid
+
+    from rlstream.broker import Component
+    from rlstream.config import parse_config
+    from rlstream.learner.publish import publish_bytes
+    from rlstream.producers.feeder import feed
+    from rlstream.producers.loop import run
+
+    cfg = parse_config({
+        "run": f"bench-inflight-{uuid.uuid4().hex[:8]}", "training_mode": "RL_GRPO",
+        "model_checkpoint_path": str(model_dir), "data_source": {"path": str(data_path), "shuffle_seed": None},
+        "algorithm_params": {"group_size": args.n},
+        "producer": {"backend": "vllm", "batch_prompts": args.batch, "max_new_tokens": args.cap, "weight_update": mode,
+                     "in_flight_kv": "keep", "drain_timeout_s": 0.1, "seed": 0, "vllm": {"max_model_len": args.cap + 64}},
+        "nats": {"ack_wait_s": 600.0},
+    })
+    plain = backend.generate
+
+    async def drawn(prompts, spec):  # each prompt its own request, to its drawn length
+        per = await asyncio.gather(*(plain([ids], dataclasses.replace(
+            spec, max_new_tokens=length_of[tuple(int(t) for t in ids)], min_new_tokens=0, ignore_eos=True)) for ids in prompts))
+        return [g for one in per for g in one]
+
+    backend.generate = drawn
+    done = asyncio.Event()
+    learner = Component(cfg, server.url, "learner", "bench-learner", handle_signals=False)
+    producer = Component(cfg, server.url, "producer", "bench-producer", handle_signals=False)
+    try:
+        async with learner:
+            await feed(learner.js, learner.layout, cfg, progress=False)
+            await learner.state.set_admit(10**9)  # pacing is not measured here
+            version0 = backend.policy_version
+
+            async def publish() -> None:  # a new version every --interval seconds
+                version = version0
+                while not done.is_set():
+                    try:
+                        await asyncio.wait_for(done.wait(), args.interval)
+                    except asyncio.TimeoutError:
+                        version += 1
+                        await publish_bytes(learner, cfg.learner, weights[version % len(weights)], version=version,
+                                            step=version, config_json="{}")
+
+            async def stored() -> int:
+                return (await learner.js.stream_info(learner.layout.rollouts_stream)).state.messages
+
+            async with producer:
+                t0 = time.perf_counter()
+                monitor = Monitor(backend, since=t0 + args.warmup)
+                tasks = [asyncio.create_task(monitor.run(), name="bench-monitor"),
+                         asyncio.create_task(publish(), name="bench-learner")]
+                work = asyncio.create_task(run(producer, backend, cfg), name="bench-producer-loop")
+                finished, _ = await asyncio.wait({work}, timeout=args.warmup)
+                start = (await stored(), engine_counts(), backend.paused_s, backend.policy_version, time.perf_counter())
+                if not finished:
+                    finished, _ = await asyncio.wait({work}, timeout=args.window)
+                end = (await stored(), engine_counts(), backend.paused_s, backend.policy_version, time.perf_counter())
+                if finished:
+                    work.result()
+                    raise RuntimeError(f"loop {mode}: the producer stopped inside the window")
+                done.set()
+                monitor.stop.set()
+                producer.stop.set()  # drains: what is in hand after drain_timeout_s is given back
+                await asyncio.gather(*tasks)
+                await work
+    finally:
+        del backend.generate
+    seconds = end[4] - start[4]
+    groups, generated, steps = end[0] - start[0], end[1][0] - start[1][0], end[1][1] - start[1][1]
+    idle = monitor.empty_s + end[2] - start[2]
+    return {"mode": mode, "samples": groups * args.n, "tokens": float("nan"), "generated": generated, "steps": steps,
+            "seconds": seconds, "samples_per_s": groups * args.n / seconds, "idle_s": idle, "idle_frac": idle / seconds,
+            "updates": end[3] - start[3], "paused_s": end[2] - start[2], "request_s": monitor.request_s,
+            "monitored_s": max(monitor.seconds, 1e-9)}
 
 
 def make_backend(args, model_dir: Path):
@@ -197,6 +383,17 @@ def make_backend(args, model_dir: Path):
                        recompute_kv=False)
 
 
+def summed(rs: list[dict]) -> dict:
+    """One mode's rounds added up: counts summed, rates over the summed seconds."""
+    total = {k: sum(x[k] for x in rs) for k in ("samples", "tokens", "generated", "steps", "seconds", "idle_s", "updates",
+                                                  "request_s", "monitored_s")}
+    s = total["seconds"]
+    return {**total, "samples_per_s": total["samples"] / s, "tokens_per_s": total["tokens"] / s,
+            "per_step": total["generated"] / total["steps"] if total["steps"] else float("nan"),
+            "generated_per_s": total["generated"] / s, "idle_frac": total["idle_s"] / s,
+            "requests": total["request_s"] / total["monitored_s"], "mean_length": total["tokens"] / max(total["samples"], 1)}
+
+
 async def main_async(args) -> None:
     from rlstream.tiny import build_tiny_model
 
@@ -205,48 +402,114 @@ async def main_async(args) -> None:
     folders = write_versions(model_dir, tmp / "weights", 2)
     backend = make_backend(args, model_dir)
     order = ["between_batches", "in_flight"]
-    if backend.continuous:
+    if backend.continuous and not args.quick:
         order += ["in_flight_lanes"] + (["in_flight_recompute"] if args.recompute else [])
+    steady_order = order[:2]
+    window = (args.warmup, args.window)
+    loop_runs = args.loop and backend.continuous
+    server = None
     try:
         from rlstream.producers.backends.base import SamplingSpec
         from rlstream.schemas import Prompt
 
-        base = [backend.encode_prompt(Prompt(id=str(i), text=f"Q: What is {i % 97} + {i % 13}? A:"))[0] for i in range(args.prompts)]
+        base = [backend.encode_prompt(Prompt(id=str(i), text=f"Q: What is {i % 97} + {i % 13}? A:"))[0]
+                for i in range(args.prompts)]
         lens = lengths(args.prompts, args.median, args.sigma, args.cap, seed=0)
 
         await backend.generate(base[:2], SamplingSpec(n=1, max_new_tokens=8))  # compiles the log-prob kernel
-        rows = []
-        results = {m: [] for m in order}
+        fixed = {m: [] for m in order}
+        steady = {m: [] for m in steady_order}
         for r in range(args.rounds):  # alternate which mode goes first
             for mode in (order if r % 2 == 0 else order[::-1]):
-                results[mode].append(x := await one_mode(backend, mode, base, lens, args, folders))
-                print(f"round {r} {mode}: {x['samples']} samples in {x['wall_s']:.2f}s = {x['samples_per_s']:.2f}/s, "
-                      f"idle {x['idle_frac']:.1%}, {x['updates']} updates", flush=True)
-        for mode in order:
-            rs = results[mode]
-            rows.append((mode, sum(x["samples"] for x in rs), sum(x["wall_s"] for x in rs),
-                         sum(x["samples"] for x in rs) / sum(x["wall_s"] for x in rs),
-                         sum(x["idle_s"] for x in rs) / sum(x["wall_s"] for x in rs),
-                         sum(x["request_s"] for x in rs) / sum(x["monitored_s"] for x in rs), sum(x["updates"] for x in rs)))
+                fixed[mode].append(x := await one_mode(backend, mode, iter(zip(base, lens)), args, folders))
+                print(f"round {r} fixed work {mode}: {x['samples']} samples in {x['seconds']:.2f}s = "
+                      f"{x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, {x['updates']} updates", flush=True)
+            for mode in (steady_order if r % 2 == 0 else steady_order[::-1]):
+                supply = endless(base, args.median, args.sigma, args.cap, seed=1)  # the same sequence for every mode
+                steady[mode].append(x := await one_mode(backend, mode, supply, args, folders, window=window))
+                print(f"round {r} steady {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
+                      f"{x['seconds']:.2f}s = {x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, {x['updates']} updates",
+                      flush=True)
+        loop = {m: [] for m in steady_order} if loop_runs else {}
+        if loop_runs:
+            import json
+
+            from rlstream.broker.server import EmbeddedServer
+
+            server = EmbeddedServer(tmp / "nats")
+            server.start()
+            logging.getLogger("rlstream").setLevel(logging.ERROR)  # each run ends in a drain that gives back what it holds
+            backend.recompute_kv = False  # in_flight_kv: keep
+            # more prompts than the window can take, each with the steady state's drawn length, in its order
+            texts = [f"Q: item {i} of the stream? A:" for i in range(args.loop_prompts)]
+            drawn = [length for _, length in itertools.islice(endless(texts, args.median, args.sigma, args.cap, seed=1),
+                                                              len(texts))]
+            length_of = {tuple(int(t) for t in backend.encode_prompt(Prompt(id=str(i), text=text))[0]): length
+                         for i, (text, length) in enumerate(zip(texts, drawn))}
+            assert len(length_of) == len(texts), "two prompts tokenise alike"
+            data_path = tmp / "prompts.jsonl"
+            data_path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+            weights = [(folder / "model.safetensors").read_bytes() for folder in folders]
+            for r in range(args.rounds):
+                for mode in (steady_order if r % 2 == 0 else steady_order[::-1]):
+                    loop[mode].append(x := await loop_mode(backend, mode, args, model_dir, server, weights, length_of,
+                                                           data_path))
+                    print(f"round {r} loop {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
+                          f"{x['seconds']:.2f}s = {x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, "
+                          f"{x['updates']} updates", flush=True)
     finally:
         await backend.close()
-    table(f"{backend.name}, {args.prompts} prompts x {args.n}, lengths lognormal(median {args.median}, sigma {args.sigma}) "
-          f"clipped to [128, {args.cap}], a new version every {args.interval}s", rows,
-          ("mode", "samples", "wall s", "samples/s", "idle", "requests", "updates"))
-    by = {r[0]: r for r in rows}
-    bb, inf = by["between_batches"], by["in_flight"]
-    extra = {f"{k}_{m}": by[m][i] for m in order[2:] for k, i in (("samples_per_s", 3), ("idle_frac", 4))}
-    print(f"{backend.name}: in_flight / between_batches: {inf[3] / bb[3]:.2f}x samples/s (goal {RATIO_GOAL}x); "
-          f"in_flight engine idle {inf[4]:.1%} (goal < {IDLE_GOAL:.0%})", flush=True)
-    verdict("inflight", backend=backend.name, samples_per_s_between_batches=bb[3], samples_per_s_in_flight=inf[3],
-            idle_frac_between_batches=bb[4], idle_frac_in_flight=inf[4], mean_requests_between_batches=bb[5],
-            mean_requests_in_flight=inf[5], updates_in_flight=inf[6], updates_between_batches=bb[6], **extra,
-            idle_ok=bool(inf[4] < IDLE_GOAL), ratio=inf[3] / bb[3], goal=RATIO_GOAL)
+        if server is not None:
+            server.stop()
+    workload = (f"{backend.name}, lengths lognormal(median {args.median}, sigma {args.sigma}) clipped to [128, {args.cap}], "
+                f"{args.n} samples per prompt, a new version every {args.interval}s, {args.rounds} rounds")
+    f = {m: summed(rs) for m, rs in fixed.items()}
+    table(f"fixed work: {args.prompts} prompts each round, until the last is done; {workload}",
+          [(m, x["samples"], x["seconds"], x["samples_per_s"], x["generated_per_s"], x["per_step"], x["idle_frac"],
+            x["requests"], x["updates"]) for m, x in f.items()],
+          ("mode", "samples", "wall s", "samples/s", "tokens/s", "tokens/step", "idle", "requests", "updates"))
+    s = {m: summed(rs) for m, rs in steady.items()}
+    table(f"steady state: endless prompts, {args.warmup:g}s warm-up, then a {args.window:g}s window each round; {workload}",
+          [(m, x["samples"], x["seconds"], x["samples_per_s"], x["tokens_per_s"], x["generated_per_s"], x["mean_length"],
+            x["per_step"], x["idle_frac"], x["requests"], x["updates"]) for m, x in s.items()],
+          ("mode", "samples", "window s", "samples/s", "tokens/s done", "tokens/s generated", "mean length", "tokens/step",
+           "idle", "requests", "updates"))
+    lp = {m: summed(rs) for m, rs in loop.items()}
+    if lp:
+        table(f"the producer loop against a nats-server, steady state as above; {workload}",
+              [(m, x["samples"], x["seconds"], x["samples_per_s"], x["generated_per_s"], x["per_step"], x["idle_frac"],
+                x["requests"], x["updates"]) for m, x in lp.items()],
+              ("mode", "samples", "window s", "samples/s", "tokens/s generated", "tokens/step", "idle", "requests",
+               "updates"))
+    bb, inf = s["between_batches"], s["in_flight"]
+    ratios = {"samples": inf["samples_per_s"] / bb["samples_per_s"], "tokens": inf["generated_per_s"] / bb["generated_per_s"]}
+    ratio = min(r for r in ratios.values() if r == r)  # hf: no engine counter (nan)
+    fixed_ratio = f["in_flight"]["samples_per_s"] / f["between_batches"]["samples_per_s"]
+    loop_ratios = ({"samples": lp["in_flight"]["samples_per_s"] / lp["between_batches"]["samples_per_s"],
+                    "tokens": lp["in_flight"]["generated_per_s"] / lp["between_batches"]["generated_per_s"]} if lp else {})
+    print(f"{backend.name}: in_flight / between_batches, fixed work: {fixed_ratio:.2f}x samples/s; steady state: "
+          f"{ratios['samples']:.2f}x samples/s, {ratios['tokens']:.2f}x tokens generated/s; in_flight engine idle "
+          f"{inf['idle_frac']:.1%} in the steady state ({f['in_flight']['idle_frac']:.1%} fixed work)", flush=True)
+    if lp:
+        print(f"the producer loop: {loop_ratios['samples']:.2f}x samples/s, {loop_ratios['tokens']:.2f}x tokens generated/s; "
+              f"in_flight engine idle {lp['in_flight']['idle_frac']:.1%}", flush=True)
+    print(f"verdict: steady state, the smaller of its samples/s and tokens/s ratios, {ratio:.2f}x (goal {RATIO_GOAL}x), "
+          f"and its idle (goal < {IDLE_GOAL:.0%}). A producer runs without end: the fixed work's last sequences, finishing "
+          "alone in an emptying engine, are a cost a run pays once, not per update; samples counted in a window "
+          "favour whichever mode leaves its long ones unfinished at the window's edge, tokens generated do not. The "
+          "producer loop's figures add the broker, tokenising and publishing, on the engine's own cores here.", flush=True)
+    figures = {f"{kind}_{k}_{m}": x[k] for kind, d in (("fixed", f), ("steady", s), ("loop", lp)) for m, x in d.items()
+               for k in ("samples_per_s", "generated_per_s", "per_step", "idle_frac", "requests", "updates")}
+    figures.update({f"steady_mean_length_{m}": x["mean_length"] for m, x in s.items()})
+    figures.update({f"loop_{k}_ratio": v for k, v in loop_ratios.items()})
+    verdict("inflight", backend=backend.name, **figures, fixed_ratio=fixed_ratio, steady_samples_ratio=ratios["samples"],
+            steady_tokens_ratio=ratios["tokens"], ratio_of="steady state: min(samples/s, tokens generated/s)",
+            idle_ok=bool(inf["idle_frac"] < IDLE_GOAL), ratio=ratio, goal=RATIO_GOAL)
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=96)
+    p.add_argument("--prompts", type=int, default=96, help="fixed work: prompts per mode and round")
     p.add_argument("--batch", type=int, default=16, help="prompts per batch (two batches in flight)")
     p.add_argument("--n", type=int, default=2, help="samples per prompt")
     p.add_argument("--median", type=float, default=192.0)
@@ -254,13 +517,19 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=1024)
     p.add_argument("--interval", type=float, default=2.0, help="seconds between new policy versions")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=float, default=10.0, help="steady state: seconds before the window")
+    p.add_argument("--window", type=float, default=30.0, help="steady state: seconds counted")
     p.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     p.add_argument("--chunk", type=int, default=16, help="hf in flight: update_chunk_tokens")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                    help="also run in flight with the KV cache recomputed (in_flight_kv: recompute)")
+    p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
+                   help="vllm: also measure the producer loop itself against a nats-server (off with --quick)")
+    p.add_argument("--loop-prompts", type=int, default=2000, help="the producer loop: prompts fed per run")
     args = p.parse_args()
     if args.quick:
         args.prompts, args.batch, args.cap, args.median, args.rounds, args.interval = 24, 6, 512, 160.0, 1, 2.0
+        args.warmup, args.window, args.loop = 4.0, 8.0, False
     asyncio.run(main_async(args))
 
 

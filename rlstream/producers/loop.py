@@ -39,20 +39,25 @@ records the version that sampled it (RolloutGroup v4 runs) and a group's ``polic
 is its oldest token's. Nothing then waits for a batch to finish, so on a continuous engine
 (vllm) the loop keeps ``batch_prompts x pipeline_batches`` prompt groups in the engine at all
 times (:func:`rlstream.broker.component.refilled`): each group is its own request, published
-and acked as soon as it is done, and its slot is refilled at once (steps 1-2 take as many
-prompts as there are free slots), so the long tail of a batch no longer holds the next one
-back. Between batches cannot do that: every update needs every request finished. hf's chunked
-loop generates a padded batch and keeps the batch lanes. An update that fails or outlives
-``producer.weight_update_timeout_s`` leaves the producer generating on its current weights:
-``alert/weight_update_failures`` is raised, the log says why, and the next version is tried
-when it comes.
+and acked as soon as it is done, and its slot is refilled at once, so the long tail of a batch
+no longer holds the next one back. "At once" means without a broker round trip: an eighth as
+many groups again (:func:`ready_groups`) are held ready, fetched and tokenised, each waiting
+for an engine slot, and a group gives its slot up as soon as its generation returns (its
+publish and ack overlap the next group's generation); steps 1-2 run beside the engine,
+refilling the ready groups. Between batches cannot do that: every update needs every request
+finished. hf's chunked loop generates a padded batch and keeps the batch lanes. An update that
+fails or outlives ``producer.weight_update_timeout_s`` leaves the producer generating on its
+current weights: ``alert/weight_update_failures`` is raised, the log says why, and the next
+version is tried when it comes.
 
 SIGTERM (a spot node's preemption notice, a scale-down) stops fetching; the batches in hand
 may finish (generate, publish, ack) within ``producer.drain_timeout_s``. Whatever is still
 in hand then is nak'ed, so another producer takes those prompts at once instead of after
 ``nats.ack_wait_s``, and the producer exits 0 without waiting for its backend's threads.
 No fetch starts after the signal; prompts a fetch already asked for are in hand like the
-rest (the broker has delivered them), and finish or are nak'ed with them. A batch whose
+rest (the broker has delivered them), and finish or are nak'ed with them. Ready groups (in
+flight on a continuous engine) that have not reached the engine when the signal comes are
+nak'ed as soon as they would have got a slot, instead of being generated. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
 deliveries); three failing batches (groups, when kept in flight one by one) in a row end the
 producer with an error.
@@ -72,6 +77,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -115,6 +121,17 @@ class ProducerStats:
     """Prompts given back at SIGTERM because their batch did not finish within the drain timeout."""
     in_flight_updates: int = 0
     """Weight versions loaded under running requests (``producer.weight_update: in_flight``)."""
+    ready_naks: int = 0
+    """Prompts given back at SIGTERM that were held ready and had not reached the engine."""
+
+
+def ready_groups(slots: int) -> int:
+    """Prompt groups held ready beside ``slots`` in the engine (in flight, continuous): fetched
+    and tokenised, so a slot that frees is refilled without waiting on the broker or the
+    tokenizer. An eighth of the slots: a take's round trips last a fraction of a group's
+    generation, so few slots free while one runs; every ready group is a prompt in hand that
+    another producer cannot take."""
+    return math.ceil(slots / 8)
 
 
 class RecentRate:
@@ -254,8 +271,10 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     # prompt group is its own request, published as soon as it is done, and replaced at once.
     continuous = in_flight and backend.continuous
     slots = p.batch_prompts * n_lanes
+    engine_slots = asyncio.Semaphore(slots)  # continuous: groups in the engine; the ready ones wait here
     if continuous:
         reporter.info["groups_in_flight"] = slots
+        reporter.info["groups_ready"] = ready_groups(slots)
     gate = GenerationGate()
     pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
     in_hand: dict[int, list] = {}  # fetched batches not yet acked (or failed), for the drain
@@ -379,9 +398,15 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
                 with phases.time("weight_reload"):
                     await newest_weights()
-            with phases.time("generate"):
-                async with gate.generation():
-                    groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling, stats.policy_version, env)
+            if continuous:
+                reached, groups = await generate_ready(deliveries, phases)
+                if not reached:  # stopped before it had an engine slot: given back
+                    return
+            else:
+                with phases.time("generate"):
+                    async with gate.generation():
+                        groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
+                                                      stats.policy_version, env)
             if groups is None:
                 stats.failed_batches += 1
                 if stats.failed_batches >= MAX_FAILED_BATCHES:
@@ -404,6 +429,27 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             "producer/tokens_total": stats.tokens,
             "producer/policy_version": stats.policy_version,
         })
+
+    async def generate_ready(deliveries, phases: Phases) -> tuple[bool, list[RolloutGroup] | None]:
+        """Continuous: tokenise, then wait for an engine slot and generate; the slot is given up
+        as soon as the groups are built (publishing them overlaps the next generation). Returns
+        whether it reached the engine (False: stopped before it had a slot, the prompts nak'ed
+        so that another producer takes them at once) and the groups (None: failed, nak'ed)."""
+        encoded = None
+        if env is None:
+            encoded = await encode_batch(comp, backend, consumer, deliveries)
+            if encoded is None:
+                return True, None
+        async with engine_slots:
+            if comp.stop.is_set():
+                for d in deliveries:
+                    await d.nak()
+                stats.ready_naks += len(deliveries)
+                return False, None
+            with phases.time("generate"):
+                async with gate.generation():
+                    return True, await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
+                                                      stats.policy_version, env, encoded=encoded)
 
     async def produce_eval(deliveries) -> None:
         """Generate eval prompts with exactly their pinned policy version."""
@@ -463,8 +509,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         # one lane failing stops the others (their prompts come back unacked); after SIGTERM the
         # lanes get drain_timeout_s to finish what they hold, then it is given back
         if continuous:
-            await refilled(slots, take_groups, produce_group, name=f"producer-{comp.component_id}", stop=comp.stop,
-                           drain_s=p.drain_timeout_s, give_back=give_back)
+            await refilled(slots + ready_groups(slots), take_groups, produce_group, name=f"producer-{comp.component_id}",
+                           stop=comp.stop, drain_s=p.drain_timeout_s, give_back=give_back)
         else:
             await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
                         give_back=give_back)
@@ -477,6 +523,9 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     await consumer.sub.unsubscribe()
     if evals is not None:
         await evals.sub.unsubscribe()
+    if stats.ready_naks:
+        log.info("producer %s: gave back %d ready prompts that had not reached the engine", comp.component_id,
+                 stats.ready_naks)
     log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
     return stats
 
@@ -497,19 +546,31 @@ class EnvConfigError(ProducerError):
     """The ``env`` section names an environment that cannot be built (a config error: exit 2)."""
 
 
-async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
-                         sampling: dict[str, Any], version: int, env=None) -> list[RolloutGroup] | None:
-    """Tokenise and generate one batch into RolloutGroups (with an environment: play its
-    episodes, :mod:`rlstream.producers.episodes`). None when it failed (prompts nak'ed)."""
-    if env is not None:
-        return await generate_episodes(comp, backend, consumer, deliveries, spec, sampling, version, env)
+async def encode_batch(comp: Component, backend: GenerationBackend, consumer: Consumer,
+                       deliveries) -> list[tuple[np.ndarray, str]] | None:
+    """The prompts' token ids and texts, off the event loop. None when one cannot be
+    tokenised (the batch nak'ed, dead-lettered after max_deliver)."""
     try:
-        encoded = await asyncio.to_thread(lambda: [backend.encode_prompt(d.record) for d in deliveries])
-    except ProducerError as exc:  # a prompt we cannot tokenise: nak, dead-letter after max_deliver
+        return await asyncio.to_thread(lambda: [backend.encode_prompt(d.record) for d in deliveries])
+    except ProducerError as exc:
         for d in deliveries:
             await consumer.fail(d, str(exc))
         log.error("producer %s: %s", comp.component_id, exc)
         return None
+
+
+async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
+                         sampling: dict[str, Any], version: int, env=None,
+                         encoded: list[tuple[np.ndarray, str]] | None = None) -> list[RolloutGroup] | None:
+    """Tokenise (unless ``encoded`` is given: :func:`encode_batch`'s) and generate one batch into
+    RolloutGroups (with an environment: play its episodes, :mod:`rlstream.producers.episodes`).
+    None when it failed (prompts nak'ed)."""
+    if env is not None:
+        return await generate_episodes(comp, backend, consumer, deliveries, spec, sampling, version, env)
+    if encoded is None:
+        encoded = await encode_batch(comp, backend, consumer, deliveries)
+        if encoded is None:
+            return None
     t0 = time.monotonic()
     timeout_s = comp.cfg.producer.generation_timeout_s
     try:

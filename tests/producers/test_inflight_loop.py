@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from rlstream.producers.backends import make_backend
 from rlstream.producers.feeder import feed
+from rlstream.producers.loop import ready_groups
 
 
 ACK_WAIT_S = 600.0
@@ -83,9 +84,10 @@ async def test_groups_are_produced_one_by_one_exactly_once_with_each_tokens_vers
 
 
 async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the_drain(js, nats_server, run_id, config, dataset):
-    """Stopped with groups in hand and a drain too short for them: whatever is not published
-    is nak'ed, nothing is published twice, and a second producer produces exactly the rest,
-    the given-back prompts long before the ack wait would have returned them."""
+    """Stopped with groups in hand (the engine's slots and the ready ones) and a drain too short
+    for them: whatever is not published is nak'ed, nothing is published twice, and a second
+    producer produces exactly the rest, the given-back prompts long before the ack wait would
+    have returned them."""
     n = 12
     cfg, _ = config(data_source={"path": str(dataset(n))},
                     producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 160, "min_new_tokens": 160,
@@ -93,14 +95,15 @@ async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the
     lay = await layout_for(js, run_id, ack_wait_s=ACK_WAIT_S)
     await feed(js, lay, cfg, progress=False)
     backend, _ = continuous_hf(cfg)
+    held = 4 + ready_groups(4)
     prod = InProcess(cfg, nats_server.url, backend, "p1")
     async with prod:
         async def slots_full():
-            return (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 4
+            return (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == held
 
         assert await wait_until(slots_full, 60, every=0.02)
     first = prod.stats
-    assert first.groups < n and first.drain_naks == 4 - first.groups
+    assert first.groups < n and first.drain_naks + first.ready_naks == held - first.groups
 
     stored = await rollout_count(js, lay)
     assert stored == first.groups and (await js.stream_info(lay.prompts_stream)).state.messages == n - stored
@@ -115,3 +118,49 @@ async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the
     assert (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 0
     assert set(first.group_ids).isdisjoint(second.stats.group_ids) and first.groups + second.stats.groups == n
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+
+
+async def test_ready_groups_wait_for_a_slot_and_a_stop_gives_them_back_ungenerated(js, nats_server, run_id, config, dataset):
+    """Beside the engine's slots, ready groups are fetched and tokenised, waiting for a slot
+    (never more generations at once than the slots). A stop lets the generating groups finish
+    and publish within the drain; a ready group is given back when it would have had a slot,
+    not generated, and another producer takes it at once."""
+    n = 12
+    cfg, _ = config(data_source={"path": str(dataset(n))},
+                    producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 6, "weight_update": "in_flight"})
+    lay = await layout_for(js, run_id, ack_wait_s=ACK_WAIT_S)
+    await feed(js, lay, cfg, progress=False)
+    backend, calls = continuous_hf(cfg)
+    counted, hold, entered = backend.generate, asyncio.Event(), []
+
+    async def held_back(prompts, spec):  # every generation waits until the test lets them go
+        entered.append(prompts)
+        await hold.wait()
+        return await counted(prompts, spec)
+
+    backend.generate = held_back
+    ready = ready_groups(4)
+    prod = InProcess(cfg, nats_server.url, backend, "p1")
+    async with prod:
+        async def all_in_hand():
+            return (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 4 + ready
+
+        assert await wait_until(all_in_hand, 60, every=0.02)
+        await asyncio.sleep(0.3)  # nothing more is taken while the slots and the ready groups are full
+        assert (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending == 4 + ready
+        assert len(entered) == 4 and prod.comp.reporter.info["groups_ready"] == ready
+        prod.comp.stop.set()
+        hold.set()
+    first = prod.stats
+    assert first.groups == 4 and calls["total"] == 4 and first.ready_naks == ready and first.drain_naks == 0
+    assert await rollout_count(js, lay) == 4 and (await js.stream_info(lay.prompts_stream)).state.messages == n - 4
+    cfg2, _ = config(data_source={"path": str(dataset(n))},
+                     producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 6, "weight_update": "in_flight"})
+    backend2, _ = continuous_hf(cfg2)
+    async with InProcess(cfg2, nats_server.url, backend2, "p2") as second:
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), n), ACK_WAIT_S / 5)
+    groups = await read_rollouts(js, lay)
+    assert len(groups) == n and len({g.id for g in groups}) == n
+    assert set(first.group_ids).isdisjoint(second.stats.group_ids) and second.stats.groups == n - 4
+    consumer = await js.consumer_info(lay.prompts_stream, "producers")
+    assert consumer.num_ack_pending == 0 and (await js.stream_info(lay.prompts_stream)).state.messages == 0

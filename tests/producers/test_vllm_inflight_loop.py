@@ -23,7 +23,7 @@ from rlstream.producers.feeder import feed
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-N, LENGTH = 10, 48
+N, LENGTH = 16, 128  # enough work that v1 lands while groups are in the engine
 
 
 async def test_vllm_producer_keeps_groups_in_flight_and_stamps_each_token(js, nats_server, run_id, config, dataset,

@@ -8,15 +8,21 @@ weight updates (the default here) the producer loop goes further and sends each 
 a batch of its own, keeping ``batch_prompts x pipeline_batches`` of them in the engine.
 ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and vLLM's default
 ``logprobs_mode="raw_logprobs"`` makes it the raw (temperature 1, unprocessed) one: the same
-quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``).
+quantity the HF backend reports. Only final outputs are returned (``FINAL_ONLY``). The
+engine does not detokenise unless the sampling has stop strings (which need its text): its
+incremental detokenizer, and the token string it attaches to every sampled log-prob, run on
+this process's event loop token by token: about a third of its time with the engine full. The
+text is decoded once per completion instead (``skip_special_tokens``, as the scorers decode
+completions that carry none).
 
 New weights are loaded in place, without restarting the engine:
 ``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``. Between batches
 (``producer.weight_update: between_batches``, the default under LoRA) the producer loop
-reloads only when no request is in flight. In flight (:meth:`VLLMBackend.update_in_flight`) the engine is paused at a step
-boundary with ``pause_generation(mode="keep")`` (running requests stay queued, none is
-dropped), the weights are reloaded, the engine's weight label is set to the policy version
-(``update_weight_version``) and generation resumes. With ``producer.in_flight_kv: recompute``
+reloads only when no request is in flight. In flight (:meth:`VLLMBackend.update_in_flight`)
+the engine core is paused at a step boundary in ``keep`` mode (running requests stay queued,
+none is dropped), the weights are reloaded, the engine's weight label is set to the policy
+version and generation resumes; the pause and the reload are sent together, then the label
+and the resume, so the engine stands still for the reload and one round trip only. With ``producer.in_flight_kv: recompute``
 the pause also clears the KV cache, which preempts the running requests: on
 resume each is prefilled again, prompt and tokens so far, under the new weights, so every
 later token is sampled exactly as a teacher-forced pass of the new version scores it.
@@ -153,7 +159,9 @@ class VLLMBackend(Backend):
             # a fixed seed, varied per batch, so a prompt seen again is not sampled identically
             seed=self._request_seed(spec),
             output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(spec.stop),  # stop strings need the engine's text; otherwise we decode once, at the end
         )
+        decode = None if params.detokenize else self.tokenizer
 
         async def one(ids: np.ndarray) -> list[Completion]:
             self.requests += 1
@@ -169,7 +177,7 @@ class VLLMBackend(Backend):
                 self.running -= 1
             if final is None:
                 raise ProducerError(f"vLLM request {request_id} ended without an output")
-            return [self._completion(c, version) for c in final.outputs]
+            return [self._completion(c, version, decode) for c in final.outputs]
 
         return list(await asyncio.gather(*(one(ids) for ids in prompts)))
 
@@ -183,13 +191,17 @@ class VLLMBackend(Backend):
         return spec.seed + self.batches
 
     @staticmethod
-    def _completion(c, version: int) -> Completion:
+    def _completion(c, version: int, tokenizer=None) -> Completion:
+        """A finished vLLM completion; with ``tokenizer``, its text is decoded here, once."""
         ids = np.asarray(c.token_ids, np.int32)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise ProducerError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
         lps = [step[int(t)].logprob for t, step in zip(ids, c.logprobs)]
         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-        return Completion(ids, clean_logprobs(lps), reason, c.text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
+        text = c.text
+        if tokenizer is not None:  # as the engine's detokenizer: the token that stopped it is not shown
+            text = tokenizer.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids, skip_special_tokens=True)
+        return Completion(ids, clean_logprobs(lps), reason, text, token_versions(getattr(c, "weight_versions", None), len(ids), version))
 
     async def _staged(self, source: WeightsSource) -> str:
         """The directory vLLM reloads ``source`` from: its path, or its bytes written to scratch."""
@@ -213,18 +225,34 @@ class VLLMBackend(Backend):
 
     async def update_in_flight(self, source: WeightsSource) -> None:
         """Pause at a step boundary (requests kept), reload, relabel, resume. The engine resumes
-        whatever happens (a failed reload leaves the old weights generating, and raises)."""
+        whatever happens (a failed reload leaves the old weights generating, and raises).
+
+        The engine stands still for the reload and one round trip to this process, not four:
+        the pause and the reload go out back to back, then the new label and the resume. That
+        is safe because the engine core handles its input in order, between steps, and while
+        paused waits on it without stepping; each call sends its message before it first
+        waits, so tasks created in order send in order (one socket, first in first out). A
+        failed reload is seen before anything is relabelled, so no token is stamped with a
+        version that did not sample it. (``AsyncLLM.pause_generation`` would add a 20 ms sleep
+        and its round trip; its multimodal cache clear has nothing to clear for a text model.)"""
         import time
 
         target = await self._staged(source)
+        core = self.engine.engine_core
         t0 = time.perf_counter()
-        await self.engine.pause_generation(mode="keep", clear_cache=self.recompute_kv)
         try:
-            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
-            await self.engine.update_weight_version(str(source.version))
+            outcomes = await asyncio.gather(core.pause_scheduler_async(mode="keep", clear_cache=self.recompute_kv),
+                                            core.collective_rpc_async("reload_weights", kwargs={"weights_path": target}),
+                                            return_exceptions=True)
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                raise failed
+            await asyncio.gather(core.set_weight_version_async(str(source.version)), core.resume_scheduler_async())
             self.policy_version = source.version
+        except BaseException:
+            await core.resume_scheduler_async()  # a second resume does nothing
+            raise
         finally:
-            await self.engine.resume_generation()
             self.paused_s += time.perf_counter() - t0
         self._prune(target)
 
