@@ -236,7 +236,7 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
     async def scheduled() -> None:
         lanes_n = backend.concurrent_batches  # producer.pipeline_batches' default
         if mode in ("in_flight", "in_flight_recompute") and backend.continuous:
-            await refilled(lanes_n * args.batch, take_groups, generate, name="bench")
+            await refilled(lanes_n * args.batch, take_groups, lambda group, _release: generate(group), name="bench")
         else:
             await lanes(lanes_n, lane, name="bench")
 

@@ -65,7 +65,7 @@ async def test_refilled_keeps_the_slots_full_and_takes_as_each_item_finishes():
         takes.append((free, batch))
         return batch or None
 
-    async def work(i: int) -> None:
+    async def work(i: int, _release) -> None:
         started.append(i)
         await release[i].wait()
 
@@ -89,7 +89,7 @@ async def test_refilled_stops_taking_at_stop_and_an_item_error_stops_the_rest():
     async def take(free: int):
         return [next(items) for _ in range(free)]
 
-    async def work(i: int) -> None:
+    async def work(i: int, _release) -> None:
         started.append(i)
         if i == 1:
             stop.set()
@@ -100,7 +100,7 @@ async def test_refilled_stops_taking_at_stop_and_an_item_error_stops_the_rest():
 
     cancelled = asyncio.Event()
 
-    async def failing(i: int) -> None:
+    async def failing(i: int, _release) -> None:
         if i == 0:
             try:
                 await asyncio.Event().wait()
@@ -113,6 +113,32 @@ async def test_refilled_stops_taking_at_stop_and_an_item_error_stops_the_rest():
     with pytest.raises(RuntimeError, match="item failed"):
         await asyncio.wait_for(refilled(2, take, failing, name="t"), 30)
     assert cancelled.is_set()
+
+
+async def test_refilled_takes_for_an_item_that_gave_its_slot_up_while_it_still_runs():
+    """An item that calls ``release()`` (its generation done, its publish still running) frees
+    its slot at once; items that gave their slot up still count against twice the slots."""
+    finish = asyncio.Event()
+    started: list[int] = []
+    items = iter(range(100))
+
+    async def take(free: int):
+        return [next(items) for _ in range(free)]
+
+    async def work(i: int, release) -> None:
+        started.append(i)
+        release()
+        await finish.wait()  # publishing, slot given up
+
+    task = asyncio.create_task(refilled(2, take, work, name="t"))
+    await until(lambda: len(started) == 4)
+    await asyncio.sleep(0.05)
+    assert started == [0, 1, 2, 3]  # two slots, all four items released and running: 2 x 2, no more
+    finish.set()
+    await until(lambda: len(started) >= 8)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 class _Delivery:

@@ -15,8 +15,8 @@ Besides :class:`Component`, the plumbing the stages share:
 - :func:`signals_to`: the one place SIGTERM/SIGINT are turned into a stop event;
 - :func:`lanes`: ``n`` copies of a loop at once, sharing one fetch lock, all stopped when
   one fails;
-- :func:`refilled`: up to ``n`` items in work at once, each its own task, a new one taken as
-  soon as one finishes (no batch waits for its slowest item);
+- :func:`refilled`: ``n`` items in work at once, each its own task, a new one taken as soon
+  as one finishes or gives its slot up (no batch waits for its slowest item);
 - :func:`kept_in_progress`: in-progress acks for records while slow work on them runs;
 - :class:`RecentIds`: the ids a stage handled recently, to ack redeliveries without redoing them;
 - :class:`ComponentMain`: the signature every component's ``main`` has.
@@ -130,52 +130,84 @@ async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name
 
 
 async def refilled(slots: int, take: Callable[[int], Awaitable[Sequence[Any] | None]],
-                   work: Callable[[Any], Awaitable[None]], *, name: str, stop: asyncio.Event | None = None,
-                   drain_s: float | None = None, give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
-    """Keep up to ``slots`` items in work at once, each ``work(item)`` its own task
-    (``<name>-item-<i>``), and refill as each one finishes: the continuous counterpart of
-    :func:`lanes`, where a lane waits for its whole batch before it takes the next.
+                   work: Callable[[Any, Callable[[], None]], Awaitable[None]], *, name: str,
+                   stop: asyncio.Event | None = None, drain_s: float | None = None,
+                   give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
+    """Keep ``slots`` items in work at once, each ``work(item, release)`` its own task
+    (``<name>-item-<i>``), and refill as each one gives its slot up: the continuous counterpart
+    of :func:`lanes`, where a lane waits for its whole batch before it takes the next.
 
-    ``take(free)`` returns up to ``free`` new items; it may wait for them (it runs beside the
-    items, so the ones finishing meanwhile are seen), returns ``[]`` to be asked again and
-    None when there will be no more. Once ``stop`` is set no new ``take`` starts (one running
-    finishes, and its items are worked). Returns when there is nothing more to take and every
-    item is done. When an item (or ``take``) raises, the rest are cancelled (what they hold
-    comes back unacked) and the error propagates. The drain is :func:`lanes`' (``stop``,
-    ``drain_s``, ``give_back``): the items and the taking are one lane.
+    An item holds its slot until it returns or calls ``release()`` (once the part that needs
+    the slot is done, e.g. its generation, before it publishes what it made). Items that gave
+    their slot up and still run count against ``2 x slots`` items in all, so a tail that stalls
+    (a broker that does not answer) cannot pile up work. ``take(free)`` returns up to ``free``
+    new items; it may wait for them (it runs beside the items, so the ones finishing meanwhile
+    are seen), returns ``[]`` to be asked again and None when there will be no more. Once
+    ``stop`` is set no new ``take`` starts (one running finishes, and its items are worked).
+    Returns when there is nothing more to take and every item is done. When an item (or
+    ``take``) raises, the rest are cancelled (what they hold comes back unacked) and the error
+    propagates. The drain is :func:`lanes`' (``stop``, ``drain_s``, ``give_back``): the items
+    and the taking are one lane.
     """
     numbers = itertools.count()
 
     async def feeder(_fetching: asyncio.Lock) -> None:
         running: set[asyncio.Task] = set()
+        holding = 0  # items that have not given their slot up
+        freed = asyncio.Event()  # an item gave its slot up
         taking: asyncio.Task | None = None
         more = True
-        # a stop set while we wait must start no new take: it wakes the loop too
+
+        def start(item: Any) -> asyncio.Task:
+            nonlocal holding
+            holding += 1
+            released = False
+
+            def release() -> None:
+                nonlocal holding, released
+                if not released:
+                    released = True
+                    holding -= 1
+                    freed.set()
+
+            async def one() -> None:
+                try:
+                    await work(item, release)
+                finally:
+                    release()
+
+            return asyncio.create_task(one(), name=f"{name}-item-{next(numbers)}")
+
+        # a stop set while we wait must start no new take: it wakes the loop too, as a slot given up does
         stopping = asyncio.create_task(stop.wait(), name=f"{name}-stop") if stop is not None else None
+        waking = asyncio.create_task(freed.wait(), name=f"{name}-freed")
         try:
             while True:
-                if taking is None and more and len(running) < slots and not (stop is not None and stop.is_set()):
-                    taking = asyncio.create_task(take(slots - len(running)), name=f"{name}-take")
+                free = min(slots - holding, 2 * slots - len(running))
+                if taking is None and more and free > 0 and not (stop is not None and stop.is_set()):
+                    taking = asyncio.create_task(take(free), name=f"{name}-take")
                 if not running and taking is None:
                     return
-                waits = running | {t for t in (taking, stopping) if t is not None and not t.done()}
+                waits = running | {t for t in (taking, stopping, waking) if t is not None and not t.done()}
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     if t is stopping:
                         continue
-                    if t is taking:
+                    if t is waking:
+                        freed.clear()
+                        waking = asyncio.create_task(freed.wait(), name=f"{name}-freed")
+                    elif t is taking:
                         taking = None
                         items = t.result()
                         if items is None:
                             more = False
                             continue
-                        for item in items:
-                            running.add(asyncio.create_task(work(item), name=f"{name}-item-{next(numbers)}"))
+                        running.update(start(item) for item in items)
                     else:
                         running.discard(t)
                         t.result()  # an item that failed stops the rest
         finally:
-            rest = [t for t in (*running, taking, stopping) if t is not None]
+            rest = [t for t in (*running, taking, stopping, waking) if t is not None]
             for t in rest:
                 t.cancel()
             await asyncio.gather(*rest, return_exceptions=True)

@@ -349,12 +349,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         # so they are in hand like the rest and finish (or are nak'ed) within the drain
         return deliveries
 
-    async def produce_held(deliveries, phases: Phases) -> None:
+    async def produce_held(deliveries, phases: Phases, release=None) -> None:
         """Steps 3-6 for prompts in hand; they leave ``in_hand`` and ``pending`` however it ends."""
         nonlocal pending
         in_hand[id(deliveries)] = deliveries
         try:
-            await produce(deliveries, phases)
+            await produce(deliveries, phases, release)
         finally:
             in_hand.pop(id(deliveries), None)
             pending -= len(deliveries)
@@ -385,21 +385,22 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             in_hand[id(h)] = h
         return held
 
-    async def produce_group(held: list) -> None:
+    async def produce_group(held: list, release) -> None:
         phases = Phases("producer")
         phases.seconds.update(feed_phases.seconds)  # the pacing and fetch that brought it in
         try:
-            await produce_held(held, phases)
+            await produce_held(held, phases, release)
         finally:
             settled.set()
 
-    async def produce(deliveries, phases: Phases) -> None:
+    async def produce(deliveries, phases: Phases, release=None) -> None:
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
             if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
                 with phases.time("weight_reload"):
                     await newest_weights()
             if continuous:
                 reached, groups = await generate_ready(deliveries, phases)
+                release()  # its refilled slot: the next ready group is taken while this one publishes
                 if not reached:  # stopped before it had an engine slot: given back
                     return
             else:
@@ -432,7 +433,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
 
     async def generate_ready(deliveries, phases: Phases) -> tuple[bool, list[RolloutGroup] | None]:
         """Continuous: tokenise, then wait for an engine slot and generate; the slot is given up
-        as soon as the groups are built (publishing them overlaps the next generation). Returns
+        as soon as the groups are built (publishing them overlaps the next generation, and the
+        next ready group is taken meanwhile). Returns
         whether it reached the engine (False: stopped before it had a slot, the prompts nak'ed
         so that another producer takes them at once) and the groups (None: failed, nak'ed)."""
         encoded = None
