@@ -209,6 +209,25 @@ async def test_fetch_takes_what_is_there_and_keeps_what_came_for_another_request
     assert [d.record.id for d in got] == ["p5"]
 
 
+async def test_a_waiting_fetch_returns_what_came_without_waiting_for_a_full_batch(js, run_id):
+    """A fetch that found nothing waits on the server; records published then (fewer than the
+    batch) end it at once, as a producer's batch ends a scorer's wait in a synchronous run,
+    rather than at its timeout: a stage that waited its whole timeout for a batch that never
+    fills put a second into every hop of a synchronous step."""
+    lay = await ensure_layout(js, run_id)
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    fetch = asyncio.create_task(consumer.fetch(8, timeout=60))
+
+    async def waiting():
+        return (await js.consumer_info(lay.prompts_stream, Layout.PRODUCERS)).num_waiting == 1
+
+    assert await wait_until(waiting, 10)
+    await Publisher(js).publish_many([Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(2)])
+    # well inside the fetch's own 60 s: a fetch waiting for the full batch of 8 fails here
+    got = await asyncio.wait_for(fetch, 30)
+    assert [d.record.id for d in got] == ["p0", "p1"]
+
+
 async def test_fetch_from_a_consumer_that_is_gone_waits_for_the_broker(js, run_id):
     """No one answers the pull (the durable consumer deleted, JetStream away): the fetch returns
     nothing and counts a wait for the broker, as for a connection lost, instead of raising."""

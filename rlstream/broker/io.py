@@ -172,9 +172,10 @@ class PullBatches:
     10 us for this, nearly half of a scorer's whole hop. Here the subscription's callback
     files each message as it arrives and wakes the fetch once its batch is complete or its
     request has ended: one wake-up a batch. The requests are nats-py's: ``no_wait`` first (what is there now; a 404
-    ends it early), then, only when that found nothing, one that waits on the server for up
-    to ``timeout`` (a 408 ends it just before the fetch gives up), so a fetch returns as
-    nats-py's does: a full batch, what was there, or, after waiting, what came.
+    ends it early), then, only when that found nothing, ``no_wait`` with ``expires``, held on
+    the server until something comes (then ended by a status once what is there is
+    delivered) or for up to ``timeout`` (a 408 ends it just before the fetch gives up), so a
+    fetch returns as nats-py's does: a full batch, what was there, or, after waiting, what came.
 
     Each request has a reply subject of its own (``<inbox>.<n>``, under the connection's
     inbox prefix, which a role's permissions allow), so the status ending a request given up
@@ -238,11 +239,12 @@ class PullBatches:
         """Ask for enough messages to hold ``batch`` ready, and wait until they are, the request
         has ended, or ``deadline`` (event-loop time) has passed."""
         loop = asyncio.get_running_loop()
-        request: dict[str, int | bool] = {"batch": batch - len(self.ready)}
-        if no_wait:
-            # no "expires": the server would then ignore no_wait and hold the request
-            request["no_wait"] = True
-        else:
+        # no_wait alone: what is there now, then a 404. no_wait with expires: held until
+        # something comes, then what is there and an end status, so records that come fewer
+        # than the batch end the wait at once (without no_wait the server holds the request
+        # until the batch is full or it expires: a second in every hop of a synchronous step)
+        request: dict[str, int | bool] = {"batch": batch - len(self.ready), "no_wait": True}
+        if not no_wait:
             expires_ns = int((deadline - loop.time()) * 1e9) - 100_000
             if expires_ns <= 0:
                 return
