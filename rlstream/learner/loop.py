@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlstream import compute
 from rlstream.broker.component import signals_to
 from rlstream.config import Config
 from rlstream.learner import distributed as dist
@@ -131,7 +132,7 @@ class Checkpoints:
         records keep their in-progress acks): training goes on and the next checkpoint
         interval tries again, holding everything handled since the last durable one."""
         try:
-            return await asyncio.to_thread(self.runner.save)
+            return await compute.run(self.runner.save)
         except CheckpointWriteError as exc:
             held = self.source.held
             log.error("checkpoint at step %d failed: %s; %d trained records stay unacked (held in progress) "
@@ -188,7 +189,7 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
 
     state = runner.learner.state
     state.policy_version += 1
-    full = await asyncio.to_thread(runner.full_state_dict)
+    full = await compute.run(runner.full_state_dict)
     if publisher is not None:
         m = await publisher.submit(full, version=state.policy_version, step=state.step)
         return {"time/publish_s": m["publish/snapshot_s"], **m}
@@ -311,7 +312,7 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
                     collated = None  # not the batch foreseen: the step collates its own
                 ahead = (CollateAhead(learner, source, taken, _version_after_step(cfg, state))
                          if collates_ahead(cfg) and state.step + 1 < limit else None)
-                m = await asyncio.to_thread(runner.step, taken.records, collated)  # forward, loss, backward, update
+                m = await compute.run(runner.step, taken.records, collated)  # forward, loss, backward, update
                 m["time/step_s"] = time.perf_counter() - t_step
                 m["time/wait_data_s"] = t_step - t_take
                 m["learner/collated_ahead"] = float(collated is not None)
@@ -372,14 +373,14 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = RunDir(run_dir).metrics
 
-    learner = await asyncio.to_thread(build_learner, cfg, run_dir)
+    learner = await compute.run(build_learner, cfg, run_dir)
     if dist.is_active(learner.engine) and learner.engine.rank != 0:
         # data-parallel: ranks > 0 obey rank 0 (which owns the broker and the run directory)
         with signals_to(asyncio.Event(), True):  # torchrun's SIGTERM: rank 0 decides when to stop
-            return await asyncio.to_thread(dist.follow, LocalRunner(learner, run_dir))
+            return await compute.run(dist.follow, LocalRunner(learner, run_dir))
     runner = make_runner(learner, run_dir)
     latest = latest_checkpoint(run_dir) if resume else None
-    await asyncio.to_thread(runner.resume, latest)
+    await compute.run(runner.resume, latest)
     if latest is not None:
         _truncate_metrics(metrics_path, learner.state.step)
         truncate_samples(RunDir(run_dir).samples, learner.state.step)
@@ -406,7 +407,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                     if evaluator is not None:
                         await evaluator.close()
                     await asyncio.to_thread(reports.close)
-                    await asyncio.to_thread(runner.close)
+                    await compute.run(runner.close)
 
     if not durable:
         # what was trained since the last durable checkpoint is unacked: it is redelivered to

@@ -46,6 +46,7 @@ from typing import Any, Awaitable, Callable
 import torch
 from safetensors.torch import save as st_save
 
+from rlstream import compute
 from rlstream.broker.layout import WEIGHTS_LATEST, Layout
 from rlstream.broker.weights import (
     PART_SUFFIX,
@@ -232,7 +233,7 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component.
     ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter."""
     t0 = time.perf_counter()
-    data = await asyncio.to_thread(snapshot, lcfg, comp.layout.run, version, state_dict)
+    data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict)  # tensor copies: the torch thread
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
                                adapter_config=adapter_config)
 
@@ -371,7 +372,7 @@ class BackgroundPublisher:
         if self.failures >= MAX_PUBLISH_FAILURES:
             raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(snapshot, self.lcfg, self.comp.layout.run, version, state_dict)
+        data = await compute.run(snapshot, self.lcfg, self.comp.layout.run, version, state_dict)  # tensor copies: the torch thread
         snapshot_s = time.perf_counter() - t0
         if self._waiting is not None:
             self.superseded += 1

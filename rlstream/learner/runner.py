@@ -7,7 +7,7 @@ the other ranks (``distributed.send``), which run a :class:`LocalRunner` of thei
 :func:`rlstream.learner.distributed.follow`, so every rank joins the same collectives.
 
 The runners' methods block (forward/backward, collectives, file writes): the loop calls them
-with ``asyncio.to_thread``.
+on the process's one torch thread (:func:`rlstream.compute.run`).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from rlstream import compute
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import is_loopback
 
@@ -148,7 +149,7 @@ class Server:
             texts = [t for j in jobs for t in j.texts]
             t0 = time.perf_counter()
             try:
-                scores = await asyncio.to_thread(self.model.score, texts)
+                scores = await compute.run(self.model.score, texts)
             except Exception as exc:  # the requests in this batch get a 500; the server goes on
                 for j in jobs:
                     if not j.future.done():
@@ -260,7 +261,7 @@ class Server:
 async def serve(model_dir: str, host: str, port: int, token: str | None, max_batch: int, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None, max_texts: int = DEFAULT_MAX_TEXTS, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
     """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
-    model = await asyncio.to_thread(RewardModel, model_dir)
+    model = await compute.run(RewardModel, model_dir)
     server = Server(model, token=token, max_batch=max_batch, max_texts=max_texts, max_body_mb=max_body_mb)
     stop_event = stop or asyncio.Event()
     with signals_to(stop_event, stop is None):

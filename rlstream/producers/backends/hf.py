@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from rlstream import compute
 from rlstream.producers.backends.base import (
     Backend,
     Completion,
@@ -93,9 +94,10 @@ class HFBackend(Backend):
 
     # ---- generation ---------------------------------------------------------------------
     async def generate(self, prompts: list[np.ndarray], spec: SamplingSpec) -> list[list[Completion]]:
+        # on the process's torch thread (rlstream.compute); an in-flight update waits beside it
         if self.update_chunk_tokens:
-            return await asyncio.to_thread(self.generate_chunked_sync, prompts, spec, self.update_chunk_tokens)
-        return await asyncio.to_thread(self.generate_sync, prompts, spec)
+            return await compute.run(self.generate_chunked_sync, prompts, spec, self.update_chunk_tokens)
+        return await compute.run(self.generate_sync, prompts, spec)
 
     def _left_padded(self, prompts: list[np.ndarray], n: int):
         """[B*n, W] input ids and attention mask, prompt-major, left-padded to the longest prompt."""
@@ -262,7 +264,7 @@ class HFBackend(Backend):
 
     # ---- weights ------------------------------------------------------------------------
     async def load_weights(self, source: WeightsSource) -> bool:
-        await asyncio.to_thread(self.load_weights_sync, source)
+        await compute.run(self.load_weights_sync, source)
         return True
 
     @staticmethod
