@@ -8,9 +8,10 @@ threads in turn, and their teams take turns on the same cores. On 2 cores a GRPO
 step at 2 threads took 69-100 ms when its steps alternated between two threads, and 40 ms
 on one (the demo's model, 64 samples). :func:`run` is ``asyncio.to_thread`` on one thread
 for the whole process, in call order: the learner's build, resume, steps, weight gathers
-and saves, and a producer's generation and weight loads, go through it. Work that must run
-beside it (collating the next batch, an in-flight weight update waiting for the running
-generation) stays on the default pool.
+and saves, and a producer's generation and weight loads (in flight too: the running
+generation loads them at a chunk boundary, else a call queued here does), go through it.
+Work that must run beside it (collating the next batch, which makes no parallel region)
+stays on the default pool.
 """
 
 from __future__ import annotations

@@ -189,3 +189,24 @@ async def test_an_episode_across_weight_updates_records_each_model_tokens_versio
     np.testing.assert_allclose(s.logprobs[a:a + 2], teacher_forced(v1, np.concatenate([prompt, ids[:a]]), ids[a:a + 2]), atol=1e-4)
     np.testing.assert_allclose(s.logprobs[a + 2:m3[1]], teacher_forced(v2, np.concatenate([prompt, ids[:a]]), ids[a:m3[1]])[2:],
                                atol=1e-4)
+
+
+def test_an_update_with_no_generation_running_loads_on_the_torch_thread(tiny_model_dir, models, monkeypatch):
+    """The weights are copied into the model on the process's one torch thread
+    (:mod:`rlstream.compute`), as generation runs there: a copy on another thread would make a
+    second OpenMP team, and every parallel region of the producer would hand off slowly."""
+    import threading
+
+    from rlstream import compute
+
+    _, new = models
+    backend = HFBackend(str(tiny_model_dir), seed=3, update_chunk_tokens=8)
+    where = []
+    load = backend._load_state
+    monkeypatch.setattr(backend, "_load_state", lambda state, version: (where.append(threading.current_thread().name), load(state, version)))
+    asyncio.run(backend.update_in_flight(WeightsSource(version=1, data=safetensors.torch.save(new.state_dict())), timeout_s=30))
+    assert backend.policy_version == 1
+    torch_thread = compute.executor().submit(lambda: threading.current_thread().name).result()
+    assert where == [torch_thread]  # names, not idents: a finished thread's ident is given to the next
+    for name, p in backend.model.state_dict().items():
+        torch.testing.assert_close(p, new.state_dict()[name])

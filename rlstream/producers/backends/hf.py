@@ -325,14 +325,12 @@ class HFBackend(Backend):
         """Load ``source``: at once when no generation runs, else at its next chunk boundary.
         After ``timeout_s`` the update is withdrawn and :class:`ProducerError` raised."""
         loaded = self.queue_weights(source)
+        # loaded on the torch thread (rlstream.compute), where generation runs: at once when it
+        # is idle, else by the running generation at its next chunk boundary (this call then
+        # finds nothing left to load), or right after a generation that ended first
+        compute.executor().submit(self._apply_if_idle)
         deadline = time.monotonic() + timeout_s
         while not loaded.is_set():
-            if self._lock.acquire(blocking=False):  # no generation running: load it here
-                try:
-                    self._apply_pending()
-                finally:
-                    self._lock.release()
-                continue
             if time.monotonic() > deadline:
                 with self._pending_lock:
                     if self._pending is not None and self._pending[2] is loaded:
@@ -345,6 +343,14 @@ class HFBackend(Backend):
             raise failed
 
     _failed: Exception | None = None
+
+    def _apply_if_idle(self) -> None:
+        """Load queued weights unless a generation holds the model (it loads them itself)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_pending()
+            finally:
+                self._lock.release()
 
     def _apply_pending(self) -> bool:
         """Load queued weights (the caller holds ``_lock``); True when the model changed."""
