@@ -187,25 +187,19 @@ def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: 
     return path
 
 
-def learner_step_s(point: dict) -> float | None:
-    """The learner's own work in one step: its ``work`` phases (waiting for data left out)."""
-    from rlstream.broker.telemetry import STAGE_PHASES, phase_key
-
-    times = [point.get(phase_key("learner", ph)) for ph in STAGE_PHASES["learner"]["work"]]
-    times = [t for t in times if t is not None]
-    return sum(times) if times else None
-
-
 TRAIN_PHASES = ("forward", "backward", "optimizer")
 """The learner's phases that TRL's training phase also holds (its collation happens while it
 generates, and it publishes no weights)."""
 
 
-def learner_train_s(point: dict) -> float | None:
+def learner_s(point: dict, phases) -> float | None:
+    """Seconds the learner spent in ``phases`` in one step (None: none recorded). Its own work
+    is ``STAGE_PHASES["learner"]["work"]`` (waiting for data left out); its training phase is
+    ``TRAIN_PHASES``."""
     from rlstream.broker.telemetry import phase_key
 
-    times = [point.get(phase_key("learner", ph)) for ph in TRAIN_PHASES]
-    return sum(times) if all(t is not None for t in times) else None
+    times = [t for t in (point.get(phase_key("learner", ph)) for ph in phases) if t is not None]
+    return sum(times) if times else None
 
 
 def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int,
@@ -224,11 +218,13 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
     config = rlstream_config(name, wl, backend, ckpt, prompts, steps, staleness)
     launched = sh([sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--no-live"],
                   WORK / f"{name}.log", env)
+    from rlstream.broker.telemetry import STAGE_PHASES
+
     raw = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
     samples = GROUP * PROMPTS_PER_STEP
     points = [{"step": p["step"], "elapsed_s": p["ts"] - launched, "reward": p.get("reward/mean", 0.0),
-               "samples": p["step"] * samples, "step_s": learner_step_s(p),
-               "train_s": learner_train_s(p)} for p in raw]
+               "samples": p["step"] * samples, "step_s": learner_s(p, STAGE_PHASES["learner"]["work"]),
+               "train_s": learner_s(p, TRAIN_PHASES)} for p in raw]
     return Run(wl.name, f"rlstream {label}", backend, shown, launched, points)
 
 

@@ -26,7 +26,7 @@ def recorded(tiny_model_dir):
 
 
 def test_the_learners_torch_work_runs_on_one_thread(tiny_model_dir, tmp_path, nats_server, run_id, recorded, monkeypatch):
-    seen: dict[str, set[int]] = {}
+    seen: dict[str, set[str]] = {}
 
     def recording(name, fn):
         def wrapped(*args, **kwargs):
@@ -49,7 +49,7 @@ def test_the_learners_torch_work_runs_on_one_thread(tiny_model_dir, tmp_path, na
 
     assert set(seen) == {"build", "resume", "step", "full_state_dict", "snapshot", "save", "close"}
     threads = set().union(*seen.values())
-    assert len(threads) == 1, {name: len(ids) for name, ids in seen.items()}
+    assert len(threads) == 1, {name: len(names) for name, names in seen.items()}
     assert threads != {threading.current_thread().name}  # not the event loop's thread: the loop stays responsive
     assert threads == {compute.executor().submit(lambda: threading.current_thread().name).result()}
 
