@@ -35,7 +35,7 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
         f"nats.url=nats://rl:{NATS_PW}@127.0.0.1:{server.port}", "nats.user=rl", f"nats.password={NATS_PW}",
         "reward_function.type=model_based", f"reward_function.endpoint=http://127.0.0.1:{rport}/score",
         f"reward_function.token={RM_TOKEN}", "checkpoint.interval=2", "producer.backend=fake"])
-    seen: dict[int, str] = {}
+    seen: dict[int, set[str]] = {}
     try:
         wait_http(f"http://127.0.0.1:{rport}/health", rm)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -47,8 +47,10 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
                         line = " ".join(p.cmdline())
                     except psutil.Error:
                         continue
-                    if line:  # a process read just after its fork has no command line yet
-                        seen.setdefault(p.pid, line)
+                    # every line a process showed: one read between its fork and its exec shows the
+                    # parent's command line, and one read just after the fork none yet
+                    if line:
+                        seen.setdefault(p.pid, set()).add(line)
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.2)
@@ -58,9 +60,10 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
         rm.wait(20)
         server.stop()
     assert proc.returncode == 0, out[-3000:]
-    kinds = {k for k in ("feed", "producer", "scorer", "learner") if any(f" {k} " in c for c in seen.values())}
+    lines = [c for cs in seen.values() for c in cs]
+    kinds = {k for k in ("feed", "producer", "scorer", "learner") if any(f" {k} " in c for c in lines)}
     assert kinds == {"feed", "producer", "scorer", "learner"}, seen
-    for cmdline in seen.values():
+    for cmdline in lines:
         assert NATS_PW not in cmdline and RM_TOKEN not in cmdline, cmdline
     assert NATS_PW not in out and RM_TOKEN not in out, out[-2000:]
     checked = 0
