@@ -30,7 +30,9 @@ rollouts and publish eval scores.
 Each component also publishes its own metrics (``rl.<run>.metrics.<role>.>``) and dead
 letters (``rl.<run>.dlq.<role>``), reads the run's stream infos, KV keys and weights, and
 receives replies only on its own inbox prefix ``_INBOX.<user>.`` (rlstream's client uses it,
-see ``connect_options``), so no role reads another role's deliveries. Only the learner and
+see ``connect_options``), so no role reads another role's deliveries. Producers may also
+subscribe to the learner's ``pacing.admit``, ``policy.version`` and ``weights.latest`` keys
+(values every role reads anyway), so the learner's write wakes them instead of their next poll. Only the learner and
 the operator create or update streams and consumers: a stream that re-publishes or sources
 into the run's subjects, or a consumer that pushes its messages to another subject, is how a
 component could otherwise write what its role may not. So components only bind to what the
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
+from rlstream.broker.state import FOLLOWED_KEYS
 
 ROLES = ("feeder", "producer", "scorer", *ANNOTATORS, "learner")
 RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval.rollouts"), "scorer": ("scored", "eval.scored"),
@@ -119,7 +122,18 @@ def permissions(role: str, run: str) -> list[str]:
     return allow
 
 
+def subscriptions(role: str, run: str) -> list[str]:
+    """The subjects ``role`` may subscribe to in ``run``: its own reply inbox, and for
+    producers the learner's keys they wait on (pacing room, new weights; values every role
+    may read anyway), so a producer is woken by the learner's write rather than a poll."""
+    allow = [f"_INBOX.{role}.>"]
+    if role == "producer":
+        allow += [f"$KV.{Layout(run).state_bucket}.{key}" for key in FOLLOWED_KEYS]
+    return allow
+
+
 def _user(role: str, run: str) -> str:
+    subscribe = ", ".join(f'"{s}"' for s in subscriptions(role, run))
     lines = [
         "      {",
         f"        user: {role}",
@@ -130,7 +144,7 @@ def _user(role: str, run: str) -> str:
     lines += [f'            "{s}"' for s in permissions(role, run)]
     lines += [
         "          ] }",
-        f'          subscribe: {{ allow: ["_INBOX.{role}.>"] }}',
+        f"          subscribe: {{ allow: [{subscribe}] }}",
         "        }",
         "      }",
     ]

@@ -35,7 +35,7 @@ from nats.js.kv import KeyValue
 
 from rlstream.broker.errors import BrokerError
 
-from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, Layout, heartbeat_key
+from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout, heartbeat_key
 
 
 log = logging.getLogger(__name__)
@@ -56,23 +56,64 @@ TRANSIENT = (
 CALL_TIMEOUT_S = 10.0
 """The longest one KV call may take before it counts as the broker being away."""
 
+FOLLOWED_KEYS = (PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST)
+"""The learner's keys a producer waits on (pacing room, new weights): :meth:`RunState.follow`."""
+
 
 class BrokerUnavailable(BrokerError):
     """The broker stayed away longer than a call's retry window."""
 
 
 class RunState:
-    def __init__(self, kv: KeyValue, *, retry_for_s: float = 30.0):
+    def __init__(self, kv: KeyValue, *, retry_for_s: float = 30.0, bucket: str | None = None):
         self.kv = kv
+        self.bucket = bucket
         self.retry_for_s = retry_for_s
         self.broker_retries = 0
         """KV calls retried because the broker was away (a timeout or a lost connection)."""
         self.broker_failures = 0
         """KV calls given up after ``retry_for_s`` (raised as :class:`BrokerUnavailable`)."""
+        self.writes = 0
+        """Writes seen to the followed keys (:meth:`follow`); compare with :meth:`written_since`."""
+        self._written: asyncio.Event | None = None
 
     @classmethod
     async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
-        return cls(await js.key_value(layout.state_bucket), retry_for_s=retry_for_s)
+        return cls(await js.key_value(layout.state_bucket), retry_for_s=retry_for_s, bucket=layout.state_bucket)
+
+    async def follow(self, nc, keys: tuple[str, ...] = FOLLOWED_KEYS) -> None:
+        """Be told of every write to ``keys``, so a waiter wakes when the learner moves them
+        instead of at its next poll. A KV put is a message on ``$KV.<bucket>.<key>``: a core
+        subscription there sees it as it is stored (and is renewed by the client after a
+        reconnect). Waiters still poll, more slowly, so a missed message (the broker away, or
+        a deployment whose permissions predate this) costs a poll's delay, not progress."""
+        if self.bucket is None:
+            raise ValueError("RunState.follow needs the bucket name (RunState.open gives it)")
+        self._written = asyncio.Event()
+
+        async def written(_msg) -> None:
+            self.writes += 1
+            event, self._written = self._written, asyncio.Event()
+            event.set()
+
+        for key in keys:
+            await nc.subscribe(f"$KV.{self.bucket}.{key}", cb=written)
+
+    async def written_since(self, seen: int, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for a write to a followed key after the count
+        ``seen`` (:attr:`writes`, read before the caller read the keys), or for ``stop``.
+        True when such a write came; without :meth:`follow` this only sleeps."""
+        if self.writes != seen:
+            return True
+        waits = [asyncio.ensure_future((self._written or asyncio.Event()).wait())]
+        if stop is not None:
+            waits.append(asyncio.ensure_future(stop.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self.writes != seen
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call()``, again with jittered exponential backoff (0.1 s .. 2 s) while the broker is away."""

@@ -252,6 +252,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     sampling = spec.describe(backend.name)
     keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3
     bound = admit_bound(cfg)  # before the learner has written pacing.admit
+    await comp.state.follow(comp.nc)  # woken by the learner's admits and announcements, not by a poll
     stats = ProducerStats()
     reporter = comp.reporter
     n_lanes = p.pipeline_batches or backend.concurrent_batches
@@ -497,14 +498,12 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     async def watch_weights() -> None:
         """In flight: load each new version as soon as it is announced, under running requests."""
         while not comp.stop.is_set():
+            seen = comp.state.writes
             try:
                 stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats, in_flight=True)
             except BrokerUnavailable as exc:
                 log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
-            try:
-                await asyncio.wait_for(comp.stop.wait(), PACING_POLL_S)
-            except asyncio.TimeoutError:
-                pass
+            await comp.state.written_since(seen, PACING_POLL_S, comp.stop)
 
     watcher = asyncio.create_task(watch_weights(), name=f"producer-{comp.component_id}-weights") if in_flight else None
     try:
@@ -668,6 +667,7 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
     t0 = time.monotonic()
     delay = PACING_POLL_S
     while not comp.stop.is_set():
+        seen = comp.state.writes  # read before the admit: a write landing in between wakes the wait below at once
         pending = in_flight()  # read before the stream: a publish landing in between is counted twice, never missed
         try:
             admit = await comp.state.admit(bound)
@@ -687,10 +687,8 @@ async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambd
             return min(room, batch), time.monotonic() - t0
         if interrupt is not None and await interrupt():
             return 0, time.monotonic() - t0
-        try:
-            await asyncio.wait_for(comp.stop.wait(), PACING_POLL_S)
-        except asyncio.TimeoutError:
-            pass
+        # woken by the learner's next admit (RunState.follow), else at the next poll
+        await comp.state.written_since(seen, PACING_POLL_S, comp.stop)
     return 0, time.monotonic() - t0
 
 

@@ -25,7 +25,7 @@ from pydantic import SecretStr
 from rlstream.broker import BrokerError, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.cluster import LocalCluster
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
-from rlstream.broker.state import BrokerUnavailable
+from rlstream.broker.state import FOLLOWED_KEYS, BrokerUnavailable
 from rlstream.config import NatsConfig
 
 ACCOUNTS = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "accounts.conf"
@@ -230,8 +230,14 @@ async def test_each_role_is_refused_everything_of_the_other_roles(secured, role)
         tried = attempts(role, run, replies)
         for subject, payload, _what in tried:
             await nc.publish(subject, payload, reply=nc.new_inbox())
-        # reading what other roles receive: their reply inboxes, or every inbox
-        snoop = ["_INBOX.>", *(f"_INBOX.{r}.>" for r in ROLES if r != role), ">"]
+        # reading what other roles receive: their reply inboxes, or every inbox; every write to
+        # the run's KV bucket (heartbeats included), or another run's (producers may follow the
+        # learner's pacing and weights keys of their own run, and nothing else of the bucket)
+        lay, other = Layout(run), Layout(OTHER_RUN)
+        snoop = ["_INBOX.>", *(f"_INBOX.{r}.>" for r in ROLES if r != role), ">", f"$KV.{lay.state_bucket}.>",
+                 f"$KV.{lay.state_bucket}.heartbeat.learner.l0", f"$KV.{other.state_bucket}.{PACING_ADMIT}"]
+        if role != "producer":
+            snoop += [f"$KV.{lay.state_bucket}.{key}" for key in FOLLOWED_KEYS]
         for subject in snoop:
             await nc.subscribe(subject)
         await nc.flush(5)
@@ -284,6 +290,30 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
 
 
 # ---- what each role may do, it can do --------------------------------------------------
+
+
+async def test_a_producer_follows_the_learners_pacing_and_weights_keys(secured):
+    """With its own credentials a producer subscribes to the learner's pacing and weights
+    keys (RunState.follow) and is woken by the learner's write, with no permission error."""
+    server, passwords = secured
+    run = shipped_run()
+    op, ojs, _ = await prepared(server, passwords, run)
+    nc, pjs, denials = await _client(server, passwords, "producer")
+    lnc, ljs, _ = await _client(server, passwords, "learner")
+    lay = Layout(run)
+    try:
+        producer = await RunState.open(pjs, lay)
+        await producer.follow(nc)
+        await nc.flush(5)
+        seen = producer.writes
+        await (await RunState.open(ljs, lay)).set_admit(42)
+        assert await producer.written_since(seen, 20.0) is True
+        assert await producer.admit(0) == 42
+        assert not [e for e in denials.errors if "permissions violation" in e.lower()], denials.errors
+    finally:
+        await lnc.close()
+        await nc.close()
+        await op.close()
 
 
 async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured):
