@@ -180,7 +180,9 @@ def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: 
                        "min_new_tokens": wl.min_new, "temperature": 1.0}
     if backend == "vllm":
         cfg["producer"]["vllm"] = {"max_model_len": 64 + wl.max_new}
-    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP)
+    # every component runs on this machine: weights go through one shared-memory file that the
+    # producers read in place (docs/deploy.md), not through the broker
+    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, weights_transport="local")
     cfg["checkpoint"]["interval"] = 100000
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
