@@ -199,6 +199,35 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
     return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
 
 
+async def _weights_out(runner: StepRunner, publisher, stop: asyncio.Event) -> None:
+    """Train no further than producers can follow: the next step's groups must be sampled by
+    version ``policy_version - max_staleness`` or newer, so that version must be out. Where
+    publishes fail (the broker's weights store away: a node lost, a leader election), the
+    learner waits here and publishes its current weights again, with backoff, instead of
+    stepping on: every group producers make with the old weights would be dropped as too
+    stale, and the pacing room each drop gives back would be spent the same way, until the
+    dataset ran out. ``MAX_PUBLISH_FAILURES`` failures in a row stop the run (``submit``)."""
+    state, cfg = runner.learner.state, runner.learner.cfg
+    oldest = state.policy_version - cfg.max_staleness
+    delay = 1.0
+    while publisher.out_version < oldest and not stop.is_set():
+        await publisher.flush()  # what is queued is out, or failed
+        if publisher.out_version >= oldest:
+            return
+        log.warning("weights v%d are not out (the last publish failed: %s); producers hold v%d, and groups they sample "
+                    "from it would be too stale to train (max_staleness %d): publishing again in %.0fs",
+                    state.policy_version, publisher.error, publisher.out_version, cfg.max_staleness, delay)
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+            return
+        except asyncio.TimeoutError:
+            pass
+        delay = min(delay * 2, 30.0)
+        # no step was taken since that version's snapshot: the weights now are its weights
+        full = await compute.run(runner.full_state_dict)
+        await publisher.submit(full, version=state.policy_version, step=state.step)
+
+
 async def _log(m: dict[str, float], taken: Taken, source: BatchSource, state: LearnerState, metrics_file, comp) -> None:
     """One line of ``metrics.jsonl``, the metric event, the KV step and the log line."""
     from rlstream.broker.layout import LEARNER_STEP
@@ -270,7 +299,7 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
         async def published(_pub) -> None:
             await source.published()
 
-        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config)
+        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config, out_version=state.policy_version)
     try:
         ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
                           evaluator, adapter_config)
@@ -301,6 +330,8 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
                 t_wait = time.perf_counter()
                 collated = await ahead.result() if ahead is not None else None  # waits only for a collation under way
                 t_take = time.perf_counter()
+                if publisher is not None and cfg.is_online:
+                    await _weights_out(runner, publisher, stop)
                 taken = await source.take(stop)
                 if taken is None:
                     break
@@ -327,6 +358,12 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
                         await evaluator.wait_generated(stop)
                     deferred = await evaluator.holding()
                     due = not deferred
+                if comp is not None and deferred and not due:
+                    # the round holds the weights, not the producers: without new weights the
+                    # policy version stands, so what they sample now is no staler; admitting by
+                    # consumption keeps them sampling (else a learner that used up the pacing
+                    # window while the round was generated would wait for groups for good)
+                    await source.published()
                 if comp is not None and due:
                     with phases.time("publish"):
                         m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))

@@ -346,12 +346,16 @@ class BackgroundPublisher:
     one would be stale on arrival; ``publish/superseded`` counts these). A failed publish is
     logged and counted (``alert/publish_failures``): producers keep the previous version and the
     next publish tries again; :data:`MAX_PUBLISH_FAILURES` in a row raise from :meth:`submit`.
+    :attr:`out_version` is the newest version out; the learner steps no further than
+    ``max_staleness`` past it (it waits and submits its weights again: ``loop._weights_out``).
     :meth:`flush` waits until everything queued is out.
     """
 
     def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]],
-                 adapter_config: str | None = None):
+                 adapter_config: str | None = None, out_version: int = 0):
         self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
+        self.out_version = out_version
+        """The newest version producers can have: the last one published (at start, the one they start from)."""
         self.adapter_config = adapter_config
         self.on_published = on_published
         self._waiting: tuple[bytearray | StagedFile, int, int, float] | None = None
@@ -402,6 +406,7 @@ class BackgroundPublisher:
                 pub = await publish_bytes(self.comp, self.lcfg, data, version=version, step=step,
                                           config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
                 self.last, self.failures = pub, 0
+                self.out_version = max(self.out_version, version)
             except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
                 self.failures += 1
                 self.error = exc
