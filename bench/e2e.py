@@ -46,8 +46,12 @@ time to target from the first step; short, async (HF) >= 1.0x TRL; launch to fir
 most TRL's + 2 s; the learner's training phase <= 1.1x TRL's at the same thread count (the
 sync run's, whose learner has every core while the producer waits, as TRL's process has).
 
-A target counts only when a full window of steps (10) reaches it, and only when the reward
-rose by ``RISE_MIN`` (0.05) in some run of the workload. When no run rose that much, every
+A target counts only when a full window of steps (10) reaches it. A run learned when its
+moving-mean reward rose by ``RISE_MIN`` (0.05) from its first window to its last; the target is
+halfway from the start to the lowest best of the runs that learned, and a run that did not
+learn reaches no target (when it is ours, its ratios are misses; a peer's gives a lower
+bound), so a flat curve that touches the target by chance is not counted fast, and its low
+best cannot hand every run an easy target. When no run rose that much, every
 curve is flat and the first to touch the target is the luckiest, so the workload's times to
 target are not reported and its verdict uses samples/s instead (said on screen and in the
 JSON as ``<workload>_time_to_target_measurable: false``).
@@ -357,13 +361,15 @@ def estimate_s(workloads: list[Workload], backends: list[str], quick: bool, trl:
     return total
 
 
-def ratio(base: Run | None, ours: Run, target: float, window: int, *, from_first_step: bool) -> tuple[float | None, bool]:
+def ratio(base: Run | None, ours: Run, target: float, window: int, *, from_first_step: bool,
+          learners: list[Run]) -> tuple[float | None, bool]:
     """How many times faster ``ours`` reached the target than ``base`` (a lower bound, flagged,
-    when ``base`` never did within its run)."""
-    if base is None:
+    when ``base`` never did within its run). A run not in ``learners`` reaches no target: if
+    it is ours the ratio is None (a miss)."""
+    if base is None or ours not in learners:
         return None, False
     mine = time_to(ours.points, target, window, from_first_step=from_first_step)
-    theirs = time_to(base.points, target, window, from_first_step=from_first_step)
+    theirs = time_to(base.points, target, window, from_first_step=from_first_step) if base in learners else None
     if mine is None or mine <= 0:
         return None, False
     if theirs is None:
@@ -421,10 +427,20 @@ def main() -> None:
         mine = [r for r in runs if r.workload == wl.name]
         first = next(r for r in mine if r.label == "rlstream async")
         start = sum(q["reward"] for q in first.points[:window]) / max(1, len(first.points[:window]))
-        best = min(max(v for _, v in smooth(r.points, window)) for r in mine)
+        # a run whose reward did not rise by RISE_MIN did not learn: it neither sets the target nor
+        # reaches it (a flat curve that touches a low target by chance is not fast, and letting its
+        # best pull the target down would hand every run that target)
+        learners = [r for r in mine if rise(r.points, window) >= RISE_MIN]
+        flat = [r for r in mine if r not in learners]
+        best = min(max(v for _, v in smooth(r.points, window)) for r in (learners or mine))
         target = args.target if args.target is not None else start + 0.5 * (best - start)
         targets[wl.name] = target
-        learned = max(rise(r.points, window) for r in mine) >= RISE_MIN
+        learned = bool(learners)
+        if learned and flat:
+            print(f"[{wl.name}] did not learn (reward rose less than {RISE_MIN}): "
+                  + ", ".join(f"{r.label} ({r.backend}) {rise(r.points, window):+.3f}" for r in flat)
+                  + "; they reach no target", flush=True)
+            out[f"{wl.name}_did_not_learn"] = [f"{r.label} ({r.backend})" for r in flat]
         if not learned:
             rises = ", ".join(f"{r.label} ({r.backend}) {rise(r.points, window):+.3f}" for r in mine)
             print(f"[{wl.name}] the reward did not rise by {RISE_MIN} in any run ({rises}): the times to target measure "
@@ -434,8 +450,8 @@ def main() -> None:
             pts = r.points
             train_s = pts[-1]["elapsed_s"] - pts[0]["elapsed_s"]
             sps = (pts[-1]["samples"] - pts[0]["samples"]) / train_s if train_s > 0 else nan
-            launch_ttt = time_to(pts, target, window) if learned else None
-            ttt = time_to(pts, target, window, from_first_step=True) if learned else None
+            launch_ttt = time_to(pts, target, window) if r in learners else None
+            ttt = time_to(pts, target, window, from_first_step=True) if r in learners else None
             step = median(pts, "step_s")
             r.extra = {"sps": sps, "first_step_s": pts[0]["elapsed_s"], "step_s": step, "train_s": median(pts, "train_s")}
             row = (wl.name, r.label, r.backend, r.threads, len(pts), sps, pts[0]["elapsed_s"],
@@ -452,7 +468,7 @@ def main() -> None:
                 if base is None:
                     continue
                 for from_first, suffix in ((True, ""), (False, "_from_launch")):
-                    value, bound = ratio(base, a, target, window, from_first_step=from_first) if learned else (None, False)
+                    value, bound = ratio(base, a, target, window, from_first_step=from_first, learners=learners) if learned else (None, False)
                     out[f"{key}_async_vs_{name}{suffix}"] = value
                     if bound:
                         lower_bounds.append(f"{key}_async_vs_{name}{suffix}")
