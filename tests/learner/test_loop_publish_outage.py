@@ -25,10 +25,16 @@ from rlstream.learner.loop import main
 WAITING = "are not out"  # the learner's warning while it waits for its weights to go out
 
 
-def _cfg(tiny_model_dir, run_id, shared):
-    return make_cfg(tiny_model_dir, run=run_id, algo={"group_size": 4, "max_staleness": 1},
-                    learner={"batch_groups": 1, "micro_batch_size": 4, "max_steps": 4, "weights_transport": "shared_path",
-                             "shared_path": str(shared)})
+@pytest.fixture
+def blocked(tiny_model_dir, tmp_path, run_id, caplog):
+    """(config, run dir, the file standing where the weights folder must be)."""
+    blocker = tmp_path / "weights"
+    blocker.write_text("a file where the weights folder should be")
+    cfg = make_cfg(tiny_model_dir, run=run_id, algo={"group_size": 4, "max_staleness": 1},
+                   learner={"batch_groups": 1, "micro_batch_size": 4, "max_steps": 4, "weights_transport": "shared_path",
+                            "shared_path": str(blocker)})
+    caplog.set_level(logging.WARNING, logger="rlstream.learner.loop")
+    return cfg, tmp_path / "run", blocker
 
 
 def _rows(run_dir):
@@ -52,14 +58,9 @@ def groups(tiny_model_dir):
     return old, fresh
 
 
-def test_the_learner_waits_for_its_weights_to_go_out_and_drops_nothing_meanwhile(tiny_model_dir, tmp_path, nats_server,
-                                                                                   run_id, caplog, groups):
+def test_the_learner_waits_for_its_weights_to_go_out_and_drops_nothing_meanwhile(nats_server, caplog, groups, blocked):
     old, fresh = groups
-    blocker = tmp_path / "weights"
-    blocker.write_text("a file where the weights folder should be")
-    cfg = _cfg(tiny_model_dir, run_id, blocker)
-    run_dir = tmp_path / "run"
-    caplog.set_level(logging.WARNING, logger="rlstream.learner.loop")
+    cfg, run_dir, blocker = blocked
 
     async def scenario() -> int:
         await publish_groups(nats_server.url, cfg, old)
@@ -81,14 +82,9 @@ def test_the_learner_waits_for_its_weights_to_go_out_and_drops_nothing_meanwhile
     assert asyncio.run(kv_int(nats_server.url, cfg, POLICY_VERSION)) == 4
 
 
-def test_publishes_that_keep_failing_stop_the_run_with_the_reason(tiny_model_dir, tmp_path, nats_server, run_id, caplog,
-                                                                   groups):
+def test_publishes_that_keep_failing_stop_the_run_with_the_reason(nats_server, caplog, groups, blocked):
     old, _ = groups
-    blocker = tmp_path / "weights"
-    blocker.write_text("a file where the weights folder should be")
-    cfg = _cfg(tiny_model_dir, run_id, blocker)
-    run_dir = tmp_path / "run"
-    caplog.set_level(logging.WARNING, logger="rlstream.learner.loop")
+    cfg, run_dir, _blocker = blocked
 
     async def scenario() -> None:
         await publish_groups(nats_server.url, cfg, old)
