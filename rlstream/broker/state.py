@@ -76,6 +76,8 @@ class RunState:
         self.writes = 0
         """Writes seen to the followed keys (:meth:`follow`); compare with :meth:`written_since`."""
         self._written: asyncio.Event | None = None
+        self._followed: dict[str, bytes] = {}
+        """The last value each followed key's messages carried (:meth:`follow`)."""
 
     @classmethod
     async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
@@ -91,13 +93,20 @@ class RunState:
             raise ValueError("RunState.follow needs the bucket name (RunState.open gives it)")
         self._written = asyncio.Event()
 
-        async def written(_msg) -> None:
+        async def written(msg) -> None:
+            # a core subscriber can see a put before JetStream has stored it, so a read right
+            # after this wake may still return the old value: keep the value the message carried
+            self._followed[msg.subject.split(".", 2)[2]] = bytes(msg.data)  # $KV.<bucket>.<key>
             self.writes += 1
             event, self._written = self._written, asyncio.Event()
             event.set()
 
         for key in keys:
             await nc.subscribe(f"$KV.{self.bucket}.{key}", cb=written)
+        try:  # the server has the subscriptions when this returns: a write after it is not missed
+            await nc.flush(CALL_TIMEOUT_S)
+        except TRANSIENT:
+            log.warning("KV follow: the broker did not confirm the subscriptions; waits fall back to polling until it does")
 
     async def written_since(self, seen: int, timeout: float, stop: asyncio.Event | None = None) -> bool:
         """Wait up to ``timeout`` seconds for a write to a followed key after the count
@@ -145,7 +154,10 @@ class RunState:
 
     async def get_int(self, key: str, default: int = 0) -> int:
         entry = await self._get(key)
-        return int(entry.value.decode()) if entry is not None and entry.value else default
+        value = int(entry.value.decode()) if entry is not None and entry.value else default
+        seen = self._followed.get(key)
+        # the followed keys only grow (versions, admits as the learner consumes): the newer wins
+        return max(value, int(seen.decode())) if seen and seen.strip().lstrip(b"-").isdigit() else value
 
     async def put_int(self, key: str, value: int) -> None:
         await self._retry(f"put {key}", lambda: self.kv.put(key, str(int(value)).encode()))
