@@ -76,8 +76,8 @@ class RunState:
         self.writes = 0
         """Writes seen to the followed keys (:meth:`follow`); compare with :meth:`written_since`."""
         self._written: asyncio.Event | None = None
-        self._followed: dict[str, bytes] = {}
-        """The last value each followed key's messages carried (:meth:`follow`)."""
+        self._followed: dict[str, int] = {}
+        """The last integer each followed key's messages carried (:meth:`follow`)."""
 
     @classmethod
     async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
@@ -86,8 +86,8 @@ class RunState:
     async def follow(self, nc, keys: tuple[str, ...] = FOLLOWED_KEYS) -> None:
         """Be told of every write to ``keys``, so a waiter wakes when the learner moves them
         instead of at its next poll. A KV put is a message on ``$KV.<bucket>.<key>``: a core
-        subscription there sees it as it is stored (and is renewed by the client after a
-        reconnect). Waiters still poll, more slowly, so a missed message (the broker away, or
+        subscription there sees it, possibly before JetStream has stored it, so the value it
+        carried is kept for :meth:`get_int` (the client renews it after a reconnect). Waiters still poll, more slowly, so a missed message (the broker away, or
         a deployment whose permissions predate this) costs a poll's delay, not progress."""
         if self.bucket is None:
             raise ValueError("RunState.follow needs the bucket name (RunState.open gives it)")
@@ -96,7 +96,10 @@ class RunState:
         async def written(msg) -> None:
             # a core subscriber can see a put before JetStream has stored it, so a read right
             # after this wake may still return the old value: keep the value the message carried
-            self._followed[msg.subject.split(".", 2)[2]] = bytes(msg.data)  # $KV.<bucket>.<key>
+            try:
+                self._followed[msg.subject.split(".", 2)[2]] = int(msg.data)  # $KV.<bucket>.<key>
+            except ValueError:
+                pass  # not an integer key (weights.latest): the wake is what counts
             self.writes += 1
             event, self._written = self._written, asyncio.Event()
             event.set()
@@ -155,9 +158,8 @@ class RunState:
     async def get_int(self, key: str, default: int = 0) -> int:
         entry = await self._get(key)
         value = int(entry.value.decode()) if entry is not None and entry.value else default
-        seen = self._followed.get(key)
         # the followed keys only grow (versions, admits as the learner consumes): the newer wins
-        return max(value, int(seen.decode())) if seen and seen.strip().lstrip(b"-").isdigit() else value
+        return max(value, self._followed.get(key, value))
 
     async def put_int(self, key: str, value: int) -> None:
         await self._retry(f"put {key}", lambda: self.kv.put(key, str(int(value)).encode()))
