@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers.sources import parse
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rlstream"
 STAGES = ("producers", "scorers", "learner", "observe", "annotators")
@@ -30,7 +31,7 @@ def modules() -> dict[str, Path]:
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """Every rlstream module ``name`` imports, at the top or inside a function (a lazy import
     is still a dependency), resolved to the modules that exist."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -149,7 +150,7 @@ def long_functions(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         source = path.read_text()
         lines = source.splitlines()
-        for node in ast.walk(ast.parse(source, str(path))):
+        for node in ast.walk(parse(source, str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 body = "\n".join(lines[node.lineno - 1:node.end_lineno])
@@ -185,7 +186,7 @@ def mode_comparisons(root: Path, skip: tuple[str, ...] = ("config.py",)) -> list
     for path in sorted(root.rglob("*.py")):
         if path.name in skip:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
                 sides = [node.left, *node.comparators]
                 if any(isinstance(s, ast.Attribute) and s.attr == "training_mode" for s in sides):

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.sources import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "RELIABILITY.md", ROOT / "BENCHMARKS.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,7 +40,7 @@ def test_citations_are_read_as_file_and_test():
 
 
 def defined_tests(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = parse(path.read_text())
     return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 

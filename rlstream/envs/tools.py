@@ -212,6 +212,10 @@ _FUNCS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
 _CONSTS = {"pi": math.pi, "e": math.e}
 MAX_EXPRESSION = 512
 MAX_DIGITS = 1000
+# CPython 3.11 counts the AST builder's recursion per interpreter, not per thread: a parse on
+# one thread while another's tree is being built fails with SystemError (cpython#106905).
+# Tool calls run on threads of their own, so the calculator's parses take turns.
+_PARSE = threading.Lock()
 
 
 def _eval(node: ast.AST) -> float | int:
@@ -245,7 +249,8 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an arithmetic expression ({exc.msg})") from None
     value = _eval(tree)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers.sources import interleaved
 
 from rlstream.envs.sandbox import Limits
 from rlstream.envs.tools import ToolCall, ToolError, ToolRegistry, calculator, parse_tool_calls, schema_of
@@ -125,6 +126,14 @@ def test_calculator(expr, value):
 def test_calculator_refuses_what_is_not_small_arithmetic(expr, message):
     with pytest.raises(ValueError, match=message):
         calculator(expr)
+
+
+def test_calculators_on_two_threads_at_once_both_answer():
+    """Tool calls run on threads of their own, so two episodes can call the calculator at once.
+    CPython 3.11 counts the AST builder's recursion per interpreter (cpython#106905): a parse
+    on another thread while the first's tree was being built made the first raise SystemError."""
+    assert interleaved(lambda: calculator("((1 + 2) * (3 + 4) - 5) // 2 + max(1, 2) * sqrt(16)"),
+                       lambda: calculator("(2 + 3) * (4 + 5)")) == ("16", "45")
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
