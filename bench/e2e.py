@@ -32,6 +32,12 @@ Runs, per workload:
 - TRL ``GRPOTrainer`` (``use_vllm=False``) in its own environment (bench/.trl-venv, built on
   first use) with this environment's transformers and tokenizers versions, every core.
 
+Every configuration runs ``--repeats`` times (3), with seeds 0, 1, 2: the prompts' order,
+sampling and the learner's seed on rlstream's side, ``seed`` on TRL's. On this workload a run's
+time to target is mostly luck of the draw (a 10-step moving mean moves by about as much as the
+reward rises in 60 steps), so one run of each side decides nothing: every figure of the verdict
+is the median repeat's, and a repeat that did not learn counts as never reaching the target.
+
 Each row names its backend and threads, and gives samples/s (steady state), seconds from
 launch to the first learner step, seconds to a target moving-mean reward from launch and from
 the first step, and the per-step time: the learner's own work per step for rlstream (its
@@ -120,6 +126,13 @@ class Run:
     points: list[dict]
     """step, elapsed_s (from launch), reward, samples, step_s, train_s."""
     extra: dict = field(default_factory=dict)
+    seed: int = 0
+    """The repeat's seed: rlstream's prompt shuffle, sampling and learner seeds; TRL's ``seed``."""
+
+    @property
+    def group(self) -> tuple[str, str, str]:
+        """Runs that differ only in their seed: repeats of one another."""
+        return self.workload, self.label, self.backend
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -171,22 +184,23 @@ def sft(name: str, start: Path, data: Path, steps: int) -> Path:
     return sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
 
 
-def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int) -> Path:
+def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int,
+                    seed: int = 0) -> Path:
     """The demo's GRPO config with the race's settings, the shared reward function, and ``backend``."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "examples" / "arithmetic" / "grpo.yaml").read_text())
     cfg.update(run=f"e2e-{name}", model_checkpoint_path=str(ckpt))
-    cfg["data_source"]["path"] = str(prompts)
+    cfg["data_source"].update(path=str(prompts), shuffle_seed=seed)
     cfg["reward_function"] = {"type": "rule_based", "answer_column": "answer", "terms": [{"function": REWARD_IMPORT}]}
     cfg["algorithm_params"].update(max_staleness=staleness, group_size=GROUP)
     cfg["producer"] = {"backend": backend, "count": 1, "batch_prompts": PROMPTS_PER_STEP, "max_new_tokens": wl.max_new,
-                       "min_new_tokens": wl.min_new, "temperature": 1.0}
+                       "min_new_tokens": wl.min_new, "temperature": 1.0, "seed": seed}
     if backend == "vllm":
         cfg["producer"]["vllm"] = {"max_model_len": 64 + wl.max_new}
     # every component runs on this machine: weights go through one shared-memory file that the
     # producers read in place (docs/deploy.md), not through the broker
-    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, weights_transport="local")
+    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, weights_transport="local", seed=seed)
     cfg["checkpoint"]["interval"] = 100000
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -209,10 +223,10 @@ def learner_s(point: dict, phases) -> float | None:
 
 
 def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int,
-                  threads: int | None = None) -> Run:
+                  threads: int | None = None, seed: int = 0) -> Run:
     """``threads``: OMP_NUM_THREADS of every component (default: `rlstream run` splits the cores
     between the torch processes, right when they run at once)."""
-    name = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{wl.name}-{label}-{backend}").strip("-")  # a valid run id
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{wl.name}-{label}-{backend}-s{seed}").strip("-")  # a valid run id
     run_dir = WORK / name
     subprocess.call(["rm", "-rf", str(run_dir)])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -220,8 +234,9 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     shown = f"{threads} per process" if threads else f"{max(1, (os.cpu_count() or 1) // 2)} per process (cores split)"
-    print(f"[{wl.name}] rlstream {label}, backend {backend}, max_staleness {staleness}, torch threads {shown} ...", flush=True)
-    config = rlstream_config(name, wl, backend, ckpt, prompts, steps, staleness)
+    print(f"[{wl.name}] rlstream {label}, backend {backend}, max_staleness {staleness}, torch threads {shown}, seed {seed} ...",
+          flush=True)
+    config = rlstream_config(name, wl, backend, ckpt, prompts, steps, staleness, seed)
     launched = sh([sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--no-live"],
                   WORK / f"{name}.log", env)
     from rlstream.broker.telemetry import STAGE_PHASES
@@ -231,7 +246,7 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
     points = [{"step": p["step"], "elapsed_s": p["ts"] - launched, "reward": p.get("reward/mean", 0.0),
                "samples": p["step"] * samples, "step_s": learner_s(p, STAGE_PHASES["learner"]["work"]),
                "train_s": learner_s(p, TRAIN_PHASES)} for p in raw]
-    return Run(wl.name, f"rlstream {label}", backend, shown, launched, points)
+    return Run(wl.name, f"rlstream {label}", backend, shown, launched, points, seed=seed)
 
 
 def trl_python() -> Path:
@@ -264,23 +279,23 @@ def check_versions(py: Path) -> None:
                          f"`{TRL_VENV}/bin/pip install {' '.join(same_versions())}`")
 
 
-def trl_race(wl: Workload, ckpt: Path, prompts: Path, steps: int) -> Run:
+def trl_race(wl: Workload, ckpt: Path, prompts: Path, steps: int, seed: int = 0) -> Run:
     py = trl_python()
     check_versions(py)
-    out = WORK / f"{wl.name}-trl.jsonl"
+    out = WORK / f"{wl.name}-trl-s{seed}.jsonl"
     cores = os.cpu_count() or 1
-    print(f"[{wl.name}] TRL GRPOTrainer, HF generate, torch threads {cores} ...", flush=True)
+    print(f"[{wl.name}] TRL GRPOTrainer, HF generate, torch threads {cores}, seed {seed} ...", flush=True)
     # one process that generates and trains in turn: it gets every core
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(cores))
     launched = time.time()
     sh([str(py), "bench/trl_grpo.py", "--model", str(ckpt), "--data", str(prompts), "--out", str(out), "--steps", str(steps),
         "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS_PER_STEP), "--lr", str(LR),
         "--max-new-tokens", str(wl.max_new), "--min-new-tokens", str(wl.min_new),
-        "--reward", f"{REWARD_FILE}:correct", "--launch-ts", repr(launched)], WORK / f"{wl.name}-trl.log", env)
+        "--reward", f"{REWARD_FILE}:correct", "--seed", str(seed), "--launch-ts", repr(launched)], WORK / f"{wl.name}-trl-s{seed}.log", env)
     points = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     for p in points:
         p["train_s"] = p["step_s"] - p.get("generate_score_s", 0.0)
-    return Run(wl.name, "TRL GRPOTrainer", "hf", f"{cores} (one process)", launched, points)
+    return Run(wl.name, "TRL GRPOTrainer", "hf", f"{cores} (one process)", launched, points, seed=seed)
 
 
 def smooth(points: list[dict], window: int) -> list[tuple[float, float]]:
@@ -331,11 +346,16 @@ def picture(runs: list[Run], targets: dict[str, float], window: int, path: Path)
     names = list(targets)
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), dpi=110, squeeze=False)
     for ax, wl in zip(axes[0], names):
+        colours: dict[tuple, str] = {}
         for r in runs:
             if r.workload != wl:
                 continue
             s = smooth(r.points, window)
-            ax.plot([t for t, _ in s], [v for _, v in s], label=f"{r.label} ({r.backend})", lw=2)
+            first = r.group not in colours
+            colours.setdefault(r.group, f"C{len(colours)}")
+            # one colour per configuration; its repeats (other seeds) thinner, unlabelled
+            ax.plot([t for t, _ in s], [v for _, v in s], color=colours[r.group], lw=2 if first else 1, alpha=1.0 if first else 0.6,
+                    label=f"{r.label} ({r.backend})" if first else None)
         ax.axhline(targets[wl], color="grey", ls="--", lw=1, label=f"target {targets[wl]:.2f}")
         ax.set_xlabel("wall-clock seconds from launch")
         ax.set_ylabel(f"mean reward (moving mean of {window} steps)")
@@ -361,21 +381,41 @@ def estimate_s(workloads: list[Workload], backends: list[str], quick: bool, trl:
     return total
 
 
-def ratio(base: Run | None, ours: Run, target: float, window: int, *, from_first_step: bool,
+def median_time(runs: list[Run], target: float, window: int, *, from_first_step: bool, learners: list[Run]) -> float | None:
+    """The median over repeats of the time to ``target``. A repeat that did not learn (not in
+    ``learners``) or never reached it counts as never, so one lucky repeat of three cannot carry
+    a group, nor one unlucky repeat sink it. None: the median repeat never reached it."""
+    times = []
+    for r in runs:
+        t = time_to(r.points, target, window, from_first_step=from_first_step) if r in learners else None
+        times.append(math.inf if t is None else t)
+    if not times:
+        return None
+    m = statistics.median(times)
+    return None if math.isinf(m) else m
+
+
+def ratio(base: list[Run], ours: list[Run], target: float, window: int, *, from_first_step: bool,
           learners: list[Run]) -> tuple[float | None, bool]:
-    """How many times faster ``ours`` reached the target than ``base`` (a lower bound, flagged,
-    when ``base`` never did within its run). A run not in ``learners`` reaches no target: if
-    it is ours the ratio is None (a miss)."""
-    if base is None or ours not in learners:
+    """How many times faster ``ours`` reached the target than ``base``, median repeat against
+    median repeat (a lower bound, flagged, when the median repeat of ``base`` never did within
+    its run). When ours never did, the ratio is None (a miss)."""
+    if not base or not ours:
         return None, False
-    mine = time_to(ours.points, target, window, from_first_step=from_first_step)
-    theirs = time_to(base.points, target, window, from_first_step=from_first_step) if base in learners else None
+    mine = median_time(ours, target, window, from_first_step=from_first_step, learners=learners)
+    theirs = median_time(base, target, window, from_first_step=from_first_step, learners=learners)
     if mine is None or mine <= 0:
         return None, False
     if theirs is None:
-        last = base.points[-1]["elapsed_s"] - (base.points[0]["elapsed_s"] if from_first_step else 0.0)
+        last = statistics.median(r.points[-1]["elapsed_s"] - (r.points[0]["elapsed_s"] if from_first_step else 0.0) for r in base)
         return last / mine, True
     return (theirs / mine if theirs > 0 else None), False  # a target met at the first step measures nothing
+
+
+def medians(runs: list[Run], key: str) -> float | None:
+    """The median over repeats of one per-run figure of ``Run.extra``."""
+    vals = [r.extra[key] for r in runs if r.extra.get(key) is not None and not math.isnan(r.extra[key])]
+    return statistics.median(vals) if vals else None
 
 
 def main() -> None:
@@ -385,48 +425,63 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps of every run (default: per workload)")
     p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the runs)")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each configuration, seeds 0..N-1 (default 3; 1 with --quick); each figure is the median repeat's")
     p.add_argument("--async-staleness", type=int, default=2, help="max_staleness of the async runs (default 2)")
     p.add_argument("--warmup-steps", type=int, default=40,
                    help="SFT warm-up steps before the race (default 40 of the demo's 80: the reward starts near 0.2)")
     args = p.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 3)
     workloads = [WORKLOADS[w] for w in (("short", "long") if args.workload == "both" else (args.workload,))]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(backends) - {"hf", "vllm"})
     if unknown:
         raise SystemExit(f"--backends: unknown {unknown} (hf, vllm)")
     cores = os.cpu_count() or 1
-    est = estimate_s(workloads, backends, args.quick, not args.skip_trl)
+    est = args.repeats * estimate_s(workloads, backends, args.quick, not args.skip_trl)
     print(f"estimated duration: ~{est / 60:.0f} min on 2 quiet cores ({'quick' if args.quick else 'full'} run; the first run "
           f"adds the SFT warm-up, ~1 min, and TRL's environment, a few minutes)", flush=True)
     ckpts, prompts = prepare(args.warmup_steps, workloads)
 
     runs: list[Run] = []
-    for wl in workloads:
-        ckpt = ckpts[wl.name]
-        steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
-        for backend in [b for b in backends if b in wl.backends]:
-            runs.append(rlstream_race(wl, "async", backend, ckpt, prompts, steps, staleness=args.async_staleness))
-            if args.quick and backend != "hf":
-                continue  # the quick run proves the vLLM path; its baselines come with the full run
-            # sync: producer and learner take turns, so each may use every core while it runs;
-            # the split the async run needs is also shown (the figure of earlier reports)
-            runs.append(rlstream_race(wl, "sync", backend, ckpt, prompts, steps, staleness=0, threads=cores))
-            if not args.quick:
-                runs.append(rlstream_race(wl, "sync (cores split)", backend, ckpt, prompts, steps, staleness=0))
-        if not args.skip_trl:
-            runs.append(trl_race(wl, ckpt, prompts, steps))
+    for seed in range(args.repeats):
+        for wl in workloads:
+            ckpt = ckpts[wl.name]
+            steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+            for backend in [b for b in backends if b in wl.backends]:
+                runs.append(rlstream_race(wl, "async", backend, ckpt, prompts, steps, staleness=args.async_staleness, seed=seed))
+                if args.quick and backend != "hf":
+                    continue  # the quick run proves the vLLM path; its baselines come with the full run
+                # sync: producer and learner take turns, so each may use every core while it runs;
+                # the split the async run needs is also shown (the figure of earlier reports)
+                runs.append(rlstream_race(wl, "sync", backend, ckpt, prompts, steps, staleness=0, threads=cores, seed=seed))
+                if not args.quick:
+                    runs.append(rlstream_race(wl, "sync (cores split)", backend, ckpt, prompts, steps, staleness=0, seed=seed))
+            if not args.skip_trl:
+                runs.append(trl_race(wl, ckpt, prompts, steps, seed=seed))
 
     window = 3 if args.quick else 10
     targets: dict[str, float] = {}
-    rows, md = [], []
-    out: dict = {}
+    rows, summary = [], []
+    out: dict = {"repeats": args.repeats}
     lower_bounds: list[str] = []
     ok = True
     nan = float("nan")
+
+    def num(v: float | None) -> float:
+        return nan if v is None else v
+
     for wl in workloads:
         mine = [r for r in runs if r.workload == wl.name]
-        first = next(r for r in mine if r.label == "rlstream async")
-        start = sum(q["reward"] for q in first.points[:window]) / max(1, len(first.points[:window]))
+        groups: dict[tuple, list[Run]] = {}
+        for r in mine:
+            groups.setdefault(r.group, []).append(r)
+
+        def group(label: str, backend: str) -> list[Run]:
+            return groups.get((wl.name, label, backend), [])
+
+        # every run starts from the same checkpoint: the start is the mean of their first windows
+        start = statistics.mean(sum(q["reward"] for q in r.points[:window]) / max(1, len(r.points[:window])) for r in mine)
         # a run whose reward did not rise by RISE_MIN did not learn: it neither sets the target nor
         # reaches it (a flat curve that touches a low target by chance is not fast, and letting its
         # best pull the target down would hand every run that target)
@@ -438,60 +493,61 @@ def main() -> None:
         learned = bool(learners)
         if learned and flat:
             print(f"[{wl.name}] did not learn (reward rose less than {RISE_MIN}): "
-                  + ", ".join(f"{r.label} ({r.backend}) {rise(r.points, window):+.3f}" for r in flat)
+                  + ", ".join(f"{r.label} ({r.backend}, seed {r.seed}) {rise(r.points, window):+.3f}" for r in flat)
                   + "; they reach no target", flush=True)
-            out[f"{wl.name}_did_not_learn"] = [f"{r.label} ({r.backend})" for r in flat]
+            out[f"{wl.name}_did_not_learn"] = [f"{r.label} ({r.backend}, seed {r.seed})" for r in flat]
         if not learned:
-            rises = ", ".join(f"{r.label} ({r.backend}) {rise(r.points, window):+.3f}" for r in mine)
+            rises = ", ".join(f"{r.label} ({r.backend}, seed {r.seed}) {rise(r.points, window):+.3f}" for r in mine)
             print(f"[{wl.name}] the reward did not rise by {RISE_MIN} in any run ({rises}): the times to target measure "
                   "noise, so this workload's verdict uses samples/s", flush=True)
             out[f"{wl.name}_time_to_target_measurable"] = False
         for r in mine:
             pts = r.points
             train_s = pts[-1]["elapsed_s"] - pts[0]["elapsed_s"]
-            sps = (pts[-1]["samples"] - pts[0]["samples"]) / train_s if train_s > 0 else nan
+            r.extra = {"sps": (pts[-1]["samples"] - pts[0]["samples"]) / train_s if train_s > 0 else nan,
+                       "first_step_s": pts[0]["elapsed_s"], "step_s": median(pts, "step_s"), "train_s": median(pts, "train_s")}
             launch_ttt = time_to(pts, target, window) if r in learners else None
             ttt = time_to(pts, target, window, from_first_step=True) if r in learners else None
-            step = median(pts, "step_s")
-            r.extra = {"sps": sps, "first_step_s": pts[0]["elapsed_s"], "step_s": step, "train_s": median(pts, "train_s")}
-            row = (wl.name, r.label, r.backend, r.threads, len(pts), sps, pts[0]["elapsed_s"],
-                   launch_ttt if launch_ttt is not None else nan, ttt if ttt is not None else nan,
-                   step if step is not None else nan, r.extra["train_s"] if r.extra["train_s"] is not None else nan,
-                   smooth(pts, window)[-1][1])
-            rows.append(row)
-        trl = next((r for r in mine if r.label == "TRL GRPOTrainer"), None)
+            rows.append((wl.name, r.label, r.backend, r.threads, r.seed, len(pts), r.extra["sps"], pts[0]["elapsed_s"],
+                         num(launch_ttt), num(ttt), num(r.extra["step_s"]), num(r.extra["train_s"]), smooth(pts, window)[-1][1]))
+        for (_, label, backend), rs in groups.items():
+            summary.append((wl.name, label, backend, rs[0].threads, len(rs), num(medians(rs, "sps")), num(medians(rs, "first_step_s")),
+                            num(median_time(rs, target, window, from_first_step=False, learners=learners)),
+                            num(median_time(rs, target, window, from_first_step=True, learners=learners)),
+                            num(medians(rs, "step_s")), num(medians(rs, "train_s")),
+                            f"{sum(r in learners for r in rs)} of {len(rs)}"))
+        trl = group("TRL GRPOTrainer", "hf")
         for backend in [b for b in backends if b in wl.backends]:
-            a = next(r for r in mine if r.label == "rlstream async" and r.backend == backend)
+            a = group("rlstream async", backend)
             key = f"{wl.name}_{backend}"
             for base_label, name in (("TRL GRPOTrainer", "trl"), ("rlstream sync", "sync"), ("rlstream sync (cores split)", "sync_split")):
-                base = trl if name == "trl" else next((r for r in mine if r.label == base_label and r.backend == backend), None)
-                if base is None:
+                base = trl if name == "trl" else group(base_label, backend)
+                if not base:
                     continue
                 for from_first, suffix in ((True, ""), (False, "_from_launch")):
                     value, bound = ratio(base, a, target, window, from_first_step=from_first, learners=learners) if learned else (None, False)
                     out[f"{key}_async_vs_{name}{suffix}"] = value
                     if bound:
                         lower_bounds.append(f"{key}_async_vs_{name}{suffix}")
-                if base.extra["sps"] and a.extra["sps"]:
-                    out[f"{key}_async_vs_{name}_samples_per_s"] = a.extra["sps"] / base.extra["sps"]
-            out[f"{key}_async_first_step_s"] = a.extra["first_step_s"]
-            out[f"{key}_learner_step_s"] = a.extra["step_s"]
-        if trl is not None:
-            out[f"{wl.name}_trl_first_step_s"] = trl.extra["first_step_s"]
-            out[f"{wl.name}_trl_step_s"] = trl.extra["step_s"]
-            out[f"{wl.name}_trl_train_s"] = trl.extra["train_s"]
-            a = next(r for r in mine if r.label == "rlstream async" and r.backend == "hf")
-            if a.extra["step_s"] and trl.extra["step_s"]:
-                out[f"{wl.name}_hf_learner_step_vs_trl_step"] = a.extra["step_s"] / trl.extra["step_s"]
-            if a.extra["step_s"] and trl.extra["train_s"]:
-                out[f"{wl.name}_hf_learner_step_vs_trl_train"] = a.extra["step_s"] / trl.extra["train_s"]
+                if medians(base, "sps") and medians(a, "sps"):
+                    out[f"{key}_async_vs_{name}_samples_per_s"] = medians(a, "sps") / medians(base, "sps")
+            out[f"{key}_async_first_step_s"] = medians(a, "first_step_s")
+            out[f"{key}_learner_step_s"] = medians(a, "step_s")
+        if trl:
+            for k in ("first_step_s", "step_s", "train_s"):
+                out[f"{wl.name}_trl_{k}"] = medians(trl, k)
+            a = group("rlstream async", "hf")
+            if medians(a, "step_s") and medians(trl, "step_s"):
+                out[f"{wl.name}_hf_learner_step_vs_trl_step"] = medians(a, "step_s") / medians(trl, "step_s")
+            if medians(a, "step_s") and medians(trl, "train_s"):
+                out[f"{wl.name}_hf_learner_step_vs_trl_train"] = medians(a, "step_s") / medians(trl, "train_s")
             # the learner's training phase at TRL's thread count: the sync run, whose learner has
             # every core while the producer waits, as TRL's one process has while it trains
-            same = next((r for r in mine if r.label == "rlstream sync" and r.backend == "hf"), None)
-            if same is not None and same.extra["train_s"] and trl.extra["train_s"]:
-                out[f"{wl.name}_hf_learner_train_s_{cores}_threads"] = same.extra["train_s"]
-                out[f"{wl.name}_hf_learner_train_vs_trl_train"] = same.extra["train_s"] / trl.extra["train_s"]
-            ok = ok and a.extra["first_step_s"] <= trl.extra["first_step_s"] + 2.0
+            same = group("rlstream sync", "hf")
+            if medians(same, "train_s") and medians(trl, "train_s"):
+                out[f"{wl.name}_hf_learner_train_s_{cores}_threads"] = medians(same, "train_s")
+                out[f"{wl.name}_hf_learner_train_vs_trl_train"] = medians(same, "train_s") / medians(trl, "train_s")
+            ok = ok and (medians(a, "first_step_s") or 99.0) <= (medians(trl, "first_step_s") or 0.0) + 2.0
             ok = ok and (out.get(f"{wl.name}_hf_learner_train_vs_trl_train") or 9.0) <= 1.1
             measure = "" if learned else "_samples_per_s"
             vs_trl = [out.get(f"{wl.name}_{b}_async_vs_trl{measure}") or 0.0 for b in backends if b in wl.backends]
@@ -500,10 +556,13 @@ def main() -> None:
             measure = "" if learned else "_samples_per_s"
             ok = ok and max((out.get(f"long_{b}_async_vs_sync{measure}") or 0.0) for b in backends if b in wl.backends) >= 1.6
 
-    headers = ("workload", "run", "backend", "torch threads", "steps", "samples/s", "launch to 1st step s",
+    headers = ("workload", "run", "backend", "torch threads", "seed", "steps", "samples/s", "launch to 1st step s",
                "s to target (launch)", "s to target (1st step)", "step s (median)", "train phase s (median)", "final reward")
-    table(f"GRPO race: {GROUP * PROMPTS_PER_STEP} samples per step, targets "
-          + ", ".join(f"{k} {v:.3f}" for k, v in targets.items()), rows, headers)
+    group_headers = ("workload", "run", "backend", "torch threads", "repeats", "samples/s", "launch to 1st step s",
+                     "s to target (launch)", "s to target (1st step)", "step s", "train phase s", "learned")
+    title = f"GRPO race: {GROUP * PROMPTS_PER_STEP} samples per step, targets " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
+    table(title + ": every run", rows, headers)
+    table(title + f": the median of {args.repeats} repeats (the verdict's figures)", summary, group_headers)
     RESULTS.mkdir(parents=True, exist_ok=True)
     picture(runs, targets, window, RESULTS / "e2e.png")
 
@@ -511,8 +570,11 @@ def main() -> None:
         return "-" if isinstance(v, float) and math.isnan(v) else (f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else
                                                            f"{v:.1f}" if isinstance(v, float) else str(v))
 
-    md = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    md += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    def markdown(hs: tuple, rs: list[tuple]) -> list[str]:
+        return ["| " + " | ".join(hs) + " |", "|" + "---|" * len(hs)] + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rs]
+
+    md = [f"Median of {args.repeats} repeats (seeds 0-{args.repeats - 1}); a repeat that did not learn or never reached "
+          "the target counts as never:", "", *markdown(group_headers, summary), "", "Every run:", "", *markdown(headers, rows)]
     md += ["", "targets: " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items()) + f" (moving mean of {window} steps); "
            f"reward {REWARD_IMPORT} on both sides; step s: the rlstream learner's own work per step, TRL's whole step "
            "(generation, reward, training); train phase s: forward, backward and optimizer (TRL: its step less "

@@ -1,0 +1,75 @@
+"""How bench/e2e.py turns repeated runs into the race's verdict: the median repeat's time to the
+target, a repeat that did not learn counted as never, and a peer that never got there a lower
+bound. Worked by hand on step curves of 0s then 1s (a window of 2 first reaches 0.5 at the
+first 1), one step a second from 5 s after launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("e2e_race", ROOT / "bench" / "e2e.py")
+e2e = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = e2e  # its dataclasses look their module up
+spec.loader.exec_module(e2e)
+
+WINDOW, TARGET, STEPS = 2, 0.5, 12
+
+
+def run(reaches_at: int | None, seed: int = 0, label: str = "rlstream async") -> e2e.Run:
+    """A run whose reward is 0 until step index ``reaches_at``, then 1 (None: 0 throughout)."""
+    ones = 0 if reaches_at is None else STEPS - reaches_at
+    rewards = [0.0] * (STEPS - ones) + [1.0] * ones
+    points = [{"step": i + 1, "elapsed_s": 5.0 + i, "reward": r, "samples": 64 * (i + 1)} for i, r in enumerate(rewards)]
+    return e2e.Run("long", label, "hf", "1", 0.0, points, seed=seed)
+
+
+def repeats(*at: int | None, label: str = "rlstream async") -> list[e2e.Run]:
+    return [run(a, seed, label) for seed, a in enumerate(at)]
+
+
+def learned(runs: list[e2e.Run]) -> list[e2e.Run]:
+    return [r for r in runs if e2e.rise(r.points, WINDOW) >= e2e.RISE_MIN]
+
+
+def test_the_median_repeat_decides_and_a_repeat_that_never_got_there_counts_as_never():
+    ours = repeats(2, 4, None)  # reached 2 s and 4 s after the first step, and never
+    assert learned(ours) == ours[:2]
+    assert e2e.median_time(ours, TARGET, WINDOW, from_first_step=True, learners=learned(ours)) == 4.0
+    assert e2e.median_time(ours, TARGET, WINDOW, from_first_step=False, learners=learned(ours)) == 9.0  # 5 s to the first step
+
+
+def test_a_repeat_that_did_not_learn_reaches_nothing_even_where_its_curve_touched_the_target():
+    ours = repeats(2, 3, 4)
+    assert e2e.median_time(ours, TARGET, WINDOW, from_first_step=True, learners=ours) == 3.0
+    assert e2e.median_time(ours, TARGET, WINDOW, from_first_step=True, learners=[ours[0], ours[2]]) == 4.0
+
+
+def test_the_ratio_is_median_against_median():
+    ours, theirs = repeats(2, 4, None), repeats(10, 6, 8, label="TRL GRPOTrainer")
+    everyone = learned(ours + theirs)
+    assert e2e.ratio(theirs, ours, TARGET, WINDOW, from_first_step=True, learners=everyone) == (2.0, False)  # 8 / 4
+    # from launch both add the same 5 s: (5 + 8) / (5 + 4)
+    assert e2e.ratio(theirs, ours, TARGET, WINDOW, from_first_step=False, learners=everyone) == (pytest.approx(13 / 9), False)
+
+
+def test_ours_never_there_in_most_repeats_is_a_miss():
+    ours, theirs = repeats(2, None, None), repeats(6, 8, 10, label="TRL GRPOTrainer")
+    assert e2e.ratio(theirs, ours, TARGET, WINDOW, from_first_step=True, learners=learned(ours + theirs)) == (None, False)
+
+
+def test_a_peer_never_there_in_most_repeats_gives_a_lower_bound_of_its_whole_run():
+    ours, theirs = repeats(2, 4, 6), repeats(3, None, None, label="TRL GRPOTrainer")
+    # the median peer ran 11 s after its first step without getting there: at least 11 / 4
+    assert e2e.ratio(theirs, ours, TARGET, WINDOW, from_first_step=True, learners=learned(ours + theirs)) == (2.75, True)
+
+
+def test_the_median_of_per_run_figures_skips_runs_without_one():
+    rs = repeats(2, 4, 6)
+    for r, sps in zip(rs, (100.0, float("nan"), 120.0)):
+        r.extra = {"sps": sps}
+    assert e2e.medians(rs, "sps") == 110.0 and e2e.medians(rs, "step_s") is None
