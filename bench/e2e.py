@@ -389,8 +389,6 @@ def median_time(runs: list[Run], target: float, window: int, *, from_first_step:
     for r in runs:
         t = time_to(r.points, target, window, from_first_step=from_first_step) if r in learners else None
         times.append(math.inf if t is None else t)
-    if not times:
-        return None
     m = statistics.median(times)
     return None if math.isinf(m) else m
 
