@@ -1032,6 +1032,11 @@ class LearnerConfig(Strict):
     still taken and judged (duplicates, staleness, filter) when it trains; the tensors are used
     only if it holds exactly those groups. Off: each step collates its own batch (the thread
     gains nothing where the learner has no spare core: it competes with the step)."""
+    warmup: bool = True
+    """Streaming modes on the torch engine: one forward and backward pass on a dummy micro-batch
+    while the producers generate the first rollouts, so the first pass's one-time costs (memory
+    touched for the first time, allocator growth, kernel set-up) leave the first step
+    (rlstream.learner.warmup). Weights, gradients and the random state are left as they were."""
     reference_model_path: str | None = None
     """Frozen reference for KL/DPO; defaults to model_checkpoint_path."""
     max_seq_len: int = Field(1024, ge=8, le=1 << 24)

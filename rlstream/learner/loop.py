@@ -46,6 +46,7 @@ from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, late
 from rlstream.learner.runner import LocalRunner, StepRunner, make_runner
 from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, StreamSource, Taken
 from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
+from rlstream.learner.warmup import warm_up
 from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
 from rlstream.rundir import RunDir, default_run_dir
 
@@ -402,6 +403,19 @@ def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluator=No
     }
 
 
+async def _warm_up(learner: Learner) -> None:
+    """The warm-up pass (:mod:`rlstream.learner.warmup`) on the torch thread, where the first step
+    queues behind it. It only saves time: a failure is logged and the run goes on (a model that
+    cannot take the batch raises again in the first step, on real rows)."""
+    try:
+        seconds = await compute.run(warm_up, learner)
+    except Exception as exc:  # an optimisation, never a reason to stop
+        log.warning("warm-up pass failed (the first step pays its one-time costs): %s: %s", type(exc).__name__, exc)
+        return
+    if seconds is not None:
+        log.info("warm-up pass in %.2fs, while the first rollouts are generated", seconds)
+
+
 async def main(cfg: Config, nats_url: str | None, component_id: str = "learner", run_dir: Path | None = None,
                resume: bool = False, max_steps: int | None = None) -> int:
     if cfg.is_online and nats_url is None:
@@ -426,6 +440,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         for stale in (metrics_path, RunDir(run_dir).samples):
             stale.unlink(missing_ok=True)
 
+    warming = asyncio.create_task(_warm_up(learner))  # beside connecting and waiting for the first rollouts
     async with _maybe_component(cfg, nats_url, component_id) as comp:
         stop = comp.stop if comp is not None else asyncio.Event()
         with signals_to(stop, comp is None):
@@ -445,6 +460,7 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
                         await evaluator.close()
                     await asyncio.to_thread(reports.close)
                     await compute.run(runner.close)
+    await warming  # done before the first step (both on the torch thread)
 
     if not durable:
         # what was trained since the last durable checkpoint is unacked: it is redelivered to
