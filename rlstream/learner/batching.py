@@ -194,6 +194,35 @@ def micro_batches(rows: list, size: int) -> list[list]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def token_micro_batches(rows: list[Row], size: int, tokens: int, max_len: int, pad_to: int = 1) -> list[list[Row]]:
+    """``rows`` in order, cut into micro-batches of at most ``size`` rows whose padded size
+    (rows x the longest row's length, fitted into ``max_len`` and rounded up to ``pad_to``, as
+    :func:`collate` pads them) is at most ``tokens``. A row longer than the budget alone goes
+    in a micro-batch of its own. Greedy: a row joins the current micro-batch when it still fits."""
+    out: list[list[Row]] = []
+    current: list[Row] = []
+    longest = 0
+    for r in rows:
+        prompt, kept = truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len)
+        n = -(-(len(prompt) + kept) // pad_to) * pad_to
+        if current and (len(current) >= size or (len(current) + 1) * max(longest, n) > tokens):
+            out.append(current)
+            current, longest = [], 0
+        current.append(r)
+        longest = max(longest, n)
+    if current:
+        out.append(current)
+    return out
+
+
+def split_rows(rows: list[Row], lcfg) -> list[list[Row]]:
+    """The micro-batches of a step's rows: ``learner.micro_batch_size`` rows each, and at most
+    ``learner.micro_batch_tokens`` padded tokens when that is set."""
+    if lcfg.micro_batch_tokens is None:
+        return micro_batches(rows, lcfg.micro_batch_size)
+    return token_micro_batches(rows, lcfg.micro_batch_size, lcfg.micro_batch_tokens, lcfg.max_seq_len, lcfg.pad_to_multiple)
+
+
 def pack_layout(lengths: list[int], capacity: int) -> list[list[int]]:
     """First-fit decreasing: document indices per packed row, each row's lengths summing to
     at most ``capacity``. Longest first (ties in input order); a document goes into the first

@@ -39,7 +39,8 @@ from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
 from rlstream.learner import losses
-from rlstream.learner.batching import Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction, sequence_logps
+from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction, sequence_logps,
+                                       split_rows)
 from rlstream.learner.checkpoint import LearnerState
 from rlstream.learner.critic import ValueHead
 from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
@@ -377,7 +378,7 @@ def collate_groups(learner: Learner, groups: list[ScoredGroup]) -> Collated:
     t0 = time.perf_counter()
     lcfg = learner.cfg.learner
     rows, rewards = group_rows(learner.cfg, groups)
-    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple) for m in micro_batches(rows, lcfg.micro_batch_size)]
+    tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple) for m in split_rows(rows, lcfg)]
     # per token: a sample whose weights changed in flight is as stale as each of its tokens
     versions = (torch.from_numpy(np.concatenate([g.rollout.token_versions() for g in groups])) if groups
                 else torch.zeros(0, dtype=torch.long))
@@ -449,7 +450,7 @@ def sft_step(learner: Learner, examples: list[SFTExample]) -> dict[str, float]:
         # micro-batches of micro_batch_size packed rows of up to max_seq_len tokens each
         tbs = [tb.to(learner.device) for tb in pack(rows, learner.pad_id, lcfg.max_seq_len, lcfg.micro_batch_size)]
     else:
-        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in micro_batches(rows, lcfg.micro_batch_size)]
+        tbs = [collate(m, learner.pad_id, lcfg.max_seq_len, lcfg.pad_to_multiple).to(learner.device) for m in split_rows(rows, lcfg)]
     token_norm, seq_norm = losses.step_normalizers(tb.mask for tb in tbs)
     acc: dict[str, float] = {}
     weights: dict[str, float] = {}

@@ -38,13 +38,16 @@ def warms_up(cfg) -> bool:
 
 
 def dummy_rows(cfg, pad_id: int) -> list[Row]:
-    """One micro-batch of pad tokens: ``micro_batch_size`` rows (at most a step's sequences) of
-    a :data:`PROMPT_TOKENS` prompt and a ``producer.max_new_tokens`` completion, within
-    ``learner.max_seq_len``."""
+    """One micro-batch of pad tokens: ``micro_batch_size`` rows (at most a step's sequences, and
+    at most what ``micro_batch_tokens`` holds) of a :data:`PROMPT_TOKENS` prompt and a
+    ``producer.max_new_tokens`` completion, within ``learner.max_seq_len``."""
     lcfg = cfg.learner
     rows = min(lcfg.micro_batch_size, lcfg.batch_groups * cfg.algorithm_params.samples_per_record)
     completion = min(cfg.producer.max_new_tokens, lcfg.max_seq_len - 1)
     prompt = min(PROMPT_TOKENS, lcfg.max_seq_len - completion)
+    if lcfg.micro_batch_tokens is not None:  # as many as a pass of rows this long holds
+        padded = -(-(prompt + completion) // lcfg.pad_to_multiple) * lcfg.pad_to_multiple
+        rows = min(rows, max(1, lcfg.micro_batch_tokens // padded))
     return [Row(np.full(prompt, pad_id, np.int64), np.full(completion, pad_id, np.int64)) for _ in range(rows)]
 
 

@@ -44,6 +44,11 @@ def test_the_dummy_batch_is_a_micro_batch_of_a_prompt_and_a_full_completion(tiny
     small = _cfg(tiny_model_dir, batch_groups=1, micro_batch_size=16, max_seq_len=40)
     rows = dummy_rows(small, pad_id=0)
     assert len(rows) == 4 and {(len(r.prompt_ids), len(r.completion_ids)) for r in rows} == {(1, 39)}
+    # a token budget: rows of 32 + 64 = 96 tokens, 200 // 96 = 2 to a pass; pad_to 64 makes
+    # them 128, one to a pass; a budget below one row still gives a pass of one
+    assert len(dummy_rows(_cfg(tiny_model_dir, micro_batch_tokens=200), pad_id=0)) == 2
+    assert len(dummy_rows(_cfg(tiny_model_dir, micro_batch_tokens=200, pad_to_multiple=64), pad_id=0)) == 1
+    assert len(dummy_rows(_cfg(tiny_model_dir, micro_batch_tokens=10), pad_id=0)) == 1
 
 
 def test_the_pass_leaves_weights_gradients_optimizer_and_random_state_as_they_were(dropout_model_dir, tmp_path):
