@@ -43,6 +43,9 @@ def main() -> None:
     p.add_argument("--min-new-tokens", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward pass (per_device_train_batch_size; the rest by gradient accumulation, "
+                        "one generation of the whole step's batch): rlstream's learner.micro_batch_size")
     p.add_argument("--launch-ts", type=float, default=None, help="time.time() when the benchmark launched this process")
     args = p.parse_args()
     launched = args.launch_ts or T0
@@ -67,9 +70,13 @@ def main() -> None:
     rows = (rows * (need // len(rows) + 1))[:need]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
+    batch = args.group_size * args.prompts_per_step
+    micro = args.micro_batch or batch
+    if batch % micro or micro % args.group_size:
+        raise SystemExit(f"--micro-batch {micro} must divide the step's {batch} sequences and hold whole groups of {args.group_size}")
     wanted = dict(
         output_dir=args.out + ".trainer", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        per_device_train_batch_size=args.group_size * args.prompts_per_step, gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, steps_per_generation=batch // micro,
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, beta=0.0,
         seed=args.seed, max_grad_norm=1.0, use_vllm=False, top_k=0, top_p=1.0, adam_beta1=0.9, adam_beta2=0.999,

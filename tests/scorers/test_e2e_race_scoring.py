@@ -68,6 +68,22 @@ def test_a_peer_never_there_in_most_repeats_gives_a_lower_bound_of_its_whole_run
     assert e2e.ratio(theirs, ours, TARGET, WINDOW, from_first_step=True, learners=learned(ours + theirs)) == (2.75, True)
 
 
+def test_against_a_peer_in_two_configurations_the_ratio_is_against_its_better_one():
+    ours = repeats(2, 4, 6)
+    whole = repeats(10, 8, 12, label="TRL GRPOTrainer")  # median 10: 2.5x
+    micro = repeats(5, 6, 7, label="TRL GRPOTrainer (micro 16)")  # median 6: 1.5x
+    everyone = learned(ours + whole + micro)
+    assert e2e.ratio_vs_best([whole, micro], ours, TARGET, WINDOW, from_first_step=True, learners=everyone) == (1.5, False)
+    # a lower bound against one configuration is not the smallest when the other got there
+    stuck = repeats(3, None, None, label="TRL GRPOTrainer")  # at least 11 / 4
+    assert e2e.ratio_vs_best([stuck, micro], ours, TARGET, WINDOW, from_first_step=True,
+                             learners=learned(ours + stuck + micro)) == (1.5, False)
+    # ours never there: a miss whatever the peer did
+    never = repeats(2, None, None)
+    assert e2e.ratio_vs_best([whole, micro], never, TARGET, WINDOW, from_first_step=True,
+                             learners=learned(never + whole + micro)) == (None, False)
+
+
 def test_the_median_of_per_run_figures_skips_runs_without_one():
     rs = repeats(2, 4, 6)
     for r, sps in zip(rs, (100.0, float("nan"), 120.0)):
