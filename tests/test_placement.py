@@ -7,6 +7,7 @@ starts; every heartbeat says where its component runs."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,48 @@ def test_heartbeats_carry_the_component_s_threads_and_cores(monkeypatch):
     assert info["cpus"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert "threads" not in placement_info()
+
+
+# A 16 MiB block allocated, written page by page and freed, then again: the second time's page
+# faults. glibc's default maps such a block on its own and unmaps it when freed (then serves the
+# next one from a heap that grows into fresh pages): each time, one fault per 4 KiB page. Kept
+# freed memory serves the second block from the pages the first one left.
+FAULTS = """
+import resource
+SIZE = 16 << 20
+def block():
+    b = bytearray(SIZE)
+    for i in range(0, SIZE, 4096):
+        b[i] = 1
+    return b
+b = block(); del b
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+b = block(); del b
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, flush=True)
+"""
+
+
+def _placement(keep: bool):
+    return parse_config({"run": "r", "training_mode": "RL_GRPO", "model_checkpoint_path": "m", "algorithm_params": {},
+                         "placement": {"learner": {"keep_freed_memory": keep}}}).placement.learner
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_a_process_that_keeps_freed_memory_reuses_its_pages(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    pages = (16 << 20) // 4096
+    kept = Child("learner", "learner", [sys.executable, "-c", FAULTS], tmp_path / "kept.log", placement=_placement(True))
+    assert int(_report(kept, env)) < pages // 8
+    returned = Child("learner", "learner", [sys.executable, "-c", FAULTS], tmp_path / "returned.log", placement=_placement(False))
+    assert int(_report(returned, env)) >= pages * 3 // 4
+
+
+def test_the_environment_s_own_malloc_settings_win(tmp_path):
+    show = "import os; print(os.environ.get('MALLOC_MMAP_THRESHOLD_'), os.environ.get('MALLOC_TRIM_THRESHOLD_'), flush=True)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    child = Child("learner", "learner", [sys.executable, "-c", show], tmp_path / "a.log", placement=_placement(True))
+    assert _report(child, env) == f"{32 << 20} {1 << 40}"
+    child = Child("learner", "learner", [sys.executable, "-c", show], tmp_path / "b.log", placement=_placement(True))
+    assert _report(child, {**env, "MALLOC_MMAP_THRESHOLD_": "65536"}) == f"65536 {1 << 40}"
+    child = Child("learner", "learner", [sys.executable, "-c", show], tmp_path / "c.log", placement=_placement(False))
+    assert _report(child, env) == "None None"

@@ -49,6 +49,10 @@ PROGRESS_EVERY_S = 2.0
 EXHAUSTED_AFTER_S = 20.0
 STARTUP_GRACE_S = 300.0
 """How long a (re)started component may take to write its first heartbeat."""
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""glibc malloc settings of a process whose placement keeps freed memory (``placement.<kind>.
+keep_freed_memory``): blocks under 32 MiB (glibc's largest mmap threshold) from the heap, and
+the heap never trimmed."""
 EXIT_MEANINGS = {75: "its backend hung past producer.generation_timeout_s"}
 """Exit codes a component uses to say why it wants a restart (for the run's log)."""
 
@@ -111,6 +115,8 @@ class Child:
         if self.placement is not None:
             if self.placement.threads is not None:
                 env["OMP_NUM_THREADS"] = str(self.placement.threads)
+            if self.placement.keep_freed_memory:
+                env = {**KEEP_FREED_MEMORY, **env}
             cpus = self.placement.cpus
         argv = list(self.argv)
         if resume and "--resume" not in argv:
