@@ -35,6 +35,7 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
         f"nats.url=nats://rl:{NATS_PW}@127.0.0.1:{server.port}", "nats.user=rl", f"nats.password={NATS_PW}",
         "reward_function.type=model_based", f"reward_function.endpoint=http://127.0.0.1:{rport}/score",
         f"reward_function.token={RM_TOKEN}", "checkpoint.interval=2", "producer.backend=fake"])
+    own = " ".join(cmd)
     seen: dict[int, set[str]] = {}
     try:
         wait_http(f"http://127.0.0.1:{rport}/health", rm)
@@ -47,9 +48,11 @@ def test_no_secret_leaks_from_a_run(tiny_model_dir, tiny_reward_model_dir, tmp_p
                         line = " ".join(p.cmdline())
                     except psutil.Error:
                         continue
-                    # every line a process showed: one read between its fork and its exec shows the
-                    # parent's command line, and one read just after the fork none yet
-                    if line:
+                    # every line a process showed once it runs its own program. Read between its
+                    # fork and its exec (the supervisor's preexec ties it to its parent and pins it
+                    # there) a child still shows the run's command line, the one this test wrote its
+                    # secrets on; read just after the fork, none yet
+                    if line and line != own:
                         seen.setdefault(p.pid, set()).add(line)
             except psutil.NoSuchProcess:
                 break
