@@ -95,6 +95,8 @@ TRL_VENV = ROOT / "bench" / ".trl-venv"
 REWARD_FILE = ROOT / "examples" / "arithmetic" / "rewards.py"
 REWARD_IMPORT = "examples.arithmetic.rewards:correct"
 GROUP, PROMPTS_PER_STEP, LR = 8, 8, 2e-4
+BATCH = GROUP * PROMPTS_PER_STEP
+"""Sequences per step."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: 
         cfg["producer"]["vllm"] = {"max_model_len": 64 + wl.max_new}
     # every component runs on this machine: weights go through one shared-memory file that the
     # producers read in place (docs/deploy.md), not through the broker
-    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, micro_batch_size=GROUP * PROMPTS_PER_STEP,
+    cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, micro_batch_size=BATCH,
                           micro_batch_tokens=MICRO_TOKENS, weights_transport="local", seed=seed)
     cfg["checkpoint"]["interval"] = 100000
     path = WORK / f"{name}.yaml"
@@ -256,7 +258,7 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
     from rlstream.broker.telemetry import STAGE_PHASES
 
     raw = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
-    samples = GROUP * PROMPTS_PER_STEP
+    samples = BATCH
     points = [{"step": p["step"], "elapsed_s": p["ts"] - launched, "reward": p.get("reward/mean", 0.0),
                "samples": p["step"] * samples, "step_s": learner_s(p, STAGE_PHASES["learner"]["work"]),
                "train_s": learner_s(p, TRAIN_PHASES)} for p in raw]
@@ -297,17 +299,17 @@ def trl_micros(wl: Workload) -> list[int]:
     """TRL's micro-batches: the whole step in one pass (its fastest later steps here: gradient
     accumulation costs TRL ~50% a step at 16 rows) and the one rlstream's passes hold, when
     that differs. Every figure of the verdict is against TRL's better one."""
-    return sorted({GROUP * PROMPTS_PER_STEP, wl.micro}, reverse=True)
+    return sorted({BATCH, wl.micro}, reverse=True)
 
 
 def trl_label(micro: int) -> str:
-    return "TRL GRPOTrainer" if micro == GROUP * PROMPTS_PER_STEP else f"TRL GRPOTrainer (micro {micro})"
+    return "TRL GRPOTrainer" if micro == BATCH else f"TRL GRPOTrainer (micro {micro})"
 
 
-def trl_race(wl: Workload, ckpt: Path, prompts: Path, steps: int, seed: int = 0, micro: int = GROUP * PROMPTS_PER_STEP) -> Run:
+def trl_race(wl: Workload, ckpt: Path, prompts: Path, steps: int, seed: int = 0, micro: int = BATCH) -> Run:
     py = trl_python()
     check_versions(py)
-    tag = "" if micro == GROUP * PROMPTS_PER_STEP else f"-m{micro}"
+    tag = "" if micro == BATCH else f"-m{micro}"
     out = WORK / f"{wl.name}-trl{tag}-s{seed}.jsonl"
     cores = os.cpu_count() or 1
     print(f"[{wl.name}] TRL GRPOTrainer, HF generate, micro-batch {micro}, torch threads {cores}, seed {seed} ...", flush=True)
@@ -603,7 +605,7 @@ def main() -> None:
                "s to target (launch)", "s to target (1st step)", "step s (median)", "train phase s (median)", "final reward")
     group_headers = ("workload", "run", "backend", "torch threads", "repeats", "samples/s", "launch to 1st step s",
                      "s to target (launch)", "s to target (1st step)", "step s", "train phase s", "learned")
-    title = f"GRPO race: {GROUP * PROMPTS_PER_STEP} samples per step, targets " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
+    title = f"GRPO race: {BATCH} samples per step, targets " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
     table(title + ": every run", rows, headers)
     table(title + f": the median of {args.repeats} repeats (the verdict's figures)", summary, group_headers)
     RESULTS.mkdir(parents=True, exist_ok=True)

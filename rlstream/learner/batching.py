@@ -199,12 +199,13 @@ def token_micro_batches(rows: list[Row], size: int, tokens: int, max_len: int, p
     (rows x the longest row's length, fitted into ``max_len`` and rounded up to ``pad_to``, as
     :func:`collate` pads them) is at most ``tokens``. A row longer than the budget alone goes
     in a micro-batch of its own. Greedy: a row joins the current micro-batch when it still fits."""
+    prompt, kept = _fit(np.fromiter((len(r.prompt_ids) for r in rows), np.int64, len(rows)),
+                        np.fromiter((len(r.completion_ids) for r in rows), np.int64, len(rows)), max_len)
+    padded = -(-(prompt + kept) // pad_to) * pad_to
     out: list[list[Row]] = []
     current: list[Row] = []
     longest = 0
-    for r in rows:
-        prompt, kept = truncate(np.asarray(r.prompt_ids), np.asarray(r.completion_ids), max_len)
-        n = -(-(len(prompt) + kept) // pad_to) * pad_to
+    for r, n in zip(rows, padded.tolist()):
         if current and (len(current) >= size or (len(current) + 1) * max(longest, n) > tokens):
             out.append(current)
             current, longest = [], 0

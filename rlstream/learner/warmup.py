@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rlstream.learner import distributed as dist
-from rlstream.learner.batching import Row, collate, forward_logprobs
+from rlstream.learner.batching import Row, collate, forward_logprobs, split_rows
 
 PROMPT_TOKENS = 32
 """The dummy rows' prompt length: the learner has not seen a prompt yet. The completion is
@@ -45,10 +45,8 @@ def dummy_rows(cfg, pad_id: int) -> list[Row]:
     rows = min(lcfg.micro_batch_size, lcfg.batch_groups * cfg.algorithm_params.samples_per_record)
     completion = min(cfg.producer.max_new_tokens, lcfg.max_seq_len - 1)
     prompt = min(PROMPT_TOKENS, lcfg.max_seq_len - completion)
-    if lcfg.micro_batch_tokens is not None:  # as many as a pass of rows this long holds
-        padded = -(-(prompt + completion) // lcfg.pad_to_multiple) * lcfg.pad_to_multiple
-        rows = min(rows, max(1, lcfg.micro_batch_tokens // padded))
-    return [Row(np.full(prompt, pad_id, np.int64), np.full(completion, pad_id, np.int64)) for _ in range(rows)]
+    dummies = [Row(np.full(prompt, pad_id, np.int64), np.full(completion, pad_id, np.int64)) for _ in range(rows)]
+    return split_rows(dummies, lcfg)[0]  # as many as a step's first pass of rows this long holds
 
 
 def warm_up(learner) -> float | None:
