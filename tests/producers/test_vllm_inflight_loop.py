@@ -23,17 +23,27 @@ from rlstream.producers.feeder import feed
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-N, LENGTH = 16, 128  # enough work that v1 lands while groups are in the engine
+LENGTH = 128
+FIRST, AHEAD, STEP = 8, 6, 4  # prompts fed at first; fed ahead of the rollouts until v1 is seen, STEP at a time
 
 
 async def test_vllm_producer_keeps_groups_in_flight_and_stamps_each_token(js, nats_server, run_id, config, dataset,
                                                                            tiny_model_dir, tmp_path):
-    cfg, path = config(data_source={"path": str(dataset(N))},
+    # No learner consumes here, so the pacing window is opened wide: the producer must never run
+    # out of room or prompts before v1 lands, however long the update takes on this machine.
+    cfg, path = config(data_source={"path": str(dataset(4096))}, algorithm_params={"group_size": 2, "max_staleness": 1000},
+                       buffer={"max_groups": 1_000_000},
                        producer={"backend": "vllm", "batch_prompts": 2, "max_new_tokens": LENGTH, "min_new_tokens": LENGTH,
                                  "in_flight_kv": "recompute", "seed": 1, "vllm": {"max_model_len": 256}})
     assert cfg.producer.weight_update == "in_flight"  # vllm's default
     lay = await layout_for(js, run_id)
-    await feed(js, lay, cfg, progress=False)
+
+    async def feed_first(n: int) -> None:  # the dataset's first n prompts; those fed before are duplicates
+        await feed(js, lay, cfg.model_copy(update={"data_source": cfg.data_source.model_copy(update={"limit": n})}),
+                   progress=False)
+
+    fed = FIRST
+    await feed_first(fed)
     new = perturbed(tiny_model_dir, 21, 0.1)
     log_path = tmp_path / "producer.log"
     with open(log_path, "w") as log:
@@ -47,8 +57,20 @@ async def test_vllm_producer_keeps_groups_in_flight_and_stamps_each_token(js, na
             assert await wait_until(some, 600, every=0.2), log_path.read_text()[-3000:]
             await publish_weights(js, lay, new, 1)
 
+            async def v1_seen():  # prompts stay queued ahead of the producer, so v1 lands under running requests
+                nonlocal fed
+                groups = await read_rollouts(js, lay)
+                if any(1 in g.token_versions() for g in groups):
+                    return True
+                if fed - len(groups) < AHEAD:
+                    fed += STEP
+                    await feed_first(fed)
+                return False
+
+            assert await wait_until(v1_seen, 600, every=0.2), log_path.read_text()[-3000:]
+
             async def every():
-                return await rollout_count(js, lay) == N
+                return await rollout_count(js, lay) == fed
 
             assert await wait_until(every, 600, every=0.2), log_path.read_text()[-3000:]
             proc.send_signal(signal.SIGTERM)
@@ -59,7 +81,7 @@ async def test_vllm_producer_keeps_groups_in_flight_and_stamps_each_token(js, na
                 proc.wait()
     assert rc == 0, log_path.read_text()[-3000:]
     groups = await read_rollouts(js, lay)
-    assert len(groups) == N and len({g.id for g in groups}) == N
+    assert len(groups) == fed and len({g.id for g in groups}) == fed
     consumer = await js.consumer_info(lay.prompts_stream, "producers")
     assert consumer.num_ack_pending == 0 and (await js.stream_info(lay.prompts_stream)).state.messages == 0
     models = {0: load_model(tiny_model_dir), 1: new}
