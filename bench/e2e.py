@@ -266,13 +266,14 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
 
 
 def trl_python() -> Path:
-    py = TRL_VENV / "bin" / "python"
-    if not py.exists():
+    py, done = TRL_VENV / "bin" / "python", TRL_VENV / ".installed"
+    if not done.exists():  # an install cut short is started over, never raced in
         print("installing TRL in its own environment (bench/.trl-venv, once) ...", flush=True)
-        subprocess.check_call([sys.executable, "-m", "venv", str(TRL_VENV)])
+        subprocess.check_call([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)])
         pip = [str(TRL_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
         subprocess.check_call(pip + ["torch==2.13.0"])
         subprocess.check_call(pip + ["trl==1.16.0", "datasets", "accelerate", *same_versions()])
+        done.touch()
     return py
 
 

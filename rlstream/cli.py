@@ -387,10 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    # transformers', huggingface_hub's and datasets' tqdm bars fill logs with carriage returns
+def library_defaults() -> None:
+    """Environment defaults set before any library reads them: transformers', huggingface_hub's
+    and datasets' tqdm bars fill logs with carriage returns."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    library_defaults()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

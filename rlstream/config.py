@@ -1185,6 +1185,11 @@ class Placement(Strict):
     tokens took ~278,000 page faults without it, ~10,000 with it, and a learner pass ~47,000
     against ~10,000. The process then holds its peak heap until it exits. Larger allocations
     (weight snapshots) are still mapped and returned."""
+    preload: bool = True
+    """The learner and the ``hf`` producers only: their first start is forked from one process
+    that imported torch and transformers once (:mod:`rlstream.run.preload`), instead of each
+    importing them (about 5-6 s of CPU each on 2 cores, at once with every other component's
+    start). A restart is always a process of its own. Linux; elsewhere they start on their own."""
 
     @field_validator("cpus")
     @classmethod

@@ -28,14 +28,24 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlstream.broker import EmbeddedServer, Layout
-from rlstream.config import ConfigError, SecretMaskingFormatter, dump_resolved, load_config, mask_secrets
-from rlstream.run.summary import eval_headline, read_eval, read_metrics, settled_accounting, reward_curve, summarize
-from rlstream.observe.rundir import write_broker_record
-from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
-from rlstream.rundir import RunDir, default_run_dir
+from rlstream.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from rlstream.run.preload import Preloader
+
+
+def start_preloader(cfg, resume: bool) -> Preloader | None:
+    """The preloader (:mod:`rlstream.run.preload`) when a component's first start can be
+    forked from it: Linux, where this process can adopt the forked components."""
+    # imported here: `python -m rlstream.run.preload` imports this package first
+    from rlstream.run.preload import Preloader, become_subreaper, child_env, preloadable
+
+    kinds = [kind for kind in ("learner", "producer") if getattr(cfg.placement, kind).preload and preloadable(cfg, kind)]
+    if resume or not kinds or (kinds == ["producer"] and not cfg.is_online) or not become_subreaper():
+        return None
+    return Preloader(child_env(cfg))
 
 
 def main(args) -> int:
@@ -44,6 +54,24 @@ def main(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # the torch components' imports start first, beside this process's own, the broker's start
+    # and the layout's (the rest of this package is imported after it, for that reason)
+    preloader = start_preloader(cfg, bool(getattr(args, "resume", False)))
+    try:
+        return _run(cfg, args, preloader)
+    finally:
+        if preloader is not None:
+            preloader.stop()
+
+
+def _run(cfg, args, preloader: Preloader | None) -> int:
+    from rlstream.broker import EmbeddedServer, Layout
+    from rlstream.config import SecretMaskingFormatter, dump_resolved, mask_secrets
+    from rlstream.observe.rundir import write_broker_record
+    from rlstream.run.summary import eval_headline, read_eval, read_metrics, reward_curve, settled_accounting, summarize
+    from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
+    from rlstream.rundir import RunDir, default_run_dir
+
     placement_problems = check_placement(cfg)
     for line in placement_problems:
         print(f"error: {line}", file=sys.stderr)
@@ -82,7 +110,7 @@ def main(args) -> int:
     outcome = Outcome(1, "not started")
     accounting: dict[str, Any] = {}
     try:
-        outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live))
+        outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live, preloader))
         accounting = asyncio.run(settled_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
     finally:
         if server is not None:

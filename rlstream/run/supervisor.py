@@ -38,6 +38,7 @@ from rlstream.broker.component import signals_to
 from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config, Placement
 from rlstream.run.display import Display, LiveFigures, watch_metrics
+from rlstream.run.preload import Preforked, Preloader, child_env, preloadable
 from rlstream.rundir import RunDir
 
 log = logging.getLogger("rlstream.run")
@@ -94,7 +95,7 @@ class Child:
     argv: list[str]
     log_path: Path
     once: bool = False  # the feeder: exits 0 when done, not restarted then
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | Preforked | None = None
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     """Monotonic times of its restarts within the budget's window (older ones are dropped)."""
@@ -108,8 +109,13 @@ class Child:
     passed in its environment, never on its command line (which ``ps`` and the log show)."""
     placement: Placement | None = None
     """Its threads (``OMP_NUM_THREADS``) and cores (``placement.<kind>`` of the config)."""
+    preloadable: bool = False
+    """A torch component whose first start may be forked by the run's preloader
+    (:mod:`rlstream.run.preload`, ``placement.<kind>.preload``)."""
 
-    def start(self, env: dict[str, str], resume: bool = False) -> None:
+    def start(self, env: dict[str, str], resume: bool = False, preloader: Preloader | None = None) -> None:
+        """Start it (again). ``preloader``: a first start of a preloadable component is forked
+        by it; a restart is always a new process of its own."""
         env = {**env, **self.private_env}
         cpus = None
         if self.placement is not None:
@@ -125,7 +131,10 @@ class Child:
         out = open(self.log_path, "ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start {' '.join(argv[2:])}\n".encode())
         out.flush()
-        self.proc = popen_tied(argv, cpus=cpus, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if preloader is not None and self.preloadable and self.proc is None and not resume:
+            self.proc = preloader.spawn(argv, env, self.log_path, cpus, int(env["OMP_NUM_THREADS"]))
+        else:
+            self.proc = popen_tied(argv, cpus=cpus, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
         self.started_at, self.started_wall = time.monotonic(), time.time()
 
@@ -133,7 +142,9 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if isinstance(self.proc, Preforked):
+            self.proc.signal_group(sig)
+        elif self.alive():
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -143,19 +154,6 @@ class Child:
 def streaming(cfg: Config) -> bool:
     """The learner's data comes through the broker (RL, or DPO with online pairs)."""
     return cfg.is_online
-
-
-def child_env(cfg: Config) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # torch processes share the cores instead of each taking all of them
-    torch_procs = 1 + (cfg.producer.count if streaming(cfg) else 0)
-    torch_procs += sum(getattr(cfg, stage).replicas for stage in cfg.annotators)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, torch_procs))))
-    return env
 
 
 def check_placement(cfg: Config) -> list[str]:
@@ -180,8 +178,9 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
     children: list[Child] = []
 
     def add(name: str, kind: str, argv: list[str], once: bool = False) -> None:
-        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private,
-                              placement=getattr(cfg.placement, kind, None)))
+        placement = getattr(cfg.placement, kind, None)
+        children.append(Child(name, kind, argv, rd.log(name), once=once, private_env=private, placement=placement,
+                              preloadable=preloadable(cfg, kind) and placement is not None and placement.preload))
 
     if streaming(cfg):
         add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
@@ -199,10 +198,11 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
     return children
 
 
-async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool) -> Outcome:
+async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool,
+                    preloader: Preloader | None = None) -> Outcome:
     """Run ``children`` until the learner finishes or the dataset is used up (code 0), a
     process fails for good (1) or with a usage error (2), the run cannot progress (3), or a
-    signal comes (130)."""
+    signal comes (130). ``preloader``: forks the first start of the preloadable ones."""
     env = child_env(cfg)
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
@@ -216,7 +216,9 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     learner = next(c for c in children if c.kind == "learner")
     resume = bool(getattr(args, "resume", False))
     for c in children:
-        c.start(env, resume=(c is learner and resume))
+        c.start(env, resume=(c is learner and resume), preloader=preloader)
+    if preloader is not None:
+        preloader.close()  # it exits once these are forked
     max_steps = args.max_steps or cfg.learner.max_steps
     outcome: Outcome | None = None
     display = Display(live, cfg, max_steps)

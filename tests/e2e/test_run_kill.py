@@ -20,11 +20,18 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(run_dir, 3, proc)
+        # the first learner and producer were forked by the preloader (its environment block in
+        # /proc, without the broker URL the supervisor passes), adopted by the run; the rest started on their own
+        forked = {kind: "RLSTREAM_NATS_URL" not in child(proc.pid, f" {kind} ").environ() for kind in ("learner", "producer", "scorer")}
+        assert forked == {"learner": True, "producer": True, "scorer": False}
+        assert {child(proc.pid, f" {kind} ").ppid() for kind in ("learner", "producer", "scorer")} == {proc.pid}
         os.kill(child(proc.pid, " producer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 7, proc)
         os.kill(child(proc.pid, " scorer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 10, proc)  # after the checkpoint at step 8
         os.kill(child(proc.pid, " learner ").pid, signal.SIGKILL)
+        wait_for_step(run_dir, 12, proc)
+        assert "RLSTREAM_NATS_URL" in child(proc.pid, " learner ").environ()  # a restart is a process of its own
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:

@@ -1,0 +1,306 @@
+"""Torch components forked from one process that imported torch and transformers once.
+
+On a small machine start-up is CPU-bound: the learner and each producer import torch and
+transformers (about 5-6 s of CPU each on the reference 2-core machine) while the feeder, the
+scorers and the broker start beside them. ``rlstream run`` therefore starts
+``python -m rlstream.run.preload`` first, with the environment its torch components get: it
+imports torch, transformers and the component modules once, then forks each component from
+that state. The imports are shared; each component still builds its own model, optimizer
+and threads after the fork (nothing that starts a thread runs before it).
+
+The protocol is one JSON request per line on the preloader's stdin (``argv``, ``env``,
+``log``, ``cpus``, ``threads``) and one line ``<id> <pid>`` back on its stdout. Each
+component is forked twice, so that the middle process exits at once and the component is
+adopted by ``rlstream run`` (a child subreaper on Linux): the supervisor waits for it,
+reads its exit code and restarts it like any process it started itself. The component then:
+
+- starts its own session (``killpg`` reaches it and its children), writes to its log;
+- takes its environment from the request (the broker URL and the ``--set`` overrides come
+  through the pipe, never a command line), its torch threads (``torch.set_num_threads``),
+  its cores (``sched_setaffinity``) and, with ``keep_freed_memory``, glibc's thresholds
+  (``mallopt``, as the environment variables would at an exec);
+- dies with ``rlstream run`` (``PR_SET_PDEATHSIG``, set once it is adopted);
+- shows its own command line (``setproctitle``), as ``ps`` and operators expect.
+
+A restart is an ordinary ``subprocess.Popen``: the preloader exits once the first starts are
+forked, and a run whose preloader fails starts those components that way too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MALLOPT_ENV = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
+ADOPTION_WAIT_S = 10.0
+
+
+def _libc():
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _tied() -> None:
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (Linux); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+# ---- the preloader process ---------------------------------------------------------------
+
+
+def main() -> None:
+    from rlstream.cli import library_defaults
+
+    library_defaults()  # what `rlstream <component>` sets before anything imports the libraries
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import rlstream.cli  # noqa: F401
+    import rlstream.learner.loop  # noqa: F401
+    import rlstream.producers.backends.hf  # noqa: F401
+    import rlstream.producers.loop  # noqa: F401
+
+    requests = sys.stdin
+    sys.stdin = open(os.devnull)
+    for line in requests:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        print(req["id"], _fork(req), flush=True)
+
+
+def _fork(req: dict) -> int:
+    """Fork the component twice; returns its pid once its middle process is gone (the
+    component is then the supervisor's child)."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(r)
+        if os.fork() == 0:
+            os.setsid()  # before its pid is reported: a signal to its session from then on reaches it
+            os.write(w, f"{os.getpid()}\n".encode())
+            os.close(w)
+            _become(req)  # never returns
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        pid = int(f.read().strip() or 0)
+    os.waitpid(middle, 0)
+    return pid
+
+
+def _become(req: dict) -> None:
+    code = 1
+    try:
+        out = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(req["argv"]))  # before the environment changes: it moves it
+        os.environ.clear()
+        os.environ.update(req["env"])
+        deadline = time.monotonic() + ADOPTION_WAIT_S
+        while os.getppid() != req["parent"]:  # the middle process is exiting
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.001)
+        _tied()
+        if os.getppid() != req["parent"]:  # the supervisor died in between
+            os._exit(1)
+        if req.get("cpus"):
+            os.sched_setaffinity(0, req["cpus"])
+        libc = _libc()
+        for name, param in MALLOPT_ENV.items():
+            if name in req["env"]:
+                libc.mallopt(param, int(req["env"][name]))
+        import torch
+
+        torch.set_num_threads(int(req["threads"]))
+        sys.argv = [req["argv"][0], *req["argv"][3:]]
+        from rlstream.cli import main as cli_main
+
+        code = cli_main(req["argv"][3:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    os._exit(code)
+
+
+# ---- the supervisor's side ---------------------------------------------------------------
+
+
+def child_env(cfg) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # torch processes share the cores instead of each taking all of them
+    torch_procs = 1 + (cfg.producer.count if cfg.is_online else 0)
+    torch_procs += sum(getattr(cfg, stage).replicas for stage in cfg.annotators)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, torch_procs))))
+    return env
+
+
+def preloadable(cfg, kind: str) -> bool:
+    """Components whose start is mostly importing torch and transformers: the learner, and the
+    producers that generate in their own process with transformers (``backend: hf``)."""
+    return kind == "learner" or (kind == "producer" and cfg.producer.backend == "hf")
+
+
+
+class Preforked:
+    """A component forked by the preloader, with the part of ``subprocess.Popen`` the
+    supervisor uses. Until the preloader reports its pid it is starting (``poll()`` is None);
+    a preloader that dies first makes it exit with 1, so it is restarted the ordinary way."""
+
+    def __init__(self, preloader: "Preloader") -> None:
+        self._preloader = preloader
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._signal: int | None = None
+        self._lock = threading.Lock()
+
+    def _started(self, pid: int) -> None:
+        if pid <= 0:  # it died before it started
+            self.returncode = 1
+            return
+        with self._lock:
+            self.pid = pid
+            sig = self._signal
+        if sig is not None:
+            self.signal_group(sig)
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.pid is None:
+            if self._preloader.gone():
+                self.returncode = 1
+            return self.returncode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not adopted (it cannot be waited for): gone when it cannot be signalled
+            try:
+                os.kill(self.pid, 0)
+                return None
+            except ProcessLookupError:
+                self.returncode = 1
+                return self.returncode
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("preforked component", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def signal_group(self, sig: int) -> None:
+        """``killpg`` of its session; one sent before it has a pid reaches it when it has one."""
+        with self._lock:
+            pid = self.pid
+            if pid is None:
+                self._signal = sig
+                return
+        if self.poll() is None:
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass  # gone since
+
+
+class Preloader:
+    """``python -m rlstream.run.preload`` and the components asked of it (the supervisor's side)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        # from the main thread, before the broker's modules are imported: it dies with this process
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlstream.run.preload"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_tied)
+        self._waiting: dict[int, Preforked] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="rlstream-preload", daemon=True)
+        self._reader.start()
+
+    def gone(self) -> bool:
+        return self.proc.poll() is not None and not self._reader.is_alive()
+
+    def spawn(self, argv: list[str], env: dict[str, str], log: Path, cpus: list[int] | None, threads: int) -> Preforked:
+        handle = Preforked(self)
+        with self._lock:
+            rid, self._next = self._next, self._next + 1
+            self._waiting[rid] = handle
+        req = {"id": rid, "argv": argv, "env": env, "log": str(log), "cpus": cpus, "threads": threads, "parent": os.getpid()}
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # the preloader is gone: the handle exits with 1 and the component is restarted
+        return handle
+
+    def close(self) -> None:
+        """No more requests: the preloader exits once those sent are forked."""
+        try:
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def stop(self) -> None:
+        """Done with it: it exits once what was asked is forked (at once if nothing was)."""
+        self.close()
+        if not self._next:
+            self.proc.kill()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            rid, pid = (int(x) for x in line.split())
+            with self._lock:
+                handle = self._waiting.pop(rid, None)
+            if handle is not None:
+                handle._started(pid)
+
+
+if __name__ == "__main__":
+    main()

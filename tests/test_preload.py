@@ -1,0 +1,102 @@
+"""``rlstream.run.preload``: the torch components' first start, forked from one process that
+imported torch and transformers once.
+
+A real preloader forks a real long-running command (``rlstream broker``) the way ``rlstream
+run`` forks the learner and the producers; what the component became is read from outside,
+from ``/proc``, as an operator would. Which components are forked is decided from the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.groups import make_cfg
+
+from rlstream.config import parse_config
+from rlstream.run import start_preloader
+from rlstream.run.supervisor import plan_children
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forking from a preloader is Linux-only")
+DRIVER = Path(__file__).parent / "helpers" / "preload_driver.py"
+
+
+def _free_port_block(n: int = 3) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n < 65535 and all(_free(port + i) for i in range(1, n)):
+            return port
+    raise RuntimeError("no free block of ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("preload")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(DRIVER), str(work), str(_free_port_block())], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_forked_component_is_the_starting_process_s_child_and_shows_its_own_command(seen):
+    assert seen["listening"] and seen["alive_before_signal"]
+    assert seen["ppid"] == seen["driver"]  # adopted: waited for like a process it started itself
+    assert " -m rlstream.cli broker --port " in seen["cmdline"] and "rlstream.run.preload" not in seen["cmdline"]
+    assert seen["session"] == seen["pid"]  # its own session: killpg reaches it and its children
+    assert seen["nats_children"] and "nats-server" in seen["nats_children"][0]
+
+
+def test_a_forked_component_gets_its_environment_cores_and_log(seen):
+    assert "auth: token" in seen["log"]  # the token came from the environment it was given
+    assert not seen["secret_in_proc_environ"]  # through the pipe: /proc/<pid>/environ is the preloader's
+    assert seen["cpus"] == [0]
+
+
+def test_exit_codes_and_signals_reach_the_supervisor(seen):
+    assert seen["code"] == 0  # SIGTERM to its session: it stopped cleanly, and its code was read
+    assert seen["early_code"] == -15  # a SIGTERM sent before its pid was known reached it on arrival
+    assert seen["preloader_code"] == 0  # the preloader exits once what was asked of it is forked
+
+
+def test_a_preloader_that_dies_first_fails_its_components_so_they_restart(seen):
+    assert seen["orphan_pid"] is None and seen["orphan_code"] == 1
+
+
+def _cfg(model_dir: Path, **sections):
+    cfg = make_cfg(model_dir)
+    return parse_config({**cfg.model_dump(mode="json", exclude_none=True), **sections})
+
+
+def _preloadable(cfg, tmp_path) -> dict[str, bool]:
+    return {c.kind: c.preloadable for c in plan_children(cfg, "cfg.yaml", [], "nats://127.0.0.1:4222", tmp_path, None)}
+
+
+def test_the_learner_and_hf_producers_are_forked_and_nothing_else(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, producer={"backend": "hf"})
+    assert _preloadable(cfg, tmp_path) == {"feeder": False, "scorer": False, "producer": True, "learner": True}
+    vllm = _cfg(tiny_model_dir, producer={"backend": "vllm"})
+    assert _preloadable(vllm, tmp_path)["producer"] is False  # its engine is the start-up, not the imports
+    off = _cfg(tiny_model_dir, producer={"backend": "hf"}, placement={"learner": {"preload": False}})
+    assert _preloadable(off, tmp_path) == {"feeder": False, "scorer": False, "producer": True, "learner": False}
+
+
+def test_no_preloader_when_nothing_would_be_forked_or_on_resume(tiny_model_dir):
+    none = _cfg(tiny_model_dir, producer={"backend": "vllm"}, placement={"learner": {"preload": False}})
+    assert start_preloader(none, resume=False) is None
+    assert start_preloader(_cfg(tiny_model_dir), resume=True) is None  # a resumed learner is started on its own
