@@ -19,6 +19,8 @@ from helpers.groups import make_cfg
 
 from rlstream.config import parse_config
 from rlstream.run import start_preloader
+from rlstream.run.preload import mallopt_settings
+from rlstream.run.supervisor import KEEP_FREED_MEMORY
 from rlstream.run.supervisor import plan_children
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forking from a preloader is Linux-only")
@@ -100,3 +102,11 @@ def test_no_preloader_when_nothing_would_be_forked_or_on_resume(tiny_model_dir):
     none = _cfg(tiny_model_dir, producer={"backend": "vllm"}, placement={"learner": {"preload": False}})
     assert start_preloader(none, resume=False) is None
     assert start_preloader(_cfg(tiny_model_dir), resume=True) is None  # a resumed learner is started on its own
+
+
+def test_kept_freed_memory_is_set_with_mallopt_as_the_environment_would():
+    # M_MMAP_THRESHOLD (-3) at 32 MiB; M_TRIM_THRESHOLD (-1) at 1 TiB does not fit mallopt's int:
+    # capped at 2**31 - 1 = 2147483647 (truncated, it would be 0: trim on every free)
+    assert sorted(mallopt_settings(KEEP_FREED_MEMORY)) == [(-3, 33554432), (-1, 2147483647)]
+    assert mallopt_settings({"MALLOC_MMAP_THRESHOLD_": "65536", "OTHER": "1"}) == [(-3, 65536)]
+    assert mallopt_settings({}) == []

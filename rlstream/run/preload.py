@@ -41,7 +41,15 @@ from pathlib import Path
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MALLOPT_ENV = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
+INT_MAX = 2**31 - 1
 ADOPTION_WAIT_S = 10.0
+
+
+def mallopt_settings(env: dict[str, str]) -> list[tuple[int, int]]:
+    """``(param, value)`` for glibc's ``mallopt`` that do what ``env``'s malloc variables do at an
+    exec. ``mallopt`` takes a C int: a larger value (``MALLOC_TRIM_THRESHOLD_`` of 1 TiB) is
+    capped at 2 GiB - 1, which still never trims a heap this size, instead of wrapping to 0."""
+    return [(param, min(int(env[name]), INT_MAX)) for name, param in MALLOPT_ENV.items() if name in env]
 
 
 def _libc():
@@ -133,9 +141,8 @@ def _become(req: dict) -> None:
         if req.get("cpus"):
             os.sched_setaffinity(0, req["cpus"])
         libc = _libc()
-        for name, param in MALLOPT_ENV.items():
-            if name in req["env"]:
-                libc.mallopt(param, int(req["env"][name]))
+        for param, value in mallopt_settings(req["env"]):
+            libc.mallopt(param, value)
         import torch
 
         torch.set_num_threads(int(req["threads"]))
