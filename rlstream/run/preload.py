@@ -78,7 +78,10 @@ def main() -> None:
 
     library_defaults()  # what `rlstream <component>` sets before anything imports the libraries
     import torch  # noqa: F401
-    import transformers  # noqa: F401
+
+    from rlstream.imports import import_transformers_models
+
+    import_transformers_models()  # as the components do: without scikit-learn, SciPy and boto3
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     import rlstream.cli  # noqa: F401
