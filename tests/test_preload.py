@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,12 +68,14 @@ def test_a_forked_component_is_the_starting_process_s_child_and_shows_its_own_co
 def test_a_forked_component_gets_its_environment_cores_and_log(seen):
     assert "auth: token" in seen["log"]  # the token came from the environment it was given
     assert not seen["secret_in_proc_environ"]  # through the pipe: /proc/<pid>/environ is the preloader's
-    assert seen["cpus"] == [0]
+    assert seen["cpus"] == [seen["core"]]
 
 
 def test_exit_codes_and_signals_reach_the_supervisor(seen):
     assert seen["code"] == 0  # SIGTERM to its session: it stopped cleanly, and its code was read
-    assert seen["early_code"] == -15  # a SIGTERM sent before its pid was known reached it on arrival
+    # a SIGTERM sent before its pid was known reached it on arrival: it died of it, or stopped on
+    # it cleanly if it had already set its handler (never delivered, the wait would have timed out)
+    assert seen["early_code"] in (-signal.SIGTERM, 0)
     assert seen["preloader_code"] == 0  # the preloader exits once what was asked of it is forked
 
 

@@ -37,8 +37,10 @@ def main() -> None:
 
     pre = Preloader(env)
     log = work / "broker.log"
+    core = sorted(os.sched_getaffinity(0))[-1]
+    out["core"] = core
     broker = pre.spawn(cmd + ["--port", str(port), "--store", str(work / "store"), "--token-env", "BROKER_TOKEN"],
-                       {**env, "BROKER_TOKEN": SECRET}, log, [0], 1)
+                       {**env, "BROKER_TOKEN": SECRET}, log, [core], 1)
     early_log = work / "early.log"
     early = pre.spawn(cmd + ["--port", str(port + 1), "--store", str(work / "store-early")], env, early_log, None, 1)
     early.signal_group(signal.SIGTERM)  # before the preloader has reported its pid
