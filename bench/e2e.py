@@ -200,8 +200,9 @@ def sft(name: str, start: Path, data: Path, steps: int) -> Path:
 
 
 def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int,
-                    seed: int = 0) -> Path:
-    """The demo's GRPO config with the race's settings, the shared reward function, and ``backend``."""
+                    seed: int = 0, placement: dict | None = None) -> Path:
+    """The demo's GRPO config with the race's settings, the shared reward function, and ``backend``
+    (``placement``: the config's section of that name, for ``bench/launch.py``)."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "examples" / "arithmetic" / "grpo.yaml").read_text())
@@ -218,6 +219,8 @@ def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: 
     cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, micro_batch_size=BATCH,
                           micro_batch_tokens=MICRO_TOKENS, weights_transport="local", seed=seed)
     cfg["checkpoint"]["interval"] = 100000
+    if placement:
+        cfg["placement"] = placement
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -239,7 +242,7 @@ def learner_s(point: dict, phases) -> float | None:
 
 
 def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: Path, steps: int, staleness: int,
-                  threads: int | None = None, seed: int = 0) -> Run:
+                  threads: int | None = None, seed: int = 0, placement: dict | None = None) -> Run:
     """``threads``: OMP_NUM_THREADS of every component (default: `rlstream run` splits the cores
     between the torch processes, right when they run at once)."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{wl.name}-{label}-{backend}-s{seed}").strip("-")  # a valid run id
@@ -252,7 +255,7 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
     shown = f"{threads} per process" if threads else f"{max(1, (os.cpu_count() or 1) // 2)} per process (cores split)"
     print(f"[{wl.name}] rlstream {label}, backend {backend}, max_staleness {staleness}, torch threads {shown}, seed {seed} ...",
           flush=True)
-    config = rlstream_config(name, wl, backend, ckpt, prompts, steps, staleness, seed)
+    config = rlstream_config(name, wl, backend, ckpt, prompts, steps, staleness, seed, placement)
     launched = sh([sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--no-live"],
                   WORK / f"{name}.log", env)
     from rlstream.broker.telemetry import STAGE_PHASES

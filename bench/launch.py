@@ -12,14 +12,9 @@ step, the medians, what the preloader saves, and ours against TRL's (goal: at mo
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-
-import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 import e2e  # noqa: E402
@@ -29,19 +24,10 @@ SIDES = ("rlstream, preloaded", "rlstream, each imports", "TRL")
 
 
 def rlstream_first_step(wl: e2e.Workload, ckpt: Path, prompts: Path, steps: int, seed: int, preload: bool) -> float:
-    name = f"launch-{wl.name}-{'pre' if preload else 'own'}-s{seed}"
-    cfg_path = e2e.rlstream_config(name, wl, "hf", ckpt, prompts, steps, 2, seed)
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["placement"] = {kind: {"preload": preload} for kind in ("learner", "producer")}
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    run_dir = e2e.WORK / name
-    subprocess.call(["rm", "-rf", str(run_dir)])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(e2e.ROOT), os.environ.get("PYTHONPATH")) if p))
-    env.pop("OMP_NUM_THREADS", None)
-    launched = e2e.sh([sys.executable, "-m", "rlstream.cli", "run", str(cfg_path), "--run-dir", str(run_dir), "--no-live"],
-                      e2e.WORK / f"{name}.log", env)
-    first = json.loads((run_dir / "timeline.jsonl").read_text().splitlines()[0])
-    return first["ts"] - launched
+    placement = {kind: {"preload": preload} for kind in ("learner", "producer")}
+    run = e2e.rlstream_race(wl, "launch preloaded" if preload else "launch own imports", "hf", ckpt, prompts, steps, 2,
+                            seed=seed, placement=placement)
+    return run.points[0]["elapsed_s"]
 
 
 def main() -> None:

@@ -191,7 +191,6 @@ def preloadable(cfg, kind: str) -> bool:
     return kind == "learner" or (kind == "producer" and cfg.producer.backend == "hf")
 
 
-
 class Preforked:
     """A component forked by the preloader, with the part of ``subprocess.Popen`` the
     supervisor uses. Until the preloader reports its pid it is starting (``poll()`` is None);
