@@ -149,12 +149,7 @@ def _component(module: str, default_id: str, **fixed):
 
 
 def cmd_run(args) -> int:
-    if not args.skip_preflight:
-        # before the broker or any component starts: a problem here would only make them fail in turn
-        code = run_preflight(_load(args), endpoints=args.check_endpoints)
-        if code:
-            return code
-    return _call("rlstream.run")(args)
+    return _call("rlstream.run")(args)  # it reads the config and runs the preflight once its preloader started
 
 
 def cmd_reward_server(args) -> int:

@@ -19,7 +19,7 @@ import pytest
 from helpers.groups import make_cfg
 
 from rlstream.config import parse_config
-from rlstream.run import start_preloader
+from rlstream.run import forks_from_preloader, start_preloader
 from rlstream.run.preload import mallopt_settings
 from rlstream.run.supervisor import KEEP_FREED_MEMORY
 from rlstream.run.supervisor import plan_children
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fo
 DRIVER = Path(__file__).parent / "helpers" / "preload_driver.py"
 
 
-def _free_port_block(n: int = 3) -> int:
+def _free_port_block(n: int = 4) -> int:
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -79,6 +79,18 @@ def test_exit_codes_and_signals_reach_the_supervisor(seen):
     assert seen["preloader_code"] == 0  # the preloader exits once what was asked of it is forked
 
 
+def test_its_import_has_a_core_of_its_own_and_the_rest_get_their_cores_back_after_it(seen):
+    cores = seen["cores"]
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to keep off it")
+    assert seen["preloader_cpus"] == [cores[-1]]
+    # until it has imported, this process and what it starts run on the other cores
+    assert seen["split"] == {"main": cores[:-1], "started": cores[:-1]}
+    # then every core again, and a component forked without cores of its own gets them all too
+    # (not the preloader's one core)
+    assert seen["rejoined"] == {"main": cores, "started": cores, "forked_without_cores": cores}
+
+
 def test_a_preloader_that_dies_first_fails_its_components_so_they_restart(seen):
     assert seen["orphan_pid"] is None and seen["orphan_code"] == 1
 
@@ -101,10 +113,12 @@ def test_the_learner_and_hf_producers_are_forked_and_nothing_else(tiny_model_dir
     assert _preloadable(off, tmp_path) == {"feeder": False, "scorer": False, "producer": True, "learner": False}
 
 
-def test_no_preloader_when_nothing_would_be_forked_or_on_resume(tiny_model_dir):
+def test_the_preloader_is_kept_only_when_something_is_forked_and_never_on_resume(tiny_model_dir):
+    assert forks_from_preloader(_cfg(tiny_model_dir, producer={"backend": "hf"}))
+    assert forks_from_preloader(_cfg(tiny_model_dir, producer={"backend": "vllm"}))  # the learner still is
     none = _cfg(tiny_model_dir, producer={"backend": "vllm"}, placement={"learner": {"preload": False}})
-    assert start_preloader(none, resume=False) is None
-    assert start_preloader(_cfg(tiny_model_dir), resume=True) is None  # a resumed learner is started on its own
+    assert not forks_from_preloader(none)
+    assert start_preloader(resume=True) is None  # a resumed learner is started on its own
 
 
 def test_kept_freed_memory_is_set_with_mallopt_as_the_environment_would():

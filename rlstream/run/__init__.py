@@ -30,35 +30,56 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlstream.config import ConfigError, load_config
-
 if TYPE_CHECKING:
     from rlstream.run.preload import Preloader
 
 
-def start_preloader(cfg, resume: bool) -> Preloader | None:
-    """The preloader (:mod:`rlstream.run.preload`) when a component's first start can be
-    forked from it: Linux, where this process can adopt the forked components."""
+def start_preloader(resume: bool) -> Preloader | None:
+    """The preloader (:mod:`rlstream.run.preload`), started before the config is even read: its
+    import is the longest part of a start. None on ``--resume`` (a resumed learner starts on
+    its own) and where this process cannot adopt the components it forks (not Linux)."""
     # imported here: `python -m rlstream.run.preload` imports this package first
-    from rlstream.run.preload import Preloader, become_subreaper, child_env, preloadable
+    from rlstream.run.preload import Preloader, become_subreaper, preload_env
+
+    if resume or not become_subreaper():
+        return None
+    return Preloader(preload_env())
+
+
+def forks_from_preloader(cfg) -> bool:
+    """Whether ``cfg`` has a component whose first start the preloader forks."""
+    from rlstream.run.preload import preloadable
 
     kinds = [kind for kind in ("learner", "producer") if getattr(cfg.placement, kind).preload and preloadable(cfg, kind)]
-    if resume or not kinds or (kinds == ["producer"] and not cfg.is_online) or not become_subreaper():
-        return None
-    return Preloader(child_env(cfg))
+    return bool(kinds) and (kinds != ["producer"] or cfg.is_online)
 
 
 def main(args) -> int:
+    preloader = start_preloader(bool(getattr(args, "resume", False)))
     try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    # the torch components' imports start first, beside this process's own, the broker's start
-    # and the layout's (the rest of this package is imported after it, for that reason)
-    preloader = start_preloader(cfg, bool(getattr(args, "resume", False)))
-    try:
-        return _run(cfg, args, preloader)
+        from rlstream.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.set)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if not getattr(args, "skip_preflight", False):
+            # before the broker or any component starts: a problem here would only make them fail in turn
+            from rlstream.cli import run_preflight
+
+            code = run_preflight(cfg, endpoints=getattr(args, "check_endpoints", False))
+            if code:
+                return code
+        if preloader is not None:
+            if not forks_from_preloader(cfg):  # vLLM producers and no learner to fork, or preload off
+                preloader.stop()
+                preloader = None
+            elif any(getattr(cfg.placement, kind).cpus for kind in type(cfg.placement).model_fields):
+                preloader.share_cores()  # the config places its components itself
+            else:
+                preloader.split_cores()  # the rest of the start stays off the preloader's core
+        return _run(cfg, args, preloader)  # the rest of this package is imported there, after the preloader started
     finally:
         if preloader is not None:
             preloader.stop()

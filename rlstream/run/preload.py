@@ -89,6 +89,7 @@ def main() -> None:
     import rlstream.producers.backends.hf  # noqa: F401
     import rlstream.producers.loop  # noqa: F401
 
+    print("ready", flush=True)  # imported: the run gives its cores back to what it started meanwhile
     requests = sys.stdin
     sys.stdin = open(os.devnull)
     for line in requests:
@@ -172,12 +173,19 @@ def _become(req: dict) -> None:
 # ---- the supervisor's side ---------------------------------------------------------------
 
 
-def child_env(cfg) -> dict[str, str]:
+def preload_env() -> dict[str, str]:
+    """The components' environment, less what depends on the config (``OMP_NUM_THREADS``: each
+    forked component sets its threads itself). The preloader is started with it."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def child_env(cfg) -> dict[str, str]:
+    env = preload_env()
     # torch processes share the cores instead of each taking all of them
     torch_procs = 1 + (cfg.producer.count if cfg.is_online else 0)
     torch_procs += sum(getattr(cfg, stage).replicas for stage in cfg.annotators)
@@ -259,14 +267,61 @@ class Preloader:
     """``python -m rlstream.run.preload`` and the components asked of it (the supervisor's side)."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        self.cores = sorted(os.sched_getaffinity(0))
+        """This process's cores: those of every component forked without cores of its own."""
+        self.own_core = self.cores[-1] if len(self.cores) > 1 else None
+        """The core its import runs on, alone once :meth:`split_cores` moved the rest off it."""
+        self.split: set[int] | None = None
+        self._ready = False  # imported (or gone): nothing is kept off its core any more
         # from the main thread, before the broker's modules are imported: it dies with this process
         self.proc = subprocess.Popen([sys.executable, "-m", "rlstream.run.preload"], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_tied)
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=self._preexec)
         self._waiting: dict[int, Preforked] = {}
         self._next = 0
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="rlstream-preload", daemon=True)
         self._reader.start()
+
+    def _preexec(self) -> None:
+        _tied()
+        if self.own_core is not None:
+            os.sched_setaffinity(0, {self.own_core})
+
+    def split_cores(self) -> None:
+        """Keep this thread, and what it starts until the preloader has imported (the broker, the
+        feeder, the scorers), off the preloader's core. On a small machine they would otherwise
+        share it: on 2 cores its import ran at half speed while they started, and that import is
+        the longest part of a start. Their cores are given back when it is done (:meth:`rejoin`)."""
+        with self._lock:
+            if self.own_core is None or self.split is not None or self._ready:
+                return
+            self.split = set(self.cores) - {self.own_core}
+            os.sched_setaffinity(0, self.split)
+
+    def share_cores(self) -> None:
+        """Let the preloader's import run on every core, for a config that places its components
+        on cores of its own choosing (nothing is kept off the preloader's core then)."""
+        for tid in _tasks([self.proc.pid]):
+            try:
+                os.sched_setaffinity(tid, self.cores)
+            except OSError:
+                pass  # gone since
+
+    def rejoin(self) -> None:
+        """Every thread of this process and of its descendants that :meth:`split_cores` kept off
+        the preloader's core gets all of this process's cores back (twice over: a thread started
+        by one not yet widened inherits the narrow set)."""
+        with self._lock:
+            split, self.split, self._ready = self.split, None, True
+        if split is None:
+            return
+        for _ in range(2):
+            for tid in _tasks([os.getpid(), *_descendants(os.getpid())]):
+                try:
+                    if os.sched_getaffinity(tid) == split:
+                        os.sched_setaffinity(tid, self.cores)
+                except OSError:
+                    pass  # gone since
 
     def gone(self) -> bool:
         return self.proc.poll() is not None and not self._reader.is_alive()
@@ -276,7 +331,8 @@ class Preloader:
         with self._lock:
             rid, self._next = self._next, self._next + 1
             self._waiting[rid] = handle
-        req = {"id": rid, "argv": argv, "env": env, "log": str(log), "cpus": cpus, "threads": threads, "parent": os.getpid()}
+        req = {"id": rid, "argv": argv, "env": env, "log": str(log), "cpus": cpus or self.cores, "threads": threads,
+               "parent": os.getpid()}
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
@@ -294,6 +350,7 @@ class Preloader:
     def stop(self) -> None:
         """Done with it: it exits once what was asked is forked (at once if nothing was)."""
         self.close()
+        self.rejoin()
         if not self._next:
             self.proc.kill()
         try:
@@ -304,11 +361,45 @@ class Preloader:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            if line.strip() == "ready":
+                self.rejoin()
+                continue
             rid, pid = (int(x) for x in line.split())
             with self._lock:
                 handle = self._waiting.pop(rid, None)
             if handle is not None:
                 handle._started(pid)
+        self.rejoin()  # it died before it was ready
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, ()))
+    return found
+
+
+def _tasks(pids: list[int]) -> list[int]:
+    """The threads of ``pids``."""
+    tids = []
+    for pid in pids:
+        try:
+            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            pass
+    return tids
 
 
 if __name__ == "__main__":

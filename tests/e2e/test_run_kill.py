@@ -5,8 +5,23 @@ import os
 import signal
 import subprocess
 
+import psutil
 import pytest
 from helpers.runs import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
+
+
+def narrower_threads(procs: list[psutil.Process], cores: set[int]) -> dict[str, set[int]]:
+    """``"<command> thread <tid>": cores`` for each thread of ``procs`` without all of ``cores``."""
+    narrower = {}
+    for p in procs:
+        for t in p.threads():
+            try:
+                got = os.sched_getaffinity(t.id)
+            except ProcessLookupError:
+                continue  # the thread ended since
+            if got != cores:
+                narrower[f"{' '.join(p.cmdline()[:4])} thread {t.id}"] = got
+    return narrower
 
 
 @pytest.mark.e2e
@@ -25,6 +40,10 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         forked = {kind: "RLSTREAM_NATS_URL" not in child(proc.pid, f" {kind} ").environ() for kind in ("learner", "producer", "scorer")}
         assert forked == {"learner": True, "producer": True, "scorer": False}
         assert {child(proc.pid, f" {kind} ").ppid() for kind in ("learner", "producer", "scorer")} == {proc.pid}
+        # the start kept everything off the preloader's core while it imported; every thread has
+        # all the cores again (the forked ones were given them, the rest were given them back)
+        procs = [psutil.Process(proc.pid)] + [child(proc.pid, k) for k in (" learner ", " producer ", " scorer ", "nats-server")]
+        assert not narrower_threads(procs, os.sched_getaffinity(0))
         os.kill(child(proc.pid, " producer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 7, proc)
         os.kill(child(proc.pid, " scorer ").pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,17 +36,33 @@ def main() -> None:
     cmd = [sys.executable, "-m", "rlstream.cli", "broker"]
     out: dict = {"driver": os.getpid()}
 
+    cores = sorted(os.sched_getaffinity(0))
     pre = Preloader(env)
+    # while it imports (seconds): it has a core of its own, and what this process starts stays off it
+    out["preloader_cpus"] = sorted(os.sched_getaffinity(pre.proc.pid))
+    pre.split_cores()
+    meanwhile = subprocess.Popen(["sleep", "300"])
+    out["split"] = {"main": sorted(os.sched_getaffinity(0)), "started": sorted(os.sched_getaffinity(meanwhile.pid))}
     log = work / "broker.log"
-    core = sorted(os.sched_getaffinity(0))[-1]
-    out["core"] = core
+    core = cores[-1]
+    out.update(core=core, cores=cores)
     broker = pre.spawn(cmd + ["--port", str(port), "--store", str(work / "store"), "--token-env", "BROKER_TOKEN"],
                        {**env, "BROKER_TOKEN": SECRET}, log, [core], 1)
     early_log = work / "early.log"
     early = pre.spawn(cmd + ["--port", str(port + 1), "--store", str(work / "store-early")], env, early_log, None, 1)
     early.signal_group(signal.SIGTERM)  # before the preloader has reported its pid
+    free_log = work / "free.log"
+    free = pre.spawn(cmd + ["--port", str(port + 3), "--store", str(work / "store-free")], env, free_log, None, 1)
     pre.close()
-    out["listening"] = wait_for(log, "listening")
+    out["listening"] = wait_for(log, "listening") and wait_for(free_log, "listening")
+    while broker.pid is None or free.pid is None:  # reported after the preloader said it had imported
+        time.sleep(0.01)
+    out["rejoined"] = {"main": sorted(os.sched_getaffinity(0)), "started": sorted(os.sched_getaffinity(meanwhile.pid)),
+                       "forked_without_cores": sorted(os.sched_getaffinity(free.pid))}
+    meanwhile.kill()
+    meanwhile.wait()
+    free.signal_group(signal.SIGTERM)
+    free.wait(60)
     p = psutil.Process(broker.pid)
     out.update(pid=broker.pid, ppid=p.ppid(), cmdline=" ".join(p.cmdline()), cpus=sorted(os.sched_getaffinity(broker.pid)),
                session=os.getsid(broker.pid), secret_in_proc_environ=SECRET in Path(f"/proc/{broker.pid}/environ").read_bytes().decode(errors="replace"),
