@@ -3,16 +3,23 @@
 On a small machine start-up is CPU-bound: the learner and each producer import torch and
 transformers (about 5-6 s of CPU each on the reference 2-core machine) while the feeder, the
 scorers and the broker start beside them. ``rlstream run`` therefore starts
-``python -m rlstream.run.preload`` first, with the environment its torch components get: it
-imports torch, transformers and the component modules once, then forks each component from
-that state. The imports are shared; each component still builds its own model, optimizer
+``python -m rlstream.run.preload`` first, with the environment its torch components get
+(less their thread count): it imports torch, transformers and the component modules once,
+then forks each component from that state. The imports are shared; each component still builds its own model, optimizer
 and threads after the fork (nothing that starts a thread runs before it).
 
+The preloader starts before ``rlstream run`` even reads its config (a config that forks
+nothing from it, or fails its preflight, stops it). On a machine of more than one core it
+imports on a core of its own: the run keeps itself and everything it starts meanwhile (the
+broker, the feeder, the scorers) off that core, and gives every one of their threads all its
+cores back once the preloader says it has imported (``ready``).
+
 The protocol is one JSON request per line on the preloader's stdin (``argv``, ``env``,
-``log``, ``cpus``, ``threads``) and one line ``<id> <pid>`` back on its stdout. Each
-component is forked twice, so that the middle process exits at once and the component is
-adopted by ``rlstream run`` (a child subreaper on Linux): the supervisor waits for it,
-reads its exit code and restarts it like any process it started itself. The component then:
+``log``, ``cpus``, ``threads``) and, after a line ``ready``, one line ``<id> <pid>`` back on
+its stdout for each. Each component is forked twice, so that the middle process exits at
+once and the component is adopted by ``rlstream run`` (a child subreaper on Linux): the
+supervisor waits for it, reads its exit code and restarts it like any process it started
+itself. The component then:
 
 - starts its own session (``killpg`` reaches it and its children), writes to its log;
 - takes its environment from the request (the broker URL and the ``--set`` overrides come
