@@ -270,6 +270,9 @@ class Reporter:
             try:
                 await self.emit(dict(self.values))
                 if self.state is not None:
+                    # its cores as they are now: `rlstream run` keeps what starts beside its
+                    # preloader off the preloader's core, then gives it every core back
+                    self.info.update(placement_info())
                     await self.state.heartbeat(self.component, self.component_id, **self.info, **{
                         k: v for k, v in self.values.items() if k.endswith(("_per_s", "version", "step")) or k.startswith("time/")
                     })

@@ -1,9 +1,12 @@
 """kill -9 each kind of component during `rlstream run`: the run finishes, restarted
 components catch up, and the accounting shows no prompt lost and no group trained twice."""
 
+import json
 import os
 import signal
 import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -22,6 +25,21 @@ def narrower_threads(procs: list[psutil.Process], cores: set[int]) -> dict[str, 
             if got != cores:
                 narrower[f"{' '.join(p.cmdline()[:4])} thread {t.id}"] = got
     return narrower
+
+
+def status_cpus(run_dir, timeout: float = 30.0) -> dict[str, str]:
+    """``component: cpus`` from ``rlstream status RUN_DIR --json``, once its heartbeats are newer
+    than this call (a heartbeat every ``metrics.interval_s``)."""
+    since = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run([sys.executable, "-m", "rlstream.cli", "status", str(run_dir), "--json"], capture_output=True,
+                             text=True, timeout=60)
+        comps = json.loads(out.stdout)["components"] if out.returncode == 0 else []
+        fresh = {c["component"]: c["info"].get("cpus") for c in comps if c["alive"] and c["age_s"] < time.time() - since}
+        if {"learner", "producer", "scorer"} <= set(fresh) or time.monotonic() > deadline:
+            return fresh
+        time.sleep(0.5)
 
 
 @pytest.mark.e2e
@@ -43,7 +61,12 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         # the start kept everything off the preloader's core while it imported; every thread has
         # all the cores again (the forked ones were given them, the rest were given them back)
         procs = [psutil.Process(proc.pid)] + [child(proc.pid, k) for k in (" learner ", " producer ", " scorer ", "nats-server")]
-        assert not narrower_threads(procs, os.sched_getaffinity(0))
+        cores = os.sched_getaffinity(0)
+        assert not narrower_threads(procs, cores)
+        # and `rlstream status` shows them as they are now, not as they started
+        shown = status_cpus(run_dir)
+        assert {"learner", "producer", "scorer"} <= set(shown)
+        assert set(shown.values()) == {",".join(map(str, sorted(cores)))}, shown
         os.kill(child(proc.pid, " producer ").pid, signal.SIGKILL)
         wait_for_step(run_dir, 7, proc)
         os.kill(child(proc.pid, " scorer ").pid, signal.SIGKILL)
