@@ -5,8 +5,9 @@ transformers (about 5-6 s of CPU each on the reference 2-core machine) while the
 scorers and the broker start beside them. ``rlstream run`` therefore starts
 ``python -m rlstream.run.preload`` first, with the environment its torch components get
 (less their thread count): it imports torch, transformers and the component modules once,
-then forks each component from that state. The imports are shared; each component still builds its own model, optimizer
-and threads after the fork (nothing that starts a thread runs before it).
+then forks each component from that state. The imports are shared; each component still
+builds its own model, optimizer and threads after the fork (nothing that starts a thread
+runs before it).
 
 The preloader starts before ``rlstream run`` even reads its config (a config that forks
 nothing from it, or fails its preflight, stops it). On a machine of more than one core it
@@ -308,7 +309,7 @@ class Preloader:
     def share_cores(self) -> None:
         """Let the preloader's import run on every core, for a config that places its components
         on cores of its own choosing (nothing is kept off the preloader's core then)."""
-        for tid in _tasks([self.proc.pid]):
+        for tid in _tasks(self.proc.pid):
             try:
                 os.sched_setaffinity(tid, self.cores)
             except OSError:
@@ -323,7 +324,7 @@ class Preloader:
         if split is None:
             return
         for _ in range(2):
-            for tid in _tasks([os.getpid(), *_descendants(os.getpid())]):
+            for tid in _tasks(os.getpid(), descendants=True):
                 try:
                     if os.sched_getaffinity(tid) == split:
                         os.sched_setaffinity(tid, self.cores)
@@ -379,33 +380,22 @@ class Preloader:
         self.rejoin()  # it died before it was ready
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(pid, ()))
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, ()))
-    return found
+def _tasks(pid: int, descendants: bool = False) -> list[int]:
+    """The threads of ``pid`` (and of every process below it)."""
+    import psutil
 
-
-def _tasks(pids: list[int]) -> list[int]:
-    """The threads of ``pids``."""
     tids = []
-    for pid in pids:
+    try:
+        procs = [psutil.Process(pid)]
+        if descendants:
+            procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return tids
+    for proc in procs:
         try:
-            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            pass
+            tids += [t.id for t in proc.threads()]
+        except psutil.Error:
+            pass  # gone since
     return tids
 
 
