@@ -91,6 +91,23 @@ def test_its_import_has_a_core_of_its_own_and_the_rest_get_their_cores_back_afte
     assert seen["rejoined"] == {"main": cores, "started": cores, "forked_without_cores": cores}
 
 
+def test_its_one_core_is_not_what_the_components_threading_runtime_sees():
+    # the OpenMP runtime reads the cores it may use once, when it is loaded: loaded on the
+    # preloader's one core, every component forked from it would treat 2 threads on 2 cores as
+    # oversubscribed (its threads sleep and wake around every parallel region; HF generation at
+    # 2 threads took 1.5x as long). Unset OMP_NUM_THREADS shows what it saw as torch's default.
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to narrow")
+    code = ("import os, sys; from rlstream.run.preload import import_on; cores = sorted(os.sched_getaffinity(0)); "
+            "import_on(cores[-1]); narrowed = sorted(os.sched_getaffinity(0)); import torch; "
+            "os.sched_setaffinity(0, cores); print(narrowed, torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == f"{[cores[-1]]} {len(cores)}"
+
+
 def test_a_preloader_that_dies_first_fails_its_components_so_they_restart(seen):
     assert seen["orphan_pid"] is None and seen["orphan_code"] == 1
 

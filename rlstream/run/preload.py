@@ -13,14 +13,16 @@ The preloader starts before ``rlstream run`` even reads its config (a config tha
 nothing from it, or fails its preflight, stops it). On a machine of more than one core it
 imports on a core of its own: the run keeps itself and everything it starts meanwhile (the
 broker, the feeder, the scorers) off that core, and gives every one of their threads all its
-cores back once the preloader says it has imported (``ready``).
+cores back once the preloader says it has imported (``ready``). It loads the OpenMP runtime
+before it narrows itself to that core: the runtime counts the cores it may use once, at its
+load, for every component forked after.
 
 The protocol is one JSON request per line on the preloader's stdin (``argv``, ``env``,
-``log``, ``cpus``, ``threads``) and, after a line ``ready``, one line ``<id> <pid>`` back on
-its stdout for each. Each component is forked twice, so that the middle process exits at
-once and the component is adopted by ``rlstream run`` (a child subreaper on Linux): the
-supervisor waits for it, reads its exit code and restarts it like any process it started
-itself. The component then:
+``log``, ``cpus``, ``threads``) and, on its stdout, ``importing`` once it is on its core,
+``ready`` once it has imported, then one line ``<id> <pid>`` back for each request. Each
+component is forked twice, so that the middle process exits at once and the component is
+adopted by ``rlstream run`` (a child subreaper on Linux): the supervisor waits for it, reads
+its exit code and restarts it like any process it started itself. The component then:
 
 - starts its own session (``killpg`` reaches it and its children), writes to its log;
 - takes its environment from the request (the broker URL and the ``--set`` overrides come
@@ -51,6 +53,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MALLOPT_ENV = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
 INT_MAX = 2**31 - 1
 ADOPTION_WAIT_S = 10.0
+NARROW_WAIT_S = 30.0
+"""How long :meth:`Preloader.share_cores` waits for the preloader to be on its one core (it gets
+there within a Python start-up; a preloader that dies sets it free at once)."""
 
 
 def mallopt_settings(env: dict[str, str]) -> list[tuple[int, int]]:
@@ -81,8 +86,47 @@ def become_subreaper() -> bool:
 # ---- the preloader process ---------------------------------------------------------------
 
 
+OPENMP_RUNTIMES = ("libgomp*.so*", "libiomp5*.so*", "libomp*.so*")
+"""The OpenMP runtimes a torch wheel links (GNU, Intel, LLVM), under ``torch/lib`` or ``torch.libs``."""
+
+
+def load_openmp() -> str | None:
+    """Load the OpenMP runtime torch links, without importing torch; its path (None: none found).
+
+    The runtime reads the cores it may use once, when it is loaded, and keeps that figure for
+    the life of the process and of every process forked from it. Loaded on one core, it treats
+    2 threads as more than the machine has: they sleep and wake around every parallel region
+    instead of spinning, and a tiny model's generation at 2 threads took 1.5x as long."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    torch_dir = Path(next(iter(spec.submodule_search_locations)))
+    for pattern in OPENMP_RUNTIMES:
+        for path in sorted(glob.glob(str(torch_dir / "lib" / pattern)) + glob.glob(str(torch_dir.parent / "torch.libs" / pattern))):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # torch's own import then finds it loaded
+                return path
+            except OSError:
+                continue
+    return None
+
+
+def import_on(core: int) -> None:
+    """Run this process on ``core`` only, once the OpenMP runtime has seen every core
+    (:func:`load_openmp`)."""
+    load_openmp()
+    os.sched_setaffinity(0, {core})
+
+
 def main() -> None:
     from rlstream.cli import library_defaults
+
+    if len(sys.argv) > 2 and sys.argv[1] == "--core":
+        import_on(int(sys.argv[2]))
+        print("importing", flush=True)  # on its core: from here the run may widen it (share_cores)
 
     library_defaults()  # what `rlstream <component>` sets before anything imports the libraries
     import torch  # noqa: F401
@@ -281,19 +325,18 @@ class Preloader:
         """The core its import runs on, alone once :meth:`split_cores` moved the rest off it."""
         self.split: set[int] | None = None
         self._ready = False  # imported (or gone): nothing is kept off its core any more
+        self._narrowed = threading.Event()  # it is on its one core (or gone, or never will be)
+        if self.own_core is None:
+            self._narrowed.set()
         # from the main thread, before the broker's modules are imported: it dies with this process
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlstream.run.preload"], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=self._preexec)
+        core = [] if self.own_core is None else ["--core", str(self.own_core)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlstream.run.preload", *core], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_tied)
         self._waiting: dict[int, Preforked] = {}
         self._next = 0
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="rlstream-preload", daemon=True)
         self._reader.start()
-
-    def _preexec(self) -> None:
-        _tied()
-        if self.own_core is not None:
-            os.sched_setaffinity(0, {self.own_core})
 
     def split_cores(self) -> None:
         """Keep this thread, and what it starts until the preloader has imported (the broker, the
@@ -308,7 +351,9 @@ class Preloader:
 
     def share_cores(self) -> None:
         """Let the preloader's import run on every core, for a config that places its components
-        on cores of its own choosing (nothing is kept off the preloader's core then)."""
+        on cores of its own choosing (nothing is kept off the preloader's core then). Once it has
+        narrowed itself, which it does first thing: widened before, it would narrow again."""
+        self._narrowed.wait(NARROW_WAIT_S)
         for tid in _tasks(self.proc.pid):
             try:
                 os.sched_setaffinity(tid, self.cores)
@@ -369,6 +414,9 @@ class Preloader:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            if line.strip() == "importing":
+                self._narrowed.set()
+                continue
             if line.strip() == "ready":
                 self.rejoin()
                 continue
@@ -377,6 +425,7 @@ class Preloader:
                 handle = self._waiting.pop(rid, None)
             if handle is not None:
                 handle._started(pid)
+        self._narrowed.set()
         self.rejoin()  # it died before it was ready
 
 

@@ -38,7 +38,11 @@ def main() -> None:
 
     cores = sorted(os.sched_getaffinity(0))
     pre = Preloader(env)
-    # while it imports (seconds): it has a core of its own, and what this process starts stays off it
+    # while it imports (seconds): it has a core of its own (it narrows itself once its OpenMP
+    # runtime is loaded), and what this process starts stays off it
+    deadline = time.monotonic() + 60
+    while sorted(os.sched_getaffinity(pre.proc.pid)) == cores and len(cores) > 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
     out["preloader_cpus"] = sorted(os.sched_getaffinity(pre.proc.pid))
     pre.split_cores()
     meanwhile = subprocess.Popen(["sleep", "300"])
