@@ -121,8 +121,8 @@ WORKLOADS = {
 }
 MICRO_TOKENS = 10240
 """rlstream's ``learner.micro_batch_tokens``: a step of either workload (64 rows of ~40 or ~160
-tokens) in one forward pass, as TRL's ``per_device_train_batch_size=64`` does. At 2 threads a
-long step's training phase took 0.44-0.47 s in one pass against 0.45-0.57 s in four of 16 rows."""
+tokens) in one forward pass, as TRL's ``per_device_train_batch_size=64`` does: the training
+phases are compared on the same passes."""
 TAIL_STEPS = 25
 """SFT steps, after the warm-up, that teach a workload with a ``tail`` to write it after the answer."""
 # seconds on 2 quiet cores, for the estimate printed at start: start-up, and per step
