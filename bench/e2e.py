@@ -39,11 +39,16 @@ Runs, per workload:
   DeepSpeed, mlflow installed) takes 11-14 s to import instead of 5-6 s, which would flatter
   rlstream.
 
-Every configuration runs ``--repeats`` times (3), with seeds 0, 1, 2: the prompts' order,
+Every configuration runs ``--repeats`` times (5), with seeds 0 to 4: the prompts' order,
 sampling and the learner's seed on rlstream's side, ``seed`` on TRL's. On this workload a run's
 time to target is mostly luck of the draw (a 10-step moving mean moves by about as much as the
-reward rises in 60 steps), so one run of each side decides nothing: every figure of the verdict
-is the median repeat's, and a repeat that did not learn counts as never reaching the target.
+reward rises in 60 steps), so one run of each side decides nothing, and nor does the median of
+three (the same code read 0.90x and 2.77x TRL in two runs while its samples/s stayed 1.55-1.69x
+TRL's). The verdict's times to target are those of each configuration's **mean curve**: its
+repeats' rewards, samples and seconds averaged step by step, so a 10-step moving mean of it
+averages 10 steps of every seed. The median repeat's time (a repeat that did not learn counts as
+never reaching the target) is printed beside it, and in the JSON as ``..._median_repeat``; the
+other figures are the repeats' medians.
 
 Each row names its backend and threads, and gives samples/s (steady state), seconds from
 launch to the first learner step, seconds to a target moving-mean reward from launch and from
@@ -59,13 +64,13 @@ time to target from the first step; short, async (HF) >= 1.0x TRL; launch to fir
 most TRL's + 2 s; the learner's training phase <= 1.1x TRL's at the same thread count (the
 sync run's, whose learner has every core while the producer waits, as TRL's process has).
 
-A target counts only when a full window of steps (10) reaches it. A run learned when its
-moving-mean reward rose by ``RISE_MIN`` (0.05) from its first window to its last; the target is
-halfway from the start to the lowest best of the runs that learned, and a run that did not
-learn reaches no target (when it is ours, its ratios are misses; a peer's gives a lower
-bound), so a flat curve that touches the target by chance is not counted fast, and its low
-best cannot hand every run an easy target. When no run rose that much, every
-curve is flat and the first to touch the target is the luckiest, so the workload's times to
+A target counts only when a full window of steps (10) reaches it. A run (or a mean curve)
+learned when its moving-mean reward rose by ``RISE_MIN`` (0.05) from its first window to its
+last; the target is halfway from the start to the lowest best of the mean curves that learned,
+and a run or mean curve that did not learn reaches no target (when it is ours, its ratios are
+misses; a peer's gives a lower bound), so a flat curve that touches the target by chance is not
+counted fast, and its low best cannot hand every run an easy target. When no mean curve rose
+that much, every curve is flat and the first to touch the target is the luckiest, so the workload's times to
 target are not reported and its verdict uses samples/s instead (said on screen and in the
 JSON as ``<workload>_time_to_target_measurable: false``).
 """
@@ -370,7 +375,8 @@ def median(points: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def picture(runs: list[Run], targets: dict[str, float], window: int, path: Path) -> None:
+def picture(runs: list[Run], means: list[Run], targets: dict[str, float], window: int, path: Path) -> None:
+    """Each configuration's mean curve, thick, and its repeats thin, in one colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -380,15 +386,16 @@ def picture(runs: list[Run], targets: dict[str, float], window: int, path: Path)
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.5), dpi=110, squeeze=False)
     for ax, wl in zip(axes[0], names):
         colours: dict[tuple, str] = {}
+        for m in means:
+            if m.workload == wl:
+                colours[m.group] = f"C{len(colours)}"
+                s = smooth(m.points, window)
+                ax.plot([t for t, _ in s], [v for _, v in s], color=colours[m.group], lw=2.2,
+                        label=f"{m.label} ({m.backend}), mean of {sum(r.group == m.group for r in runs)}")
         for r in runs:
-            if r.workload != wl:
-                continue
-            s = smooth(r.points, window)
-            first = r.group not in colours
-            colours.setdefault(r.group, f"C{len(colours)}")
-            # one colour per configuration; its repeats (other seeds) thinner, unlabelled
-            ax.plot([t for t, _ in s], [v for _, v in s], color=colours[r.group], lw=2 if first else 1, alpha=1.0 if first else 0.6,
-                    label=f"{r.label} ({r.backend})" if first else None)
+            if r.workload == wl and r.group in colours:
+                s = smooth(r.points, window)
+                ax.plot([t for t, _ in s], [v for _, v in s], color=colours[r.group], lw=0.7, alpha=0.35)
         ax.axhline(targets[wl], color="grey", ls="--", lw=1, label=f"target {targets[wl]:.2f}")
         ax.set_xlabel("wall-clock seconds from launch")
         ax.set_ylabel(f"mean reward (moving mean of {window} steps)")
@@ -412,6 +419,20 @@ def estimate_s(workloads: list[Workload], backends: list[str], quick: bool, trl:
         if trl:
             total += len(trl_micros(wl)) * (START_S["trl"] + steps * STEP_S[(wl.name, "trl")])
     return total
+
+
+def mean_run(runs: list[Run]) -> Run:
+    """The repeats of one configuration as one run: at each step every repeat recorded, the mean
+    of their rewards, samples and seconds from launch (so from the first step too: a mean of
+    differences is the difference of the means). Its moving mean averages ``window`` steps of
+    every repeat, so it reaches a target when the configuration does, not when one seed's
+    luck does."""
+    by_step = [{p["step"]: p for p in r.points} for r in runs]
+    steps = sorted(set.intersection(*(set(d) for d in by_step)))
+    points = [{"step": s, **{k: statistics.fmean(d[s][k] for d in by_step) for k in ("elapsed_s", "reward", "samples")}}
+              for s in steps]
+    first = runs[0]
+    return Run(first.workload, first.label, first.backend, first.threads, first.launch_ts, points, seed=-1)
 
 
 def median_time(runs: list[Run], target: float, window: int, *, from_first_step: bool, learners: list[Run]) -> float | None:
@@ -467,12 +488,12 @@ def main() -> None:
     p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the runs)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--repeats", type=int, default=None,
-                   help="runs of each configuration, seeds 0..N-1 (default 3; 1 with --quick); each figure is the median repeat's")
+                   help="runs of each configuration, seeds 0..N-1 (default 5; 1 with --quick); times to target are the mean curve's")
     p.add_argument("--async-staleness", type=int, default=2, help="max_staleness of the async runs (default 2)")
     p.add_argument("--warmup-steps", type=int, default=40,
                    help="SFT warm-up steps before the race (default 40 of the demo's 80: the reward starts near 0.2)")
     args = p.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     workloads = [WORKLOADS[w] for w in (("short", "long") if args.workload == "both" else (args.workload,))]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(backends) - {"hf", "vllm"})
@@ -503,6 +524,7 @@ def main() -> None:
 
     window = 3 if args.quick else 10
     targets: dict[str, float] = {}
+    all_means: list[Run] = []
     rows, summary = [], []
     out: dict = {"repeats": args.repeats}
     lower_bounds: list[str] = []
@@ -525,21 +547,25 @@ def main() -> None:
         start = statistics.mean(sum(q["reward"] for q in r.points[:window]) / max(1, len(r.points[:window])) for r in mine)
         # a run whose reward did not rise by RISE_MIN did not learn: it neither sets the target nor
         # reaches it (a flat curve that touches a low target by chance is not fast, and letting its
-        # best pull the target down would hand every run that target)
+        # best pull the target down would hand every run that target); the same holds for the
+        # mean curve of a configuration's repeats, which sets the target and decides the verdict
         learners = [r for r in mine if rise(r.points, window) >= RISE_MIN]
         flat = [r for r in mine if r not in learners]
-        best = min(max(v for _, v in smooth(r.points, window)) for r in (learners or mine))
+        means = {g: mean_run(rs) for g, rs in groups.items()}
+        mean_learners = [m for m in means.values() if rise(m.points, window) >= RISE_MIN]
+        best = min(max(v for _, v in smooth(m.points, window)) for m in (mean_learners or list(means.values())))
         target = args.target if args.target is not None else start + 0.5 * (best - start)
         targets[wl.name] = target
-        learned = bool(learners)
+        learned = bool(mean_learners)
+        all_means.extend(means.values())
         if learned and flat:
             print(f"[{wl.name}] did not learn (reward rose less than {RISE_MIN}): "
                   + ", ".join(f"{r.label} ({r.backend}, seed {r.seed}) {rise(r.points, window):+.3f}" for r in flat)
                   + "; they reach no target", flush=True)
             out[f"{wl.name}_did_not_learn"] = [f"{r.label} ({r.backend}, seed {r.seed})" for r in flat]
         if not learned:
-            rises = ", ".join(f"{r.label} ({r.backend}, seed {r.seed}) {rise(r.points, window):+.3f}" for r in mine)
-            print(f"[{wl.name}] the reward did not rise by {RISE_MIN} in any run ({rises}): the times to target measure "
+            rises = ", ".join(f"{m.label} ({m.backend}) {rise(m.points, window):+.3f}" for m in means.values())
+            print(f"[{wl.name}] the mean reward of no configuration rose by {RISE_MIN} ({rises}): the times to target measure "
                   "noise, so this workload's verdict uses samples/s", flush=True)
             out[f"{wl.name}_time_to_target_measurable"] = False
         for r in mine:
@@ -551,8 +577,11 @@ def main() -> None:
             ttt = time_to(pts, target, window, from_first_step=True) if r in learners else None
             rows.append((wl.name, r.label, r.backend, r.threads, r.seed, len(pts), r.extra["sps"], pts[0]["elapsed_s"],
                          num(launch_ttt), num(ttt), num(r.extra["step_s"]), num(r.extra["train_s"]), smooth(pts, window)[-1][1]))
-        for (_, label, backend), rs in groups.items():
-            summary.append((wl.name, label, backend, rs[0].threads, len(rs), num(medians(rs, "sps")), num(medians(rs, "first_step_s")),
+        for g, rs in groups.items():
+            mean = [means[g]]
+            summary.append((wl.name, g[1], g[2], rs[0].threads, len(rs), num(medians(rs, "sps")), num(medians(rs, "first_step_s")),
+                            num(median_time(mean, target, window, from_first_step=False, learners=mean_learners)),
+                            num(median_time(mean, target, window, from_first_step=True, learners=mean_learners)),
                             num(median_time(rs, target, window, from_first_step=False, learners=learners)),
                             num(median_time(rs, target, window, from_first_step=True, learners=learners)),
                             num(medians(rs, "step_s")), num(medians(rs, "train_s")),
@@ -572,11 +601,17 @@ def main() -> None:
                 if not bases:
                     continue
                 for from_first, suffix in ((True, ""), (False, "_from_launch")):
-                    value, bound = (ratio_vs_best(bases, a, target, window, from_first_step=from_first, learners=learners)
-                                    if learned else (None, False))
+                    # the verdict's: the configurations' mean curves; beside it, the median repeat's
+                    value, bound = (ratio_vs_best([[means[b[0].group]] for b in bases], [means[a[0].group]], target, window,
+                                                  from_first_step=from_first, learners=mean_learners) if learned and a else (None, False))
                     out[f"{key}_async_vs_{name}{suffix}"] = value
                     if bound:
                         lower_bounds.append(f"{key}_async_vs_{name}{suffix}")
+                    value, bound = (ratio_vs_best(bases, a, target, window, from_first_step=from_first, learners=learners)
+                                    if learned else (None, False))
+                    out[f"{key}_async_vs_{name}{suffix}_median_repeat"] = value
+                    if bound:
+                        lower_bounds.append(f"{key}_async_vs_{name}{suffix}_median_repeat")
                 best_sps = max((medians(base, "sps") or 0.0 for base in bases), default=0.0)
                 if best_sps and medians(a, "sps"):
                     out[f"{key}_async_vs_{name}_samples_per_s"] = medians(a, "sps") / best_sps
@@ -608,12 +643,15 @@ def main() -> None:
     headers = ("workload", "run", "backend", "torch threads", "seed", "steps", "samples/s", "launch to 1st step s",
                "s to target (launch)", "s to target (1st step)", "step s (median)", "train phase s (median)", "final reward")
     group_headers = ("workload", "run", "backend", "torch threads", "repeats", "samples/s", "launch to 1st step s",
-                     "s to target (launch)", "s to target (1st step)", "step s", "train phase s", "learned")
+                     "mean curve: s to target (launch)", "mean curve: s to target (1st step)",
+                     "median repeat: s to target (launch)", "median repeat: s to target (1st step)", "step s", "train phase s",
+                     "learned")
     title = f"GRPO race: {BATCH} samples per step, targets " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
     table(title + ": every run", rows, headers)
-    table(title + f": the median of {args.repeats} repeats (the verdict's figures)", summary, group_headers)
+    table(title + f": {args.repeats} repeats (the verdict's figures: times to target on the mean curve, the rest medians)",
+          summary, group_headers)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    picture(runs, targets, window, RESULTS / "e2e.png")
+    picture(runs, all_means, targets, window, RESULTS / "e2e.png")
 
     def cell(v):
         return "-" if isinstance(v, float) and math.isnan(v) else (f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else
@@ -622,8 +660,10 @@ def main() -> None:
     def markdown(hs: tuple, rs: list[tuple]) -> list[str]:
         return ["| " + " | ".join(hs) + " |", "|" + "---|" * len(hs)] + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rs]
 
-    md = [f"Median of {args.repeats} repeats (seeds 0-{args.repeats - 1}); a repeat that did not learn or never reached "
-          "the target counts as never:", "", *markdown(group_headers, summary), "", "Every run:", "", *markdown(headers, rows)]
+    md = [f"{args.repeats} repeats (seeds 0-{args.repeats - 1}) of each configuration. The verdict's times to target are "
+          "those of the mean curve (the repeats' rewards and times averaged step by step); beside them, the median "
+          "repeat's, where a repeat that did not learn or never reached the target counts as never; the other "
+          "figures are medians:", "", *markdown(group_headers, summary), "", "Every run:", "", *markdown(headers, rows)]
     md += ["", "targets: " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items()) + f" (moving mean of {window} steps); "
            f"reward {REWARD_IMPORT} on both sides; step s: the rlstream learner's own work per step, TRL's whole step "
            "(generation, reward, training); train phase s: forward, backward and optimizer (TRL: its step less "

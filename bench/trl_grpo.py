@@ -81,6 +81,10 @@ def main() -> None:
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, beta=0.0,
         seed=args.seed, max_grad_norm=1.0, use_vllm=False, top_k=0, top_p=1.0, adam_beta1=0.9, adam_beta2=0.999,
         weight_decay=0.0, disable_tqdm=True,
+        # rlstream's learner trains in float32 without recomputing activations (learner.dtype,
+        # learner.gradient_checkpointing); TRL's config turns both on by default, and bf16
+        # autocast on this CPU makes its steps ~8x slower: identical work is float32 on both sides
+        bf16=False, fp16=False, gradient_checkpointing=False,
         # rlstream's GRPO defaults: token-mean loss over the batch, group std normalisation
         loss_type="dapo", scale_rewards="group",
         generation_kwargs={"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None,
@@ -116,6 +120,17 @@ def main() -> None:
                 out.flush()
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tok, callbacks=[Log()])
+    # what the trainer will really do, not what was asked: a library default that turns mixed
+    # precision or checkpointing back on changes the work, so the race refuses to run
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
+    dtypes = sorted({str(q.dtype).removeprefix("torch.") for q in trainer.model.parameters()})
+    # (the trainer turns checkpointing on when training starts: its config says whether it will)
+    checkpointing = bool(config.gradient_checkpointing or getattr(trainer.model, "is_gradient_checkpointing", False))
+    print(f"TRL side: parameters {', '.join(dtypes)}, mixed precision {mixed}, gradient checkpointing "
+          f"{'on' if checkpointing else 'off'}", flush=True)
+    if mixed != "no" or dtypes != ["float32"] or checkpointing:
+        raise SystemExit("TRL side: not the work rlstream's learner does (float32, no mixed precision, no gradient "
+                         f"checkpointing): parameters {dtypes}, mixed precision {mixed!r}, checkpointing {checkpointing}")
     # generation and scoring happen inside the step; timing them leaves the training phase
     generate = getattr(trainer, "_generate_and_score_completions", None)
     if generate is not None:

@@ -1,6 +1,6 @@
-"""How bench/e2e.py turns repeated runs into the race's verdict: the median repeat's time to the
-target, a repeat that did not learn counted as never, and a peer that never got there a lower
-bound. Worked by hand on step curves of 0s then 1s (a window of 2 first reaches 0.5 at the
+"""How bench/e2e.py turns repeated runs into the race's verdict: the mean curve of a
+configuration's repeats, the median repeat's time to the target, a repeat that did not learn
+counted as never, and a peer that never got there a lower bound. Worked by hand on step curves of 0s then 1s (a window of 2 first reaches 0.5 at the
 first 1), one step a second from 5 s after launch."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ spec.loader.exec_module(e2e)
 WINDOW, TARGET, STEPS = 2, 0.5, 12
 
 
-def run(reaches_at: int | None, seed: int = 0, label: str = "rlstream async") -> e2e.Run:
+def run(reaches_at: int | None, seed: int = 0, label: str = "rlstream async", step_s: float = 1.0) -> e2e.Run:
     """A run whose reward is 0 until step index ``reaches_at``, then 1 (None: 0 throughout)."""
     ones = 0 if reaches_at is None else STEPS - reaches_at
     rewards = [0.0] * (STEPS - ones) + [1.0] * ones
-    points = [{"step": i + 1, "elapsed_s": 5.0 + i, "reward": r, "samples": 64 * (i + 1)} for i, r in enumerate(rewards)]
+    points = [{"step": i + 1, "elapsed_s": 5.0 + i * step_s, "reward": r, "samples": 64 * (i + 1)} for i, r in enumerate(rewards)]
     return e2e.Run("long", label, "hf", "1", 0.0, points, seed=seed)
 
 
@@ -89,3 +89,24 @@ def test_the_median_of_per_run_figures_skips_runs_without_one():
     for r, sps in zip(rs, (100.0, float("nan"), 120.0)):
         r.extra = {"sps": sps}
     assert e2e.medians(rs, "sps") == 110.0 and e2e.medians(rs, "step_s") is None
+
+
+def test_the_mean_curve_averages_every_repeat_step_by_step():
+    # rewards by step index: 1 from index 2, 1 from index 4, never; steps of 1, 2 and 3 s from 5 s
+    rs = [run(2, 0, step_s=1.0), run(4, 1, step_s=2.0), run(None, 2, step_s=3.0)]
+    mean = e2e.mean_run(rs)
+    assert mean.group == rs[0].group and [p["step"] for p in mean.points] == list(range(1, STEPS + 1))
+    assert [p["reward"] for p in mean.points[:6]] == pytest.approx([0, 0, 1 / 3, 1 / 3, 2 / 3, 2 / 3])
+    assert [p["elapsed_s"] for p in mean.points[:3]] == pytest.approx([5.0, 7.0, 9.0])  # 5 + 2 s a step
+    # a window of 2 first reaches 0.5 at index 4, (1/3 + 2/3) / 2: 8 s after the first step, 13 s from launch
+    assert e2e.time_to(mean.points, TARGET, WINDOW, from_first_step=True) == pytest.approx(8.0)
+    assert e2e.time_to(mean.points, TARGET, WINDOW) == pytest.approx(13.0)
+    # a repeat that never got there pulls the mean down: two such of three keep it below 0.5
+    assert e2e.time_to(e2e.mean_run([run(2), run(None, 1), run(None, 2)]).points, TARGET, WINDOW) is None
+
+
+def test_the_mean_curve_keeps_only_the_steps_every_repeat_recorded():
+    a, b = run(2, 0), run(2, 1)
+    b.points = [p for p in b.points if p["step"] != 3][:-1]  # step 3 and the last step missing
+    steps = [p["step"] for p in e2e.mean_run([a, b]).points]
+    assert steps == [s for s in range(1, STEPS) if s != 3]
