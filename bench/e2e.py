@@ -485,7 +485,7 @@ def main() -> None:
     p.add_argument("--workload", choices=["short", "long", "both"], default="both")
     p.add_argument("--backends", default="hf,vllm", help="rlstream producer backends for the long workload (short runs hf)")
     p.add_argument("--steps", type=int, default=None, help="steps of every run (default: per workload)")
-    p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the runs)")
+    p.add_argument("--target", type=float, default=None, help="target reward (default: halfway from the start to the lowest best of the mean curves)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of each configuration, seeds 0..N-1 (default 5; 1 with --quick); times to target are the mean curve's")
