@@ -348,3 +348,19 @@ async def test_run_state_rides_out_a_broker_restart(nats_factory, run_id):
     assert "producer.p0" in beats and version == 3 and await state.admit(0) == 7
     assert state.broker_retries > 0
     await nc.close()
+
+
+def test_a_port_held_by_another_process_is_an_error_not_a_false_start(tmp_path):
+    """Something else answering on the chosen port must not pass for our server: nats-server
+    exits on "address already in use", and start() says so instead of returning a dead server."""
+    import socket
+
+    from rlstream.broker import BrokerError, EmbeddedServer
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        server = EmbeddedServer(tmp_path / "store", port=squatter.getsockname()[1])
+        with pytest.raises(BrokerError, match="address already in use"):
+            server.start(timeout=20)
+        assert not server.alive()

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from rlstream.broker.errors import BrokerError
-from rlstream.broker.server import EmbeddedServer, free_port
+from rlstream.broker.server import EmbeddedServer, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,10 @@ class LocalCluster:
     def _layout_nodes(self) -> None:
         """Pick ports and write each node's config (again, after a port was taken)."""
         host = self.host
-        self.cluster_ports = [free_port(host) for _ in range(self.size)]
-        self.monitor_ports = [free_port(host) for _ in range(self.size)]
+        ports = free_ports(3 * self.size, host)
+        self.cluster_ports = ports[:self.size]
+        self.monitor_ports = ports[self.size:2 * self.size]
+        client_ports = ports[2 * self.size:]
         self.nodes = []
         for i in range(self.size):
             node_dir = self.root / f"n{i}"
@@ -103,7 +105,8 @@ class LocalCluster:
                 [p for j, p in enumerate(self.cluster_ports) if j != i], self.monitor_ports[i],
                 host=host, max_payload_mb=self.max_payload_mb, include=include,
             ))
-            self.nodes.append(EmbeddedServer(node_dir / "store", host=host, config_file=conf, log_file=node_dir / "server.log"))
+            self.nodes.append(EmbeddedServer(node_dir / "store", client_ports[i], host=host, config_file=conf,
+                                             log_file=node_dir / "server.log"))
 
     @property
     def urls(self) -> str:
@@ -128,10 +131,15 @@ class LocalCluster:
             return json.loads(resp.read())
 
     def wait_ready(self, timeout: float = 30.0, nodes: list[int] | None = None) -> None:
-        """Until every (alive) node reports healthy: routes up and a JetStream meta leader."""
+        """Until every (alive) node reports healthy: routes up and a JetStream meta leader.
+        A node that exits meanwhile is an error at once, with the end of its log (e.g. a port
+        taken by another process), not a wait for an answer that cannot come."""
         want = [i for i in (nodes if nodes is not None else range(self.size)) if self.nodes[i].alive()]
         deadline = time.monotonic() + timeout
         while True:
+            for i in want:
+                if not self.nodes[i].alive():
+                    raise BrokerError(f"nats node n{i} exited while the cluster formed: {self.nodes[i].log_tail()}")
             answers = {i: self.healthz(i) for i in want}
             if all(a.get("status") == "ok" for a in answers.values()):
                 return

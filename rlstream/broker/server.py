@@ -106,16 +106,46 @@ def write_private(path: Path, text: str) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free now (held together while picked, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself has a listening socket on ``port``; None when this
+    system does not tell (then only a connection can be tried)."""
+    import psutil
+
+    try:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return None
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Until ``port`` accepts connections; with ``proc``, until that process itself listens
+    there: a free port can be taken by another process before the server binds it, and then
+    the other process answers while the server exits on "address already in use"."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise BrokerError(f"nats-server exited with code {proc.returncode} before accepting connections")
+        if proc is not None and listens_on(proc.pid, port) is False:
+            time.sleep(0.05)
+            continue
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
@@ -187,14 +217,20 @@ class EmbeddedServer:
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except BrokerError as exc:
-            tail = self.log_file.read_text(errors="replace").strip().splitlines()[-3:] if self.log_file.exists() else []
+            tail = self.log_tail()
             self.stop()
-            raise BrokerError(f"{exc}: {' | '.join(tail)}") from None
+            raise BrokerError(f"{exc}: {tail}") from None
         log.info("nats-server %s up (pid %d, store %s)", self.url, self.proc.pid, self.store_dir)
         return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 3) -> str:
+        """The last lines of the server's log, joined on one line (for error messages)."""
+        if not self.log_file.exists():
+            return ""
+        return " | ".join(self.log_file.read_text(errors="replace").strip().splitlines()[-lines:])
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (for fault tests)."""

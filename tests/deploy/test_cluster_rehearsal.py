@@ -148,3 +148,23 @@ async def test_no_prompt_lost_or_duplicated_when_a_node_dies(cluster, run_id):
     assert "restart" in events
     # failover happens within seconds: the election, then the client's reconnect
     assert stall < 30.0
+
+
+def test_a_node_port_taken_before_it_binds_gets_the_cluster_new_ports(tmp_path):
+    """A free port can be taken by another process between being picked and being bound: the
+    node dies on it, and the cluster is laid out again on new ports instead of waiting out its
+    timeout on a node that is gone."""
+    import socket
+
+    c = LocalCluster(tmp_path / "cluster", size=3)
+    taken = c.nodes[2].port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        c.start(timeout=20)
+        try:
+            assert c.nodes[2].port != taken
+            assert all(n.alive() for n in c.nodes)
+            assert [c.healthz(i).get("status") for i in range(3)] == ["ok"] * 3
+        finally:
+            c.stop()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout, free_port
+from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout
+from rlstream.broker.server import free_ports
 from rlstream.broker.layout import Layout, bind_layout
 from rlstream.broker.server import nats_server_binary
 from rlstream.broker.cluster import LocalCluster
@@ -66,9 +67,8 @@ def loopback_config(text: str, node: int, client_port: int, cluster_ports: list[
 
 
 def _start_nodes(root: Path, source: str, tls: Path, mp: pytest.MonkeyPatch) -> list[EmbeddedServer]:
-    cluster_ports = [free_port() for _ in range(3)]
-    http_ports = [free_port() for _ in range(3)]
-    client_ports = [free_port() for _ in range(3)]
+    ports = free_ports(9)
+    cluster_ports, http_ports, client_ports = ports[:3], ports[3:6], ports[6:]
     nodes: list[EmbeddedServer] = []
     try:
         for i in range(3):
