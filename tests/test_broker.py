@@ -364,3 +364,22 @@ def test_a_port_held_by_another_process_is_an_error_not_a_false_start(tmp_path):
         with pytest.raises(BrokerError, match="address already in use"):
             server.start(timeout=20)
         assert not server.alive()
+
+
+def test_a_port_picked_by_the_server_and_taken_before_it_binds_is_picked_again(tmp_path):
+    import socket
+
+    from rlstream.broker import EmbeddedServer
+
+    server = EmbeddedServer(tmp_path / "store")
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        server.start(timeout=20)
+        try:
+            assert server.port != taken and server.alive()
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+                assert conn.recv(4096).startswith(b"INFO ")  # a nats-server greets with INFO
+        finally:
+            server.stop()

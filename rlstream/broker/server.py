@@ -180,6 +180,7 @@ class EmbeddedServer:
         self.authorization = dict(authorization or {})
         self.host = host
         self.port = port or free_port(host)
+        self._port_is_ours_to_pick = not port  # until the first start: then the URL is known to others
         self.config_file = config_file
         self.extra_args = list(extra_args or [])
         self.log_file = Path(log_file) if log_file else self.store_dir.parent / f"{self.store_dir.name}-nats-server.log"
@@ -205,7 +206,23 @@ class EmbeddedServer:
             write_private(config, "\n".join(lines) + "\n")
         return cmd + ["-c", str(config)] + self.extra_args
 
-    def start(self, timeout: float = 20.0) -> "EmbeddedServer":
+    def start(self, timeout: float = 20.0, attempts: int = 3) -> "EmbeddedServer":
+        """Start the server and wait until it listens. A port picked here can be taken by
+        another process before the server binds it; then a new one is picked (``attempts``
+        times in all), which a port given by the caller, or a restart, never does."""
+        for attempt in range(attempts):
+            try:
+                self._start_once(timeout)
+                break
+            except BrokerError as exc:
+                if not self._port_is_ours_to_pick or "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                log.info("port %d was taken before nats-server bound it; picking another", self.port)
+                self.port = free_port(self.host)
+        self._port_is_ours_to_pick = False
+        return self
+
+    def _start_once(self, timeout: float) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         out = subprocess.DEVNULL
@@ -221,7 +238,6 @@ class EmbeddedServer:
             self.stop()
             raise BrokerError(f"{exc}: {tail}") from None
         log.info("nats-server %s up (pid %d, store %s)", self.url, self.proc.pid, self.store_dir)
-        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
