@@ -39,7 +39,7 @@ async def test_a_sleeping_child_times_out_and_the_run_returns():
     code = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\ntime.sleep(300)"
     start = time.monotonic()
     r = await run_python(code, Limits(timeout_s=1.0))
-    assert r.reason == "timeout" and time.monotonic() - start < 5
+    assert r.reason == "timeout" and time.monotonic() - start < 15  # 1 s bound, not the 300 s sleep; slack for a busy machine
 
 
 async def test_output_past_the_cap_is_cut_and_the_process_stopped():

@@ -160,7 +160,7 @@ async def test_a_user_tool_that_hangs_raises_or_answers_10_mb_gives_an_observati
                        limits=LIMITS, isolation=isolation, max_output_chars=1000)
     start = time.monotonic()
     r = await reg.call(ToolCall("hangs", {}))
-    assert r.error and r.reason == "timeout" and "time limit" in r.content and time.monotonic() - start < 6
+    assert r.error and r.reason == "timeout" and "time limit" in r.content and time.monotonic() - start < 12  # 2 s bound + slack
     r = await reg.call(ToolCall("fails", {"why": "no such city"}))
     assert r.error and r.content == "error: LookupError: no such city"
     r = await reg.call(ToolCall("huge", {}))

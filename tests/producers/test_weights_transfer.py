@@ -148,7 +148,7 @@ async def test_a_transfer_from_a_stalled_server_times_out_within_the_bound(nats_
             assert done, "the receipt did not end within 20 s (bound: 2 s)"
             with pytest.raises(WeightsTimeout, match=r"took over 2s \(producer\.weights_timeout_s"):
                 task.result()
-            assert elapsed < 2 + 3, elapsed  # the bound plus scheduling slack
+            assert elapsed < 2 + 8, elapsed  # the bound plus slack for a busy machine (a hang is 20 s)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
     finally:
@@ -164,7 +164,7 @@ async def test_a_shared_file_that_never_appears_times_out_and_the_producer_keeps
     backend, stats = Loader(), ProducerStats(policy_version=0)
     t0 = time.monotonic()
     assert await asyncio.wait_for(sync_weights(comp, backend, 0, stats), 20) == 0  # a hang ends here
-    assert time.monotonic() - t0 < 1 + 3
+    assert time.monotonic() - t0 < 1 + 8  # the bound plus slack (a hang is 20 s)
     assert backend.loaded == []
     assert comp.reporter.values["alert/weight_fetch_timeouts"] == 1 == comp.reporter.values["alert/weight_fetch_failures"]
 
@@ -320,7 +320,7 @@ async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_i
     assert done, "the learner's broadcast did not end within 30 s (bound: 2 s)"
     with pytest.raises(Exception, match="(?i)timed? ?out|timeout"):
         sender.result()
-    assert time.monotonic() - t0 < 2 + 5
+    assert time.monotonic() - t0 < 2 + 13  # the bound plus slack (a hang is 30 s)
 
 
 async def test_a_local_snapshot_is_the_version_s_file_itself(comp_for):
