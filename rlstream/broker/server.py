@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 from rlstream.broker.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -124,8 +126,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def listens_on(pid: int, port: int) -> bool | None:
     """Whether process ``pid`` itself has a listening socket on ``port``; None when this
     system does not tell (then only a connection can be tried)."""
-    import psutil
-
     try:
         conns = psutil.Process(pid).net_connections(kind="inet")
     except psutil.NoSuchProcess:
