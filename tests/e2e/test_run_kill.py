@@ -3,14 +3,13 @@ components catch up, and the accounting shows no prompt lost and no group traine
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from helpers.runs import child, finished_summary, read_jsonl, run_cmd, wait_for_step, write_data
+from helpers.runs import child, finished_summary, kill_child, read_jsonl, replacement, run_cmd, wait_for_step, write_data
 
 
 def narrower_threads(procs: list[psutil.Process], cores: set[int]) -> dict[str, set[int]]:
@@ -67,13 +66,14 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         shown = status_cpus(run_dir)
         assert {"learner", "producer", "scorer"} <= set(shown)
         assert set(shown.values()) == {",".join(map(str, sorted(cores)))}, shown
-        os.kill(child(proc.pid, " producer ").pid, signal.SIGKILL)
+        kill_child(proc.pid, " producer ")
         wait_for_step(run_dir, 7, proc)
-        os.kill(child(proc.pid, " scorer ").pid, signal.SIGKILL)
+        kill_child(proc.pid, " scorer ")
         wait_for_step(run_dir, 10, proc)  # after the checkpoint at step 8
-        os.kill(child(proc.pid, " learner ").pid, signal.SIGKILL)
-        wait_for_step(run_dir, 12, proc)
-        assert "RLSTREAM_NATS_URL" in child(proc.pid, " learner ").environ()  # a restart is a process of its own
+        killed = kill_child(proc.pid, " learner ")
+        # a restart is a process of its own, started by the run after its backoff (the killed
+        # learner may have trained past any step we could wait for, so wait for the process)
+        assert "RLSTREAM_NATS_URL" in replacement(proc.pid, " learner ", killed).environ()
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:

@@ -72,3 +72,29 @@ def child(run_pid: int, needle: str) -> psutil.Process:
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"no child process matching {needle!r}")
+
+
+def kill_child(run_pid: int, needle: str, timeout: float = 30) -> int:
+    """SIGKILL the run's child matching ``needle`` and wait until it is gone; its pid."""
+    p = child(run_pid, needle)
+    p.kill()
+    try:
+        p.wait(timeout)  # returns once the supervisor has reaped it
+    except psutil.TimeoutExpired:
+        raise AssertionError(f"{needle!r} (pid {p.pid}) still there {timeout}s after SIGKILL") from None
+    return p.pid
+
+
+def replacement(run_pid: int, needle: str, old_pid: int, timeout: float = 120) -> psutil.Process:
+    """The child matching ``needle`` that the run started in place of ``old_pid`` (after its
+    restart backoff), waited for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            p = child(run_pid, needle)
+            if p.pid != old_pid:
+                return p
+        except AssertionError:
+            pass  # not restarted yet
+        time.sleep(0.2)
+    raise AssertionError(f"no {needle!r} restarted in place of pid {old_pid} within {timeout}s")
