@@ -209,6 +209,15 @@ class PullBatches:
             await self.sub.unsubscribe()
             self.sub = None
 
+    async def give_back(self) -> int:
+        """Nak what was delivered and never handed out (it came for a request the fetch had
+        given up on, e.g. while its caller waited for pacing room), so that another consumer
+        gets it now instead of after the ack wait. Returns how many."""
+        unclaimed = len(self.ready)
+        while self.ready:
+            await self.ready.popleft().nak()
+        return unclaimed
+
     async def _arrived(self, msg: Msg) -> None:
         headers = msg.headers
         status = headers.get(_STATUS) if headers else None
@@ -325,6 +334,12 @@ class Consumer(Generic[R]):
     async def start(self) -> "Consumer[R]":
         self.sub = await PullBatches(self.js, self.stream, self.durable).start()
         return self
+
+    async def close(self) -> int:
+        """A stage that stops: no more deliveries, and what was delivered but never fetched is
+        given back at once (:meth:`PullBatches.give_back`). Returns how many were given back."""
+        await self.sub.unsubscribe()
+        return await self.sub.give_back()
 
     async def fetch(self, batch: int, timeout: float = 1.0) -> list[Delivery[R]]:
         """Up to ``batch`` decoded records; [] when none arrived within ``timeout``.

@@ -200,6 +200,18 @@ def save_checkpoint(learner, run_dir: Path) -> Path:
     return final
 
 
+def save_model_files(model, state_dict: dict, out: Path) -> None:
+    """What ``save_pretrained`` writes for ``from_pretrained`` and vLLM (``config.json``,
+    ``generation_config.json``, ``model.safetensors``), without ``save_pretrained``: it
+    unwraps the model through accelerate, which imports DeepSpeed whenever it is installed,
+    1-3 s added to the first checkpoint of every run, which is its last on a short one."""
+    model.config.save_pretrained(str(out))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(out))
+    save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> None:
     engine = learner.engine
     if engine.rank == 0:
@@ -228,7 +240,7 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
             save_file(full, str(tmp / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
             (tmp / lora.ADAPTER_CONFIG).write_text(lora.config_json(model))
         else:
-            model.save_pretrained(str(tmp), state_dict=full, safe_serialization=True)
+            save_model_files(model, full, tmp)
         if learner.tokenizer is not None:
             learner.tokenizer.save_pretrained(str(tmp))
         meta: dict[str, Any] = {}

@@ -122,7 +122,8 @@ class ProducerStats:
     in_flight_updates: int = 0
     """Weight versions loaded under running requests (``producer.weight_update: in_flight``)."""
     ready_naks: int = 0
-    """Prompts given back at SIGTERM that were held ready and had not reached the engine."""
+    """Prompts given back at SIGTERM before their generation began (held ready for an engine
+    slot, or waiting on a weight reload): at once, without waiting out the drain."""
 
 
 def ready_groups(slots: int) -> int:
@@ -196,6 +197,31 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+class Stopped(Exception):
+    """SIGTERM came before a batch's generation began: its prompts are given back at once."""
+
+
+async def unless_stopped(stop: asyncio.Event, aw) -> Any:
+    """``await aw``, unless ``stop`` is set first: then it is cancelled and :class:`Stopped`
+    raised. Only a generation that has begun gets the drain's grace period; a batch still
+    waiting for weights or for the gate holds prompts that another producer can take now."""
+    task = asyncio.ensure_future(aw)
+    if stop.is_set():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stopped
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise Stopped
+
+
 class GenerationGate:
     """Batches generate together; a weight reload waits for them and holds new ones back.
 
@@ -210,16 +236,21 @@ class GenerationGate:
         self._reloading = False
 
     @contextlib.asynccontextmanager
-    async def generation(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._reloading and not self._reloads_waiting)
-            self._generating += 1
+    async def generation(self, stop: asyncio.Event | None = None):
+        """Generate inside; with ``stop``, a stop that comes while waiting raises :class:`Stopped`."""
+        entering = self._enter()
+        await (entering if stop is None else unless_stopped(stop, entering))
         try:
             yield
         finally:
             async with self._cond:
                 self._generating -= 1
                 self._cond.notify_all()
+
+    async def _enter(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading and not self._reloads_waiting)
+            self._generating += 1  # no await after this: a cancel cannot leave it counted
 
     @contextlib.asynccontextmanager
     async def reload(self):
@@ -394,21 +425,19 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         finally:
             settled.set()
 
+    async def give_back_unstarted(deliveries) -> None:
+        """Stopped before these prompts' generation began: nak them now, not after the drain."""
+        for d in deliveries:
+            await d.nak()
+        stats.ready_naks += len(deliveries)
+
     async def produce(deliveries, phases: Phases, release=None) -> None:
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
-            if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
-                with phases.time("weight_reload"):
-                    await newest_weights()
-            if continuous:
-                reached, groups = await generate_ready(deliveries, phases)
-                release()  # its refilled slot: the next ready group is taken while this one publishes
-                if not reached:  # stopped before it had an engine slot: given back
-                    return
-            else:
-                with phases.time("generate"):
-                    async with gate.generation():
-                        groups = await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
-                                                      stats.policy_version, env)
+            try:
+                groups = await generate_held(deliveries, phases, release)
+            except Stopped:
+                await give_back_unstarted(deliveries)
+                return
             if groups is None:
                 stats.failed_batches += 1
                 if stats.failed_batches >= MAX_FAILED_BATCHES:
@@ -432,12 +461,29 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             "producer/policy_version": stats.policy_version,
         })
 
+    async def generate_held(deliveries, phases: Phases, release=None) -> list[RolloutGroup] | None:
+        """The newest weights, then generation (None: it failed, the prompts nak'ed). Raises
+        :class:`Stopped` when a stop comes before the generation has begun."""
+        if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
+            with phases.time("weight_reload"):
+                await unless_stopped(comp.stop, newest_weights())
+        if continuous:
+            reached, groups = await generate_ready(deliveries, phases)
+            release()  # its refilled slot: the next ready group is taken while this one publishes
+            if not reached:
+                raise Stopped
+            return groups
+        with phases.time("generate"):
+            async with gate.generation(comp.stop):
+                return await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
+                                            stats.policy_version, env)
+
     async def generate_ready(deliveries, phases: Phases) -> tuple[bool, list[RolloutGroup] | None]:
         """Continuous: tokenise, then wait for an engine slot and generate; the slot is given up
         as soon as the groups are built (publishing them overlaps the next generation, and the
         next ready group is taken meanwhile). Returns
-        whether it reached the engine (False: stopped before it had a slot, the prompts nak'ed
-        so that another producer takes them at once) and the groups (None: failed, nak'ed)."""
+        whether it reached the engine (False: stopped before it had a slot, so the prompts are
+        to be given back) and the groups (None: failed, nak'ed)."""
         encoded = None
         if env is None:
             encoded = await encode_batch(comp, backend, consumer, deliveries)
@@ -445,9 +491,6 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                 return True, None
         async with engine_slots:
             if comp.stop.is_set():
-                for d in deliveries:
-                    await d.nak()
-                stats.ready_naks += len(deliveries)
                 return False, None
             with phases.time("generate"):
                 async with gate.generation():
@@ -457,7 +500,11 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     async def produce_eval(deliveries) -> None:
         """Generate eval prompts with exactly their pinned policy version."""
         async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-eval-in-progress"):
-            await newest_weights()
+            try:
+                await unless_stopped(comp.stop, newest_weights())
+            except Stopped:
+                await give_back_unstarted(deliveries)
+                return
             loaded = stats.policy_version
             ready = []
             for d in deliveries:
@@ -505,7 +552,14 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
                 log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
             await comp.state.written_since(seen, PACING_POLL_S, comp.stop)
 
+    async def give_back_undelivered() -> None:
+        """At the stop, prompts the broker delivered to a fetch that had given up (no lane will
+        fetch again) go back at once, not after the drain."""
+        await comp.stop.wait()
+        stats.ready_naks += await consumer.sub.give_back()
+
     watcher = asyncio.create_task(watch_weights(), name=f"producer-{comp.component_id}-weights") if in_flight else None
+    undelivered = asyncio.create_task(give_back_undelivered(), name=f"producer-{comp.component_id}-give-back")
     try:
         # one lane failing stops the others (their prompts come back unacked); after SIGTERM the
         # lanes get drain_timeout_s to finish what they hold, then it is given back
@@ -516,17 +570,18 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
                         give_back=give_back)
     finally:
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-    # Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once.
-    await consumer.sub.unsubscribe()
+        for task in (watcher, undelivered):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    # Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once,
+    # and prompts the broker delivered to a fetch that had given up go back too.
+    stats.ready_naks += await consumer.close()
     if evals is not None:
-        await evals.sub.unsubscribe()
+        await evals.close()
     if stats.ready_naks:
-        log.info("producer %s: gave back %d ready prompts that had not reached the engine", comp.component_id,
-                 stats.ready_naks)
+        log.info("producer %s: gave back %d prompts whose generation had not begun", comp.component_id, stats.ready_naks)
     log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
     return stats
 

@@ -85,3 +85,39 @@ def test_retention_keeps_last_and_never_the_latest(tiny_model_dir, tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_3"
     prune_checkpoints(tmp_path, keep_last=5, max_age_days=None)
     assert not (tmp_path / "checkpoints" / "step_9.tmp").exists()
+
+
+CHECKPOINT_ALONE = """
+import sys
+from helpers.groups import make_cfg, sample_groups
+from rlstream.learner.checkpoint import save_checkpoint
+from rlstream.learner.steps import build_learner, train_step
+from transformers import AutoModelForCausalLM
+import torch
+
+model_dir, run_dir = sys.argv[1], sys.argv[2]
+learner = build_learner(make_cfg(model_dir, "RL_GRPO", algo={"group_size": 4}), run_dir)
+train_step(learner, sample_groups(model_dir, 2, 4, seed=5))
+path = save_checkpoint(learner, run_dir)
+assert "deepspeed" not in sys.modules, "writing a checkpoint imported deepspeed"
+loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+for k, v in learner.model.state_dict().items():
+    assert torch.equal(v, loaded[k]), k
+print("ok", path.name)
+"""
+
+
+def test_a_checkpoint_is_written_without_importing_deepspeed(tiny_model_dir, tmp_path):
+    """DeepSpeed installed but unused: writing the model must not import it. transformers'
+    ``save_pretrained`` does (accelerate's unwrap), 1-3 s at the end of every short run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed", reason="needs deepspeed installed, to see that nothing imports it")
+    tests_dir = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", CHECKPOINT_ALONE, str(tiny_model_dir), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok step_1")

@@ -1,0 +1,73 @@
+"""A stop gives back at once the prompts whose generation has not begun; only a generation in
+progress gets ``producer.drain_timeout_s``. So a run ends as soon as its last batch is done,
+not a drain timeout after it, and another producer takes those prompts at once.
+
+Against a real nats-server and the real tiny model: one lane's generation is held open by the
+test; the other lane holds prompts it cannot generate, because a new policy version waits for
+that generation to end before it loads (between batches, every group has one version)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from helpers.broker import layout_for, wait_until
+from test_producer_loop import InProcess, _eq, perturbed, publish_weights, rollout_count
+
+from rlstream.broker import Consumer, Layout
+from rlstream.producers.backends import make_backend
+from rlstream.producers.feeder import feed
+from rlstream.schemas import Prompt
+
+
+ACK_WAIT_S = 600.0
+DRAIN_S = 600.0  # far longer than any wait below: only giving back at once passes
+
+
+async def ack_pending(js, lay) -> int:
+    return (await js.consumer_info(lay.prompts_stream, "producers")).num_ack_pending
+
+
+async def test_a_stop_gives_back_at_once_what_has_not_begun_generating(js, nats_server, run_id, config, dataset, tiny_model_dir):
+    cfg, _ = config(data_source={"path": str(dataset(4))}, learner={"batch_groups": 8},  # pacing room for every prompt
+                    producer={"batch_prompts": 2, "pipeline_batches": 2, "max_new_tokens": 4,
+                              "weight_update": "between_batches", "drain_timeout_s": DRAIN_S})
+    lay = await layout_for(js, run_id, ack_wait_s=ACK_WAIT_S)
+    assert await feed(js, lay, cfg, progress=False) == 4
+    backend = make_backend(cfg)
+    generate, hold, entered = backend.generate, asyncio.Event(), []
+
+    async def first_held(prompts, spec):  # the first generation runs until the test lets it go
+        entered.append(len(prompts))
+        if len(entered) == 1:
+            await hold.wait()
+        return await generate(prompts, spec)
+
+    backend.generate = first_held
+    prod = InProcess(cfg, nats_server.url, backend, "p1")
+    async with prod:
+        # one lane generates (held); the other produced the other two prompts and found no more
+        assert await wait_until(lambda: _eq(rollout_count(js, lay), 2), 60)
+        assert await ack_pending(js, lay) == 2 and not hold.is_set()
+        await publish_weights(js, lay, perturbed(tiny_model_dir, seed=5), 1)
+        cfg_more, _ = config(data_source={"path": str(dataset(6))})  # the same file, two more rows
+        assert await feed(js, lay, cfg_more, progress=False) == 6
+        # the free lane takes the two new prompts (or the broker has delivered them to its fetch);
+        # v1 waits for the held generation to end before it loads, so they cannot be generated
+        assert await wait_until(lambda: _eq(ack_pending(js, lay), 4), 60)
+        assert len(entered) == 2
+        prod.comp.stop.set()
+        # given back now, while the held generation still runs: another consumer of the queue
+        # gets them (the drain would hold them for 600 s)
+        other = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+        taken = await other.fetch(2, timeout=30)
+        assert sorted(d.record.index for d in taken) == [4, 5], "prompts that had not begun were held for the drain"
+        assert all(d.deliveries == 2 for d in taken)
+        for d in taken:
+            await d.nak()
+        await other.close()
+        hold.set()
+    stats = prod.stats
+    assert stats.ready_naks == 2 and stats.drain_naks == 0
+    assert stats.groups == 4 and len(entered) == 2  # the held batch finished within the drain; the other never generated
+    assert await rollout_count(js, lay) == 4
+    assert (await js.stream_info(lay.prompts_stream)).state.messages == 2  # acked: the four produced, no more
