@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per forward pass (per_device_train_batch_size; the rest by gradient accumulation, "
                         "one generation of the whole step's batch): rlstream's learner.micro_batch_size")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the trainer's use_cpu is false (bench/gpu.py)")
     p.add_argument("--launch-ts", type=float, default=None, help="time.time() when the benchmark launched this process")
     args = p.parse_args()
     launched = args.launch_ts or T0
@@ -78,7 +79,7 @@ def main() -> None:
         output_dir=args.out + ".trainer", learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, steps_per_generation=batch // micro,
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=args.temperature,
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, beta=0.0,
+        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=args.device == "cpu", beta=0.0,
         seed=args.seed, max_grad_norm=1.0, use_vllm=False, top_k=0, top_p=1.0, adam_beta1=0.9, adam_beta2=0.999,
         weight_decay=0.0, disable_tqdm=True,
         # rlstream's learner trains in float32 without recomputing activations (learner.dtype,

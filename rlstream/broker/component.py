@@ -85,6 +85,33 @@ def signals_to(stop: asyncio.Event, enabled: bool = True, *, who: str | None = N
                 loop.remove_signal_handler(sig)
 
 
+class Stopped(Exception):
+    """A stop came first (:func:`unless_stopped`)."""
+
+
+async def unless_stopped(stop: asyncio.Event, aw) -> Any:
+    """``await aw``, unless ``stop`` is set first: then it is cancelled and :class:`Stopped`
+    raised. For the waits a stop should cut short: a fetch (a scorer ends at once instead of
+    after its fetch's timeout), a producer's batch waiting for weights or for the generation
+    gate (only a generation that has begun gets the drain's grace period; prompts that have
+    not are given back at once)."""
+    task = asyncio.ensure_future(aw)
+    if stop.is_set():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stopped
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise Stopped
+
+
 async def lanes(n: int, lane: Callable[[asyncio.Lock], Awaitable[None]], *, name: str, stop: asyncio.Event | None = None,
                 drain_s: float | None = None, give_back: Callable[[float], Awaitable[None]] | None = None) -> None:
     """Run ``n`` copies of ``lane`` at once, as tasks named ``<name>-lane-<i>``, until all return.

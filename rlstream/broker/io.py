@@ -339,6 +339,8 @@ class Consumer(Generic[R]):
         """A stage that stops: no more deliveries, and what was delivered but never fetched is
         given back at once (:meth:`PullBatches.give_back`). Returns how many were given back."""
         await self.sub.unsubscribe()
+        if self.js._nc.is_closed:  # nothing can be given back; the ack wait returns it
+            return 0
         return await self.sub.give_back()
 
     async def fetch(self, batch: int, timeout: float = 1.0) -> list[Delivery[R]]:

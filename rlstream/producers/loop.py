@@ -87,7 +87,7 @@ from typing import Any
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception
-from rlstream.broker.component import kept_in_progress, lanes, refilled
+from rlstream.broker.component import Stopped, kept_in_progress, lanes, refilled, unless_stopped
 from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
@@ -195,31 +195,6 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-class Stopped(Exception):
-    """SIGTERM came before a batch's generation began: its prompts are given back at once."""
-
-
-async def unless_stopped(stop: asyncio.Event, aw) -> Any:
-    """``await aw``, unless ``stop`` is set first: then it is cancelled and :class:`Stopped`
-    raised. Only a generation that has begun gets the drain's grace period; a batch still
-    waiting for weights or for the gate holds prompts that another producer can take now."""
-    task = asyncio.ensure_future(aw)
-    if stop.is_set():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise Stopped
-    stopped = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise Stopped
 
 
 class GenerationGate:

@@ -89,7 +89,7 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     from rlstream.broker import EmbeddedServer, Layout
     from rlstream.config import SecretMaskingFormatter, dump_resolved, mask_secrets
     from rlstream.observe.rundir import write_broker_record
-    from rlstream.run.summary import eval_headline, read_eval, read_metrics, reward_curve, settled_accounting, summarize
+    from rlstream.run.summary import eval_headline, read_eval, read_metrics, reward_curve, seconds_since_last_step, settled_accounting, summarize
     from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
     from rlstream.rundir import RunDir, default_run_dir
 
@@ -129,16 +129,18 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     print(f"rlstream run {cfg.run}: {cfg.training_mode}, broker {mask_secrets(nats_url)}, run directory {run_dir}", flush=True)
     t0 = time.monotonic()
     outcome = Outcome(1, "not started")
+    after_last_step_s = None
     accounting: dict[str, Any] = {}
     try:
         outcome = asyncio.run(supervise(cfg, args, run_dir, nats_url, children, live, preloader))
+        after_last_step_s = seconds_since_last_step(rd.timeline)
         accounting = asyncio.run(settled_accounting(cfg.nats, nats_url, Layout(cfg.run, cfg.annotators)))
     finally:
         if server is not None:
             server.stop()
     ok = outcome.ok
     summary = summarize(cfg, run_dir, time.monotonic() - t0, accounting, {c.name: c.restarts for c in children}, ok,
-                        streaming(cfg))
+                        streaming(cfg), after_last_step_s=after_last_step_s)
     curve = reward_curve(read_metrics(run_dir), rd.reward_curve, f"{cfg.run} · {cfg.training_mode}", read_eval(run_dir))
     first, last = summary["reward_first"], summary["reward_last"]
     if ok:
@@ -148,7 +150,9 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
         verdict = f"stopped (resumable: rlstream run {args.config} --resume --run-dir {run_dir})"
     else:
         verdict = "stopped before its first checkpoint (nothing to resume; fix the cause and run again with --overwrite)"
-    print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s", flush=True)
+    ended = f" (every process ended {after_last_step_s:.1f}s after the last step)" if after_last_step_s is not None else ""
+    print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s{ended}",
+          flush=True)
     if first is not None:
         print(f"reward: first 10% of steps {first:.3f} -> last 10% {last:.3f}", flush=True)
     e0, e1 = summary.get("eval_first"), summary.get("eval_last")

@@ -208,10 +208,23 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
     return out
 
 
+def seconds_since_last_step(timeline: Path) -> float | None:
+    """Seconds from the newest learner step in ``timeline.jsonl`` to now (None: no step)."""
+    if not timeline.exists():
+        return None
+    for line in reversed(timeline.read_text().splitlines()):
+        try:
+            return max(0.0, time.time() - float(json.loads(line)["ts"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+    return None
+
+
 def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, Any], restarts: dict[str, int],
-              ok: bool, streaming: bool) -> dict[str, Any]:
+              ok: bool, streaming: bool, after_last_step_s: float | None = None) -> dict[str, Any]:
     """Write ``summary.json`` (``restarts``: process name -> restarts; ``streaming``: the data
-    came through the broker, so no group should be trained twice) and link ``checkpoints/latest``."""
+    came through the broker, so no group should be trained twice; ``after_last_step_s``: how
+    long the processes took to end after the learner's last step) and link ``checkpoints/latest``."""
     rd = RunDir(run_dir)
     rows = read_metrics(run_dir)
     learner_summary = {}
@@ -228,6 +241,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "steps": len(rows),
         "samples_trained": int(sum(r.get("samples", 0) for r in rows)),
         "wall_s": round(wall_s, 2),
+        "after_last_step_s": round(after_last_step_s, 2) if after_last_step_s is not None else None,
         "reward_first": (sum(rewards[:k]) / k) if rewards else None,
         "reward_last": (sum(rewards[-k:]) / k) if rewards else None,
         "loss_first": rows[0].get("loss/total") if rows else None,

@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
-from rlstream.broker.component import RecentIds, kept_in_progress, lanes
+from rlstream.broker.component import RecentIds, Stopped, kept_in_progress, lanes, unless_stopped
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
@@ -147,8 +147,9 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stop: asyncio.E
         finally:
             for c in (consumer, evals):
                 if c is not None and c.sub is not None:
-                    # a pull subscription left open holds up the connection's drain on exit
-                    await c.sub.unsubscribe()
+                    # a pull subscription left open holds up the connection's drain on exit; what
+                    # came for a fetch the stop cut short goes back to the other scorers
+                    await c.close()
             await scorer.close()
     return 0
 
@@ -206,7 +207,10 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
             phases.start()
             async with fetching:
                 with phases.time("fetch"):
-                    deliveries = await consumer.fetch(cfg.scorer.batch_groups, timeout=1.0)
+                    try:  # a stop ends the wait for records at once, not after the fetch's second
+                        deliveries = await unless_stopped(comp.stop, consumer.fetch(cfg.scorer.batch_groups, timeout=1.0))
+                    except Stopped:
+                        break
                 # at-least-once delivery: a group scored before, or another message with the
                 # id of one in hand, is acked again, not re-scored; the very message in hand,
                 # delivered again, is left unacked: its scored record may not be stored yet,
