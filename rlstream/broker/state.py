@@ -78,6 +78,12 @@ class RunState:
         self._written: asyncio.Event | None = None
         self._followed: dict[str, int] = {}
         """The last integer each followed key's messages carried (:meth:`follow`)."""
+        self._good: dict[str, Any] = {}
+        """The last well-formed value read of each key: what a malformed one is read as."""
+        self.bad_values = 0
+        """Malformed values read (kept out: the last good one stands in), heartbeats included.
+        Any role can make the broker write its PubAck JSON onto a KV key through a reply
+        subject, which no NATS permission checks; a reader must not crash on it."""
 
     @classmethod
     async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
@@ -155,18 +161,40 @@ class RunState:
 
         return await self._retry(f"get {key}", get)
 
+    def _malformed(self, key: str, raw: bytes, default: Any) -> Any:
+        self.bad_values += 1
+        log.warning("KV %s holds a malformed value (%r); keeping %r", key, bytes(raw[:80]), self._good.get(key, default))
+        return self._good.get(key, default)
+
     async def get_int(self, key: str, default: int = 0) -> int:
         entry = await self._get(key)
-        value = int(entry.value.decode()) if entry is not None and entry.value else default
+        if entry is None or not entry.value:
+            value = default
+        else:
+            try:
+                value = self._good[key] = int(entry.value.decode())
+            except (ValueError, UnicodeDecodeError):
+                value = self._malformed(key, entry.value, default)
         # the followed keys only grow (versions, admits as the learner consumes): the newer wins
         return max(value, self._followed.get(key, value))
 
     async def put_int(self, key: str, value: int) -> None:
         await self._retry(f"put {key}", lambda: self.kv.put(key, str(int(value)).encode()))
 
-    async def get_json(self, key: str) -> dict[str, Any] | None:
+    async def get_json(self, key: str, *, required: tuple[str, ...] = ()) -> dict[str, Any] | None:
+        """The JSON object under ``key`` (None: none); one that is not an object, or lacks a
+        ``required`` field, is malformed: the last good one is returned instead."""
         entry = await self._get(key)
-        return json.loads(entry.value) if entry is not None and entry.value else None
+        if entry is None or not entry.value:
+            return None
+        try:
+            value = json.loads(entry.value)
+        except (ValueError, UnicodeDecodeError):
+            value = None
+        if not isinstance(value, dict) or any(k not in value for k in required):
+            return self._malformed(key, entry.value, None)
+        self._good[key] = value
+        return value
 
     async def put_json(self, key: str, value: dict[str, Any]) -> None:
         data = json.dumps(value).encode()
@@ -204,10 +232,9 @@ class RunState:
         now = time.time()
         for key in keys:
             if key.startswith("heartbeat."):
-                value = await self.get_json(key)
-                if value:
-                    value["age_s"] = now - value.get("ts", 0)
-                    out[key[len("heartbeat."):]] = value
+                value = await self.get_json(key, required=("ts",))
+                if value and isinstance(value["ts"], (int, float)) and not isinstance(value["ts"], bool):
+                    out[key[len("heartbeat."):]] = {**value, "age_s": now - value["ts"]}
         return out
 
 

@@ -26,6 +26,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,8 @@ from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
 from nats.js.errors import NotFoundError
 
 from rlstream.broker.errors import BrokerError
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1024 * 1024
 
@@ -81,8 +84,13 @@ async def list_objects(js: JetStreamContext, bucket: str) -> list[str]:
             msg = await js.get_last_msg(stream, subject)
         except NotFoundError:  # deleted between the two requests
             continue
-        meta = ObjectInfo.from_response(json.loads(msg.data))
-        if not meta.deleted:
+        try:
+            meta = ObjectInfo.from_response(json.loads(msg.data))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            # not object metadata: e.g. a PubAck that a reply subject made the broker write here
+            log.warning("object store %s: skipping malformed metadata on %s", bucket, subject)
+            continue
+        if not meta.deleted and isinstance(meta.name, str):
             names.append(meta.name)
     return names
 

@@ -26,6 +26,10 @@ from rlstream.producers.loop import ready_groups
 ACK_WAIT_S = 600.0
 
 
+async def _true(x):
+    return x
+
+
 def continuous_hf(cfg):
     backend = make_backend(cfg)
     backend.continuous = True  # each group its own generate call: the loop's continuous path
@@ -53,11 +57,21 @@ async def test_groups_are_produced_one_by_one_exactly_once_with_each_tokens_vers
     lay = await layout_for(js, run_id)
     await feed(js, lay, cfg, progress=False)
     backend, calls = continuous_hf(cfg)
+    counted, v1_loaded = backend.generate, asyncio.Event()
+
+    async def later_after_v1(prompts, spec):  # every group after the first starts once v1 is in the engine
+        if calls["total"] >= 1:
+            await v1_loaded.wait()
+        return await counted(prompts, spec)
+
+    backend.generate = later_after_v1
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     new = perturbed(tiny_model_dir, seed=13)
     async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
         await wait_until(lambda: _ge(rollout_count(js, lay), 1), 60)
         await publish_weights(js, lay, new, 1)
+        await wait_until(lambda: _true(backend.policy_version == 1), 60)
+        v1_loaded.set()
         await wait_until(lambda: _eq(rollout_count(js, lay), 10), 120)
     info = prod.comp.reporter.info
     assert info["weight_update"] == "in_flight" and info["groups_in_flight"] == 4
@@ -80,7 +94,7 @@ async def test_groups_are_produced_one_by_one_exactly_once_with_each_tokens_vers
                 if at.any():
                     np.testing.assert_allclose(s.logprobs[at], _teacher_forced(model, g.prompt_ids, s.completion_ids)[at],
                                                atol=1e-4)
-    assert any(1 in g.token_versions() for g in groups)  # v1 reached the engine before the last group was done
+    assert any(1 in g.token_versions() for g in groups)  # v1 reached the engine before the later groups began
 
 
 async def test_a_stop_drains_the_groups_in_hand_and_gives_back_what_outlives_the_drain(js, nats_server, run_id, config, dataset):
