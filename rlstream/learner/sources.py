@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 import numpy as np
 import torch
 
+from rlstream.broker.layout import Layout
 from rlstream.learner import advantages as adv
 from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
 from rlstream.learner.steps import Learner
@@ -324,11 +325,7 @@ class StreamSource:
         await self.comp.state.set_admit(admit_bound(self.learner.cfg, passed, state.keep_rate))
 
     async def dead_letters_past_producers(self) -> int:
-        """Messages in the dead-letter stream from every stage after the producers."""
-        lay = self.comp.layout
-        info = await self.comp.js.stream_info(lay.dlq_stream, subjects_filter=lay.dlq("*"))
-        producers = lay.dlq("producer")
-        return sum(n for subject, n in (info.state.subjects or {}).items() if subject != producers)
+        return await dead_letters_past_producers(self.comp.js, self.comp.layout)
 
     async def release_dead_letters(self, stop: asyncio.Event) -> None:
         """Count the dead letters past the producers every ``RELEASE_POLL_S`` and re-admit
@@ -363,3 +360,14 @@ class StreamSource:
 
     def summary(self) -> dict[str, Any]:
         return {}
+
+
+async def dead_letters_past_producers(js, lay: Layout) -> int:
+    """Messages in the dead-letter stream from the stages between the producers and the
+    learner's buffer (the scorers, the annotating stages, the learner's own decode). Only
+    those can hold a rollout the learner will never consume; another role's dead letters
+    (the feeder's, a producer's) widen nothing, so no role can widen admission by
+    dead-lettering its own records."""
+    info = await js.stream_info(lay.dlq_stream, subjects_filter=lay.dlq("*"))
+    widening = {lay.dlq(stage) for stage in ("scorer", *lay.stages, "learner")}
+    return sum(n for subject, n in (info.state.subjects or {}).items() if subject in widening)

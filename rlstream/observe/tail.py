@@ -60,6 +60,18 @@ def _short(text: str, n: int = MAX_TEXT) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+_CONTROL = {**{c: 0x2400 + c for c in range(0x20)}, 0x7F: 0x2421, **{c: 0xFFFD for c in range(0x80, 0xA0)}}
+"""Control characters to visible ones of the same length (C0 to their Control Pictures, DEL
+to U+2421, C1 to U+FFFD): record fields are written by any publishing role, and an escape
+sequence printed as is would drive the operator's terminal (OSC, CSI)."""
+
+
+def visible(text: str) -> str:
+    """``text`` with every C0/C1 control character shown, not obeyed; the length is kept, so
+    the styles of a rich ``Text`` stay where they were."""
+    return text.translate(_CONTROL)
+
+
 def _num(v: float) -> str:
     return f"{v:.6g}"
 
@@ -140,9 +152,9 @@ class TextPrinter:
             head.append(record.SCHEMA, "bold")
             plain = plain_record(record)
             lines.append(Text("  " + _short(json.dumps({k: v for k, v in plain.items() if k not in ("schema", "v")}, default=str), 400)))
-        self.console.print(head)
-        for line in lines:
-            self.console.print(line)
+        for text in (head, *lines):
+            text.plain = visible(text.plain)
+            self.console.print(text)
 
 
 def _start_config(args) -> ConsumerConfig:

@@ -36,6 +36,8 @@ class LiveFigures:
         self.events = 0
         self.started = time.time()
         self.timeline: list[dict[str, float]] = []
+        self.forged = 0
+        """Metric events whose body named another component than their subject (left out)."""
         self.step_events = 0
         """Learner step events seen by this run (a resumed learner's first step included)."""
 
@@ -116,12 +118,22 @@ def _duration(seconds: float | None) -> str:
 
 
 async def watch_metrics(nc, layout: Layout, figures: LiveFigures) -> Any:
-    """Feed ``figures`` from the run's metrics subject; returns the subscription."""
+    """Feed ``figures`` from the run's metrics subject; returns the subscription.
+
+    Who sent an event is read from its subject (``rl.<run>.metrics.<component>.<id>``), which
+    each role's permissions restrict to its own, never from its body: an event whose body
+    names another component (a producer posting learner steps) is counted in
+    ``figures.forged`` and left out of the view, the timeline and the progress watch."""
     async def on_msg(msg):
         try:
-            figures.add(MetricEvent.decode(msg.data))
+            ev = MetricEvent.decode(msg.data)
         except RecordError:
-            pass  # tail shows bad payloads; the run view ignores them
+            return  # tail shows bad payloads; the run view ignores them
+        *_, component, component_id = msg.subject.split(".")
+        if (ev.component, ev.component_id) != (component, component_id):
+            figures.forged += 1
+            return
+        figures.add(ev)
 
     return await nc.subscribe(layout.metrics_all, cb=on_msg)
 

@@ -142,3 +142,20 @@ async def test_status_text_and_json(js, nats_server, run_id):
 async def test_status_unknown_run(nats_server, run_id):
     rc, out, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url)
     assert rc == 2 and "no streams" in err
+
+
+async def test_tail_shows_control_characters_instead_of_sending_them_to_the_terminal(js, nats_server, run_id):
+    """Any publishing role writes the fields tail prints (ids, producer, a dead letter's
+    stage and reason): an OSC or CSI sequence in them must reach the operator's terminal as
+    visible characters, not as escapes."""
+    lay = await ensure_layout(js, run_id)
+    pub = Publisher(js)
+    osc = "\x1b]0;owned\x07"  # set the terminal's title
+    await pub.publish(lay.rollouts, rollout(0, version=1).encode(), "g0")
+    await dead_letter(pub, lay, "scorer", lay.rollouts, b"x", f"bad {osc} \x9b2J reason", record_id=f"r{osc}")
+    rc, out, err = await run_cli("tail", lay.dlq("scorer"),
+                                 "--nats", nats_server.url, "--from-seq", "1", "--count", "1", "--timeout", "10")
+    assert rc == 0, err
+    assert "dead_letter stage=scorer" in out
+    assert not any(ch in out for ch in ("\x1b", "\x07", "\x9b")), repr(out)
+    assert "r␛]0;owned" in out and "bad ␛]0;owned" in out  # shown (rich itself drops the BEL)
