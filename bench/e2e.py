@@ -77,6 +77,7 @@ JSON as ``<workload>_time_to_target_measurable: false``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -499,6 +500,9 @@ def main() -> None:
     unknown = sorted(set(backends) - {"hf", "vllm"})
     if unknown:
         raise SystemExit(f"--backends: unknown {unknown} (hf, vllm)")
+    if "vllm" in backends and importlib.util.find_spec("vllm") is None:
+        print("vllm is not installed: the vllm backend is skipped (pip install 'rlstream[vllm]' to race it)", flush=True)
+        backends.remove("vllm")
     cores = os.cpu_count() or 1
     est = args.repeats * estimate_s(workloads, backends, args.quick, not args.skip_trl)
     print(f"estimated duration: ~{est / 60:.0f} min on 2 quiet cores ({'quick' if args.quick else 'full'} run; the first run "

@@ -14,7 +14,8 @@ when all is well):
   the first rows; every rule's parameters are valid and its answer column is there;
 - the environment (``env.name``) imports and builds, starts an episode from the first row, and
   the chat template renders it turn by turn;
-- a DeepSpeed JSON file parses, and ``deepspeed`` is installed;
+- a DeepSpeed JSON file parses, and ``deepspeed`` is installed; so is every optional
+  package the config's parts import (the vLLM backend, each ``report_to`` sink);
 - with ``endpoints=True``: the NATS URL, the sampling endpoint and the reward endpoint
   accept a TCP connection.
 
@@ -332,6 +333,33 @@ def check_deepspeed(cfg: Config) -> list[str]:
     return problems
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a broken install: as good as none
+        return False
+
+
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+"""``report_to`` sink -> the package it imports."""
+
+
+def check_packages(cfg: Config, installed: Callable[[str], bool] | None = None) -> list[str]:
+    """The optional packages the config's parts import, each found (not imported: that takes
+    seconds): the producer backend, the ``report_to`` sinks. Without this a run would start,
+    restart the component that imports one several times, and give up with the same message."""
+    installed = installed or _installed
+    problems = []
+    if cfg.producer.backend == "vllm" and not installed("vllm"):
+        problems.append("producer.backend: 'vllm' needs the vllm package, which is not installed; pip install "
+                        "'rlstream[vllm]', or use producer.backend: hf")
+    for sink in cfg.report_to:
+        if not installed(REPORT_PACKAGES[sink]):
+            problems.append(f"report_to: {sink!r} needs the {REPORT_PACKAGES[sink]} package, which is not installed; "
+                            f"pip install {REPORT_PACKAGES[sink]} (or 'rlstream[report]' for every sink)")
+    return problems
+
+
 def _reachable(url: str, default_port: int, timeout: float = 3.0) -> str | None:
     """None when something accepts a TCP connection at the URL's host and port, else why not."""
     for one in url.split(","):
@@ -376,6 +404,7 @@ def preflight(cfg: Config, *, endpoints: bool = False) -> list[str]:
     if cfg.env is not None:
         problems += check_env(cfg, rows)
     problems += check_deepspeed(cfg)
+    problems += check_packages(cfg)
     problems += check_eval(cfg)
     problems += check_secrets(cfg)
     if endpoints:

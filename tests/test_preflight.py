@@ -228,3 +228,32 @@ def test_local_config_without_model_type_is_named(tiny_model_dir, tmp_path):
     (model / "config.json").write_text("{not json")
     (problem,) = check_model("model_checkpoint_path", str(model))
     assert problem.startswith(f"model_checkpoint_path: {model}: the model config does not load (JSONDecodeError")
+
+
+HIDDEN = '''
+import sys
+
+# This interpreter has neither package (they are installed here for other tests): a None entry
+# in sys.modules is how Python marks a module absent (find_spec gives None, import raises).
+for name in ("vllm", "wandb"):
+    sys.modules[name] = None
+'''
+
+
+def test_validate_refuses_a_backend_or_sink_whose_package_is_missing(hub, tmp_path):
+    """Old behaviour: `validate` said ok to `producer.backend: vllm` without vLLM; the run then
+    restarted the producer 6 times over about 55 s and gave up with the message it could have
+    given at once."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDDEN)
+    env = {**hub, "PYTHONPATH": os.pathsep.join([str(site), hub.get("PYTHONPATH", "")])}
+    cfg = _grpo(producer={"backend": "vllm"}, report_to=["wandb"])
+    proc, _ = _cli(["validate", str(_write(tmp_path / "c.yaml", cfg))], env, tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert any("producer.backend: 'vllm' needs the vllm package" in ln and "rlstream[vllm]" in ln for ln in lines), lines
+    assert any("report_to: 'wandb' needs the wandb package" in ln for ln in lines), lines
+    assert len(lines) == 2, lines
+    proc, _ = _cli(["validate", str(_write(tmp_path / "hf.yaml", _grpo()))], env, tmp_path)  # the hf backend needs neither
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)

@@ -28,7 +28,7 @@ import numpy as np
 
 from rlstream.annotators.logprobs import AnnotatorError, build_annotator
 from rlstream.broker import Component, Consumer, Delivery, Outgoing
-from rlstream.broker.component import RecentIds, kept_in_progress, lanes
+from rlstream.broker.component import InHand, RecentIds, kept_in_progress, lanes
 from rlstream.config import Config
 from rlstream.schemas import Limits, ScoredGroup
 
@@ -55,7 +55,7 @@ async def main(cfg: Config, nats_url: str, component_id: str, *, stage: str, sto
         try:
             await annotate_stream(cfg, comp, consumer, annotator, stage, component_id)
         finally:
-            await consumer.sub.unsubscribe()  # an open pull subscription holds up the drain on exit
+            await consumer.close()  # an open pull subscription holds up the drain on exit; what came for a cut fetch goes back
             await annotator.close()
     return 0
 
@@ -65,7 +65,7 @@ async def annotate_stream(cfg: Config, comp: Component, consumer: Consumer, anno
     lane's hands (ack them again), :func:`annotate_batch` the rest."""
     scfg = getattr(cfg, stage)
     reporter = comp.reporter
-    seen, in_flight = RecentIds(), set()
+    hand = InHand()
     for key in ("groups", "tokens", "failures", "dead_lettered", "duplicates_skipped"):
         reporter.set(f"{stage}/{key}", 0)
     log.info("%s %s: %s -> %s", stage, component_id, consumer.subject, comp.layout.annotated(stage))
@@ -73,20 +73,20 @@ async def annotate_stream(cfg: Config, comp: Component, consumer: Consumer, anno
     async def lane(fetching: asyncio.Lock) -> None:
         while not comp.stop.is_set():
             async with fetching:
-                fresh: list[Delivery[ScoredGroup]] = []
-                for d in await consumer.fetch(scfg.batch_groups, timeout=1.0):
-                    if d.record.id in seen or d.record.id in in_flight:  # at-least-once delivery
-                        await d.ack()
-                        reporter.inc(f"{stage}/duplicates_skipped")
-                    else:
-                        in_flight.add(d.record.id)
-                        fresh.append(d)
+                duplicates = hand.duplicates
+                fresh = await hand.fetch_fresh(consumer, scfg.batch_groups, comp.stop)
+                reporter.inc(f"{stage}/duplicates_skipped", hand.duplicates - duplicates)
+            if fresh is None:
+                break
             if not fresh:
                 continue
             try:
-                await annotate_batch(cfg, comp, consumer, annotator, stage, component_id, fresh, seen)
+                # in-progress acks while the batch is in hand, its publish included (retried
+                # while the broker is away): it is not redelivered before it is acked
+                async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name=f"{stage}-in-progress"):
+                    await annotate_batch(cfg, comp, consumer, annotator, stage, component_id, fresh, hand.seen)
             finally:
-                in_flight.difference_update(d.record.id for d in fresh)
+                hand.release(fresh)
 
     await lanes(scfg.pipeline_batches, lane, name=f"{stage}-{component_id}")
     log.info("%s %s: stopping (%d groups annotated)", stage, component_id, int(reporter.values.get(f"{stage}/groups", 0)))
@@ -99,8 +99,7 @@ async def annotate_batch(cfg: Config, comp: Component, consumer: Consumer, annot
     reporter, layout = comp.reporter, comp.layout
     t0 = time.monotonic()
     try:
-        async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name=f"{stage}-in-progress"):
-            values = await annotator.annotate([d.record for d in fresh])
+        values = await annotator.annotate([d.record for d in fresh])
     except AnnotatorError as exc:
         log.warning("%s: %d groups failed (%s); they will be redelivered", stage, len(fresh), exc)
         for d in fresh:

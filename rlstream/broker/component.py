@@ -269,6 +269,46 @@ class RecentIds:
         return len(self._ids)
 
 
+class InHand:
+    """The records a stage's lanes hold (record id -> the stream sequence of the message in
+    hand) and those it handled recently: what :meth:`fetch_fresh` tells a duplicate by."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+        self.seen = RecentIds()
+        self.duplicates = 0
+
+    async def fetch_fresh(self, consumer, batch: int, stop: asyncio.Event) -> list | None:
+        """One fetch of up to ``batch`` records, less the duplicates; None once ``stop`` is set
+        (a stop cuts the fetch short instead of waiting out its second).
+
+        At-least-once delivery: a record handled recently, or another message with the id
+        of one in hand, is acked again and not handled; the very message in hand, delivered
+        again, is left unacked: what handling it stores may not be stored yet, and if that
+        fails the message must come back. The fresh ones are in hand until :meth:`release`."""
+        try:
+            deliveries = await unless_stopped(stop, consumer.fetch(batch, timeout=1.0))
+        except Stopped:
+            return None
+        fresh = []
+        for d in deliveries:
+            record_id = d.record.id
+            held = self.held.get(record_id)
+            if held is None and record_id not in self.seen:
+                self.held[record_id] = d.stream_seq
+                fresh.append(d)
+                continue
+            if held != d.stream_seq:
+                await d.ack()
+            self.duplicates += 1
+        return fresh
+
+    def release(self, deliveries: Sequence[Any]) -> None:
+        """These are no longer in hand (handled and acked, or given back)."""
+        for d in deliveries:
+            self.held.pop(d.record.id, None)
+
+
 @contextlib.asynccontextmanager
 async def kept_in_progress(deliveries: Sequence[Any], every_s: float, *, name: str) -> AsyncIterator[None]:
     """In-progress acks for ``deliveries`` every ``every_s`` seconds while inside (a task

@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
-from rlstream.broker.component import RecentIds, Stopped, kept_in_progress, lanes, unless_stopped
+from rlstream.broker.component import InHand, kept_in_progress, lanes
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
@@ -164,9 +164,8 @@ class ScorerLanes:
     consumer: Consumer
     scorer: Scorer
     component_id: str
-    seen: RecentIds = field(default_factory=RecentIds)
-    in_flight: dict[str, int] = field(default_factory=dict)
-    """The groups in a lane's hands: record id -> the stream sequence of the message that brought it."""
+    hand: InHand = field(default_factory=InHand)
+    """The groups in the lanes' hands and those scored recently (duplicates are told by it)."""
     stats: RewardStats = field(default_factory=RewardStats)
     window_start: float = field(default_factory=time.monotonic)
     window_groups: int = 0
@@ -206,26 +205,12 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
                 shared.report_window()
             phases.start()
             async with fetching:
+                duplicates = shared.hand.duplicates
                 with phases.time("fetch"):
-                    try:  # a stop ends the wait for records at once, not after the fetch's second
-                        deliveries = await unless_stopped(comp.stop, consumer.fetch(cfg.scorer.batch_groups, timeout=1.0))
-                    except Stopped:
-                        break
-                # at-least-once delivery: a group scored before, or another message with the
-                # id of one in hand, is acked again, not re-scored; the very message in hand,
-                # delivered again, is left unacked: its scored record may not be stored yet,
-                # and it must come back if that fails
-                fresh: list[Delivery[RolloutGroup]] = []
-                for d in deliveries:
-                    record_id = d.record.id
-                    held = shared.in_flight.get(record_id)
-                    if held is None and record_id not in shared.seen:
-                        shared.in_flight[record_id] = d.stream_seq
-                        fresh.append(d)
-                        continue
-                    if held != d.stream_seq:
-                        await d.ack()
-                    reporter.inc("scorer/duplicates_skipped")
+                    fresh = await shared.hand.fetch_fresh(consumer, cfg.scorer.batch_groups, comp.stop)
+                reporter.inc("scorer/duplicates_skipped", shared.hand.duplicates - duplicates)
+            if fresh is None:
+                break
             if not fresh:
                 reporter.update(phases.finish())
                 continue
@@ -235,8 +220,7 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
                 async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
                     await score_batch(shared, fresh, phases)
             finally:
-                for d in fresh:
-                    del shared.in_flight[d.record.id]
+                shared.hand.release(fresh)
             reporter.update(phases.finish())
 
     if evals is None:
@@ -290,7 +274,7 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
     acked = time.monotonic()
     for d, s in done:
         await d.ack()
-        shared.seen.add(s.id)
+        shared.hand.seen.add(s.id)
         shared.stats.add(s)
     if shared.evaluation:
         reporter.inc("scorer/eval_groups_total", len(done))

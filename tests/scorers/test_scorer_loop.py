@@ -16,11 +16,11 @@ from helpers.broker import wait_until
 from helpers.scorers import config, group, scorer_env
 
 from rlstream.broker import Layout, Outgoing, Publisher, ensure_layout
+from rlstream.broker.component import RecentIds
 from rlstream.broker.server import free_port
 from rlstream.config import NatsConfig
 from rlstream.schemas import DeadLetter, MetricEvent, RolloutGroup, ScoredGroup
 from rlstream.scorers import loop
-from rlstream.scorers.loop import RecentIds
 from rlstream.scorers.reward_server import serve
 
 
