@@ -10,7 +10,7 @@ ones, as the HF backend's ``load_state_dict`` does. Latency = from just before
 Transports, measured in the same run against the same nats-server:
 
 - ``object_store`` (the old path, the baseline): one object, one SHA-256, one reader;
-- ``chunked``: parts of ``learner.weights_chunk_mb`` in the object store, read in parallel,
+- ``chunked``: parts of ``learner.weights.chunk_mb`` in the object store, read in parallel,
   one SHA-256 per part;
 - ``local``: a file in shared memory (/dev/shm), read in place, chunks checked in parallel;
 - ``shared_path``: the same on the run's disk (fsynced), as a mounted volume would be;
@@ -49,10 +49,17 @@ def config(run: str, url: str, tmp: Path, transport: str = "object_store", produ
         "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused", "nats": {"url": url},
         "metrics": {"prometheus_port": None, "interval_s": 3600}, "algorithm_params": {"group_size": 2},
         "producer": {"max_weights_mb": 8192, "weights_timeout_s": 600},
-        "learner": {"weights_transport": transport, "shared_path": str(tmp / "shared"), "local_path": str(tmp / "shm"),
-                    "keep_versions": 1, "broadcast_host": "127.0.0.1", "broadcast_receivers": producers,
-                    "broadcast_join_s": 60},
+        "learner": {"weights": weights_settings(transport, tmp, producers)},
     })
+
+
+def weights_settings(transport: str, tmp: Path, producers: int) -> dict:
+    """``learner.weights`` for ``transport``: folders under ``tmp``, one version kept, a
+    broadcast that waits for every producer."""
+    own = {"local": {"path": str(tmp / "shm"), "keep_versions": 1}, "shared_path": {"path": str(tmp / "shared"), "keep_versions": 1},
+           "object_store": {"keep_versions": 1}, "chunked": {"keep_versions": 1},
+           "broadcast": {"host": "127.0.0.1", "receivers": producers, "join_s": 60}}
+    return {"transport": transport, **own[transport]}
 
 
 def state_dict(mb: int, seed: int) -> dict[str, torch.Tensor]:

@@ -308,9 +308,9 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
         if publisher is not None:
             await publisher.close()
     if comp is not None:
-        from rlstream.learner.publish import release_local
+        from rlstream.learner.publish import release_weights
 
-        release_local(cfg.learner, comp.layout.run)
+        release_weights(cfg.learner, comp.layout.run)
     return ok
 
 

@@ -500,9 +500,9 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     so chunks are fetched and checked in parallel), and ``sha256`` is the digest of the
     concatenated raw chunk digests (see :func:`rlstream.broker.weights.root_digest`); in the
     object store chunk ``i`` is the object ``<name>.part<i:05d>``. ``host`` names the machine of a
-    ``file://`` location that only that machine can read (``learner.weights_transport: local``).
+    ``file://`` location that only that machine can read (``learner.weights.transport: local``).
     v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
-    (:mod:`rlstream.broker.broadcast`), with chunk digests.
+    (:mod:`rlstream.weights.broadcast`), with chunk digests.
     v3: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for the base model, whose
     safetensors are ``adapter_model.safetensors``) and ``adapter_config`` (the adapter's
     ``adapter_config.json`` text, for ``lora``).

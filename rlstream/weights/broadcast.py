@@ -1,36 +1,42 @@
-"""Weights by ``torch.distributed`` broadcast, in a group formed per version.
+"""``transport: broadcast``: weights by ``torch.distributed`` broadcast, in a group formed per version.
 
-A cluster's learner sends each version to every producer at once (gloo on CPUs; on GPUs the
-same group shape serves NCCL). A group fixed at start-up would break when a producer joins
-or leaves mid-run, so each version forms its own:
+A cluster's learner sends each version to every producer at once (gloo on CPUs). A group fixed
+at start-up would break when a producer joins or leaves mid-run, so each version forms its own:
 
 1. The learner keeps one ``TCPStore`` server (``dist://host:port``) for the run. It announces
    version ``v`` at ``dist://host:port/v<v>`` with the size and chunk digests, as usual.
 2. A producer that wants ``v`` joins: ``add("v<v>/joined", 1)`` gives it its rank (1, 2, ...).
-3. The learner waits until ``expected`` producers joined or ``join_s`` passed, then closes the
+3. The learner waits until ``receivers`` producers joined or ``join_s`` passed, then closes the
    group: ``set("v<v>/world", k + 1)``. A producer whose rank is beyond it came too late and is
    told so at once (it keeps its weights and joins the next version).
-4. Learner (rank 0) and the ``k`` producers build a gloo group under the prefix ``v<v>/`` and
+4. Learner (rank 0) and the ``k`` producers build a group under the prefix ``v<v>/`` and
    broadcast the safetensors bytes; each producer checks every chunk's digest.
 
-Every wait has a timeout: a producer that joined and vanished makes the learner's broadcast
-fail after ``timeout_s`` (the version is then counted as a failed publish), never hang.
-These calls block: run them in a thread.
+So this transport announces before it sends (the producers must hear of the version to join
+its group), and the bytes never rest anywhere. Every wait has a timeout: a producer that
+joined and vanished makes the learner's broadcast fail after ``timeout_s`` (the version is then
+counted as a failed publish), never hang. The store and group calls block: they run in threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import socket
 import time
+import weakref
 from urllib.parse import urlsplit
 
-from rlstream.broker.errors import BrokerError
+from rlstream.broker.layout import Layout
+from rlstream.broker.weights import chunk_digests, root_digest
+from rlstream.schemas import WeightsAnnouncement
+from rlstream.weights.base import Transport, Version, WeightsError, WeightsRefused, WeightsSource, announce, check_chunks, where
 
 SCHEME = "dist://"
 JOIN_POLL_S = 0.01
 
 
-class LateJoin(BrokerError):
+class LateJoin(WeightsError):
     """The producer asked to join a version's group after the learner had closed it."""
 
 
@@ -43,7 +49,7 @@ def parse(loc: str) -> tuple[str, int, str]:
     parts = urlsplit(loc)
     prefix = parts.path.strip("/")
     if parts.scheme != "dist" or not parts.hostname or not parts.port or not prefix.startswith("v"):
-        raise BrokerError(f"{loc!r} is not a dist://host:port/v<version> location")
+        raise WeightsError(f"{loc!r} is not a dist://host:port/v<version> location")
     return parts.hostname, parts.port, prefix
 
 
@@ -98,3 +104,45 @@ def receive(loc: str, size: int, timeout_s: float):
     buf = bytearray(size)
     group.broadcast(torch.frombuffer(buf, dtype=torch.uint8), 0).wait(timeout)
     return buf
+
+
+_servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The broadcast store server of each learner Component (one per run, kept across versions)."""
+
+
+class BroadcastTransport(Transport):
+    name = "broadcast"
+
+    @classmethod
+    def claims(cls, ann: WeightsAnnouncement) -> bool:
+        return ann.location.startswith(SCHEME)
+
+    async def server(self, comp) -> BroadcastServer:
+        server = _servers.get(comp)
+        if server is None:
+            s = self.settings
+            server = _servers[comp] = await asyncio.to_thread(BroadcastServer, s.host or socket.getfqdn(), s.port, s.timeout_s)
+        return server
+
+    async def publish(self, comp, data, version: Version) -> WeightsAnnouncement:
+        """Announce first, then wait for the producers, close the group and broadcast."""
+        server = await self.server(comp)
+        chunk = self.settings.chunk_mb * 1024 * 1024
+        digests = await asyncio.to_thread(chunk_digests, data, chunk)
+        ann = version.announcement(location=server.location(version.version), size=len(data),
+                                   sha256=root_digest(digests), chunk_size=chunk, chunk_sha256=digests)
+        await announce(comp, ann)
+        sent = await asyncio.to_thread(server.send, version.version, data, self.settings.receivers, self.settings.join_s)
+        comp.reporter.set("publish/broadcast_receivers", float(sent))
+        return ann
+
+    def check(self, cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
+        if ann.chunk_size <= 0:
+            raise WeightsRefused(f"{where(ann)}: a broadcast needs chunk digests")
+
+    async def receive(self, comp, ann: WeightsAnnouncement, deadline: float | None) -> WeightsSource:
+        p = comp.cfg.producer
+        left = p.weights_timeout_s if deadline is None else max(0.1, deadline - asyncio.get_running_loop().time())
+        data = await asyncio.to_thread(receive, ann.location, ann.size, left)
+        await asyncio.to_thread(check_chunks, memoryview(data), ann, ann.location, p.weights_parallel)
+        return WeightsSource(ann.policy_version, data=data)
