@@ -108,6 +108,18 @@ class TensorBackend:
                 self.params[k].copy_(v)
 
 
+async def learners_settings(comp, run: str, url: str, tmp: Path):
+    """``learner.weights`` as the learner has it for the version announced now: this bench switches
+    transports within a run, and a producer trusts the folders its own config names."""
+    from rlstream.broker.layout import WEIGHTS_LATEST
+    from rlstream.schemas import WeightsAnnouncement
+    from rlstream.weights import TRANSPORTS
+
+    ann = WeightsAnnouncement.decode((await comp.state.kv.get(WEIGHTS_LATEST)).value)
+    transport = next(name for name, cls in TRANSPORTS.items() if cls.claims(ann))
+    return config(run, url, tmp, transport).learner.weights
+
+
 async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
     from rlstream.broker import Component
     from rlstream.producers.loop import ProducerStats, sync_weights
@@ -120,6 +132,7 @@ async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
             version = await comp.state.policy_version()
             if version > loaded:
                 t0 = time.time()
+                comp.cfg.learner.weights = await learners_settings(comp, run, url, tmp)
                 loaded = await sync_weights(comp, backend, loaded, stats)
                 await comp.nc.publish(LOADED_SUBJECT, json.dumps({
                     "id": ident, "version": loaded, "t": time.time(), "fetch_s": comp.reporter.values.get("producer/weight_fetch_s"),
@@ -131,10 +144,22 @@ async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
 # ---- the learner side ------------------------------------------------------------------------
 
 
+def inline_seconds(sd: dict[str, torch.Tensor]) -> float:
+    """What a background publish holds the learner's step for: the copy into its reused snapshot
+    buffers (the first copy, which allocates them, is not counted)."""
+    from rlstream.learner.snapshot import Snapshots
+
+    snaps = Snapshots()
+    snaps.release(snaps.take(sd))
+    t0 = time.perf_counter()
+    snaps.take(sd).wait()
+    return time.perf_counter() - t0
+
+
 async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int) -> list[dict]:
     from rlstream.broker import Component
     from rlstream.broker.weights import delete_object, list_objects
-    from rlstream.learner.publish import discard_snapshot, publish_weights, snapshot, to_safetensors
+    from rlstream.learner.publish import publish_weights, to_safetensors
 
     procs = [subprocess.Popen([sys.executable, __file__, "--receiver", url, run, str(tmp), f"p{i}"]) for i in range(producers)]
     rows = []
@@ -182,10 +207,8 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
                             if not name.startswith(f"policy-v{version:06d}"):
                                 await delete_object(comp.js, comp.layout.weights_bucket, name)
                 size_mb = len(to_safetensors(sd)) / 2**20
+                snapshot_s = inline_seconds(sd)  # the same for every transport: they read the image after
                 for transport in TRANSPORTS:
-                    t0 = time.perf_counter()  # what a background publish holds the step for
-                    discard_snapshot(snapshot(config(run, url, tmp, transport, producers).learner, run, 10**6 + version, sd))
-                    snapshot_s = time.perf_counter() - t0
                     publish_s, loaded_s, fetch_s = best[transport]
                     rows.append({"mb": size_mb, "producers": producers, "transport": transport, "publish_s": publish_s,
                                  "loaded_s": loaded_s, "fetch_s": fetch_s, "mb_per_s": size_mb / loaded_s,

@@ -57,6 +57,11 @@ class Engine(Protocol):
         """Every weight on CPU under ``AutoModelForCausalLM.state_dict()`` names."""
         ...
 
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under the same names, where it can be the parameters themselves (no
+        copy): for a caller that copies them before the next step (a publish's snapshot)."""
+        ...
+
     def optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Optimizer state as flat tensors + JSON meta (safetensors-friendly; no pickle)."""
         ...
@@ -188,6 +193,9 @@ class TorchEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return _unique_cpu(self.unwrapped.state_dict())
 
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.unwrapped.state_dict().items()}
+
     def optimizer_tensors(self):
         return optimizer_to_tensors(self.optimizer)
 
@@ -284,6 +292,9 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
                 return _unique_cpu(model.state_dict())
         return _unique_cpu(model.state_dict())
+
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.full_state_dict()  # ZeRO-3's weights exist whole only inside a gather
 
     # ---- optimizer state (safetensors + JSON, never DeepSpeed's pickled save_checkpoint) ----
     #

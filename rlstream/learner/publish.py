@@ -12,15 +12,16 @@ transport (the table is in :mod:`rlstream.weights`); this module only snapshots,
 bytes to it and keeps the newest ``keep_versions``.
 
 :class:`BackgroundPublisher` takes publishing off the learner's step: the step pays only for
-the snapshot (serialising the state dict, which copies it); upload and announcement run in a
-named task while the next step trains.
+a copy into snapshot buffers it reuses (:mod:`rlstream.learner.snapshot`; on CUDA a device
+copy, the host copy finishing on a side stream); hashing, upload and announcement run in a
+named task while the next step trains. :func:`publish_weights` (publishing inline) serialises
+straight into the transport's staged file where it has one (``local``: shared memory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -29,6 +30,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from rlstream import compute
+from rlstream.learner.snapshot import HostImage, Snapshots
+from rlstream.learner.snapshot import write_file as to_safetensors
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
 
 log = logging.getLogger(__name__)
@@ -44,40 +47,6 @@ __all__ = ["BackgroundPublisher", "Published", "StagedFile", "object_name", "pub
 def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     data = st_save(state_dict)
     return data, hashlib.sha256(data).hexdigest()
-
-
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
-
-
-def to_safetensors(state_dict: dict[str, torch.Tensor], alloc: Callable[[int], Any] = bytearray):
-    """The safetensors file of ``state_dict`` with one copy of the tensors (``safetensors.torch.save``
-    makes two: each tensor to bytes, then the file): the header is laid out first, then every
-    tensor is copied straight into its place in one buffer: ``alloc(size)``'s (a ``bytearray`` by
-    default, or a file's writable mapping). Readable by any safetensors reader."""
-    header, offset = {}, 0
-    for name in sorted(state_dict):
-        t = state_dict[name]
-        if t.dtype not in _ST_NAMES:
-            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % 8)  # tensors start 8-byte aligned
-    buf = alloc(8 + len(head) + offset)
-    buf[:8] = len(head).to_bytes(8, "little")
-    buf[8:8 + len(head)] = head
-    base = 8 + len(head)
-    if offset:
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-        for name, spec in header.items():
-            begin, end = spec["data_offsets"]
-            if end > begin:
-                src = state_dict[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                flat[base + begin:base + end].copy_(src)
-    return buf
 
 
 def snapshot(lcfg, run: str, version: int, state_dict: dict[str, torch.Tensor]) -> bytearray | StagedFile:
@@ -140,25 +109,29 @@ def release_weights(lcfg, run: str) -> None:
 class BackgroundPublisher:
     """Publishing off the step, bounded: one publish runs, at most one waits.
 
-    :meth:`submit` serialises the state dict in a thread (the snapshot: the optimizer may
-    change the parameters as soon as it returns) and queues the bytes; a named task uploads,
-    announces and prunes. A version queued while another still waits replaces it (the waiting
-    one would be stale on arrival; ``publish/superseded`` counts these). A failed publish is
-    logged and counted (``alert/publish_failures``): producers keep the previous version and the
-    next publish tries again; :data:`MAX_PUBLISH_FAILURES` in a row raise from :meth:`submit`.
+    :meth:`submit` copies the state dict into reused snapshot buffers (:mod:`rlstream.learner.snapshot`:
+    the step's only cost; the optimizer may change the parameters as soon as it returns) and
+    queues them; a named task waits for the copy (on CUDA it finishes on a side stream), then
+    hands the file image to the transport (hashing, uploading, writing) and prunes. The image is
+    released when its publish is done with it, and never filled while a publish reads it. A
+    version queued while another still waits replaces it (the waiting one would be stale on
+    arrival; ``publish/superseded`` counts these). A failed publish is logged and counted
+    (``alert/publish_failures``): producers keep the previous version and the next publish tries
+    again; :data:`MAX_PUBLISH_FAILURES` in a row raise from :meth:`submit`.
     :attr:`out_version` is the newest version out; the learner steps no further than
     ``max_staleness`` past it (it waits and submits its weights again: ``loop._weights_out``).
     :meth:`flush` waits until everything queued is out.
     """
 
     def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]],
-                 adapter_config: str | None = None, out_version: int = 0):
+                 adapter_config: str | None = None, out_version: int = 0, wire_dtype: torch.dtype | None = None):
         self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
         self.out_version = out_version
         """The newest version producers can have: the last one published (at start, the one they start from)."""
         self.adapter_config = adapter_config
         self.on_published = on_published
-        self._waiting: tuple[bytearray | StagedFile, int, int, float] | None = None
+        self.snapshots = Snapshots(wire_dtype)
+        self._waiting: tuple[HostImage, int, int, float] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -175,13 +148,14 @@ class BackgroundPublisher:
             raise self._task.exception()  # the publisher itself died (e.g. re-admitting producers failed)
         if self.failures >= MAX_PUBLISH_FAILURES:
             raise RuntimeError(f"{self.failures} weight publishes failed in a row; the last: {self.error}") from self.error
-        t0 = time.perf_counter()
-        data = await compute.run(snapshot, self.lcfg, self.comp.layout.run, version, state_dict)  # tensor copies: the torch thread
-        snapshot_s = time.perf_counter() - t0
-        if self._waiting is not None:
+        if self._waiting is not None:  # superseded before it went out: its buffers take this version
             self.superseded += 1
-            discard_snapshot(self._waiting[0])
-        self._waiting = (data, version, step, t0)
+            self.snapshots.release(self._waiting[0])
+            self._waiting = None
+        t0 = time.perf_counter()
+        image = await compute.run(self.snapshots.take, state_dict)  # the copy: the torch thread
+        snapshot_s = time.perf_counter() - t0
+        self._waiting = (image, version, step, t0)
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
@@ -199,23 +173,30 @@ class BackgroundPublisher:
             self._wake.clear()
             if self._waiting is None:
                 continue
-            data, version, step, t0 = self._waiting
+            image, version, step, t0 = self._waiting
             self._waiting = None
-            pub = None
-            try:
-                pub = await publish_bytes(self.comp, self.lcfg, data, version=version, step=step,
-                                          config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
-                self.last, self.failures = pub, 0
-                self.out_version = max(self.out_version, version)
-            except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
-                self.failures += 1
-                self.error = exc
-                self.comp.reporter.inc("alert/publish_failures")
-                log.error("publishing weights v%d failed (%d in a row): %s", version, self.failures, exc)
-            del data
+            pub = await self._publish(image, version, step, t0)
             await self.on_published(pub)
             if self._waiting is None:
                 self._idle.set()
+
+    async def _publish(self, image: HostImage, version: int, step: int, t0: float) -> Published | None:
+        """One queued version out; None when it failed (counted, the next one tries again)."""
+        try:
+            await asyncio.to_thread(image.wait)
+            pub = await publish_bytes(self.comp, self.lcfg, image.buffer(), version=version, step=step,
+                                      config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
+        except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
+            self.failures += 1
+            self.error = exc
+            self.comp.reporter.inc("alert/publish_failures")
+            log.error("publishing weights v%d failed (%d in a row): %s", version, self.failures, exc)
+            return None
+        finally:
+            self.snapshots.release(image)
+        self.last, self.failures = pub, 0
+        self.out_version = max(self.out_version, version)
+        return pub
 
     async def flush(self) -> None:
         """Wait until the queued version is out (or failed)."""
@@ -232,9 +213,3 @@ class BackgroundPublisher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-
-
-def discard_snapshot(data) -> None:
-    """Free a snapshot that will never be published (a staged file holds shared memory)."""
-    if isinstance(data, StagedFile):
-        data.discard()
