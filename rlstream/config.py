@@ -773,6 +773,12 @@ class ProducerConfig(Strict):
         """The server this backend sends requests to (None: it generates in-process)."""
         return None
 
+    @property
+    def weights_dtype(self) -> str | None:
+        """The dtype new weights travel in to this backend (None: the learner's own). A backend
+        that runs bfloat16 gets bfloat16 bytes: half of float32's, and what it would round to."""
+        return None
+
 
 class HFProducerConfig(ProducerConfig):
     """``backend: hf``: transformers ``generate`` in the producer's process."""
@@ -781,12 +787,20 @@ class HFProducerConfig(ProducerConfig):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
+    @property
+    def weights_dtype(self) -> str | None:
+        return "bfloat16" if self.dtype == "bfloat16" else None
+
 
 class VLLMProducerConfig(ProducerConfig):
     """``backend: vllm``: an in-process vLLM engine."""
 
     backend: Literal["vllm"] = "vllm"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @property
+    def weights_dtype(self) -> str | None:
+        return "bfloat16" if self.dtype == "bfloat16" else None
     vllm: dict[str, Any] = Field(default_factory=dict)
     """Extra vllm.LLM / AsyncEngineArgs keyword arguments."""
 

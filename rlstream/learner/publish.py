@@ -41,7 +41,7 @@ MAX_PUBLISH_FAILURES = 3
 
 
 __all__ = ["BackgroundPublisher", "Published", "StagedFile", "object_name", "publish_bytes", "publish_weights",
-           "prune_versions", "release_weights", "serialize", "snapshot", "to_safetensors"]
+           "prune_versions", "release_weights", "serialize", "snapshot", "to_safetensors", "wire_dtype"]
 
 
 def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
@@ -49,19 +49,27 @@ def serialize(state_dict: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def snapshot(lcfg, run: str, version: int, state_dict: dict[str, torch.Tensor]) -> bytearray | StagedFile:
-    """``state_dict`` serialised for ``lcfg.weights``: straight into the version's file where the
-    transport stages one (``local``: shared memory, :class:`StagedFile`), else into memory. This
-    is the copy the learner's step waits for under background publishing."""
+def wire_dtype(cfg) -> torch.dtype | None:
+    """The dtype floating-point weights are published in: the producers' (``bfloat16`` for a
+    bfloat16 backend), else None (as the learner holds them). The learner's masters stay float32."""
+    name = cfg.producer.weights_dtype
+    return getattr(torch, name) if name else None
+
+
+def snapshot(lcfg, run: str, version: int, state_dict: dict[str, torch.Tensor],
+             wire: torch.dtype | None = None) -> bytearray | StagedFile:
+    """``state_dict`` serialised for ``lcfg.weights`` (floating-point tensors in ``wire``):
+    straight into the version's file where the transport stages one (``local``: shared memory,
+    :class:`StagedFile`), else into memory."""
     staged = transport_for(lcfg.weights).staging(run, version)
     if staged is None:
-        return to_safetensors(state_dict)
+        return to_safetensors(state_dict, wire=wire)
     try:
-        to_safetensors(state_dict, staged.alloc)
+        to_safetensors(state_dict, staged.alloc, wire)
     except OSError as exc:  # a full or missing volume: the publish itself fails, counted, and the next one retries
         log.warning("weights v%d: cannot stage %s (%s); serialising in memory", version, staged.tmp, exc)
         staged.discard()
-        return to_safetensors(state_dict)
+        return to_safetensors(state_dict, wire=wire)
     except BaseException:
         staged.discard()
         raise
@@ -69,11 +77,12 @@ def snapshot(lcfg, run: str, version: int, state_dict: dict[str, torch.Tensor]) 
 
 
 async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, version: int, step: int, config_json: str,
-                          adapter_config: str | None = None) -> Published:
+                          adapter_config: str | None = None, wire: torch.dtype | None = None) -> Published:
     """Write version ``version`` of the weights and announce it. ``comp`` is the learner's Component.
-    ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter."""
+    ``adapter_config`` (an ``adapter_config.json`` text): ``state_dict`` is a LoRA adapter.
+    ``wire``: the dtype floating-point tensors are published in (:func:`wire_dtype`)."""
     t0 = time.perf_counter()
-    data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict)  # tensor copies: the torch thread
+    data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict, wire)  # tensor copies: the torch thread
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
                                adapter_config=adapter_config)
 
@@ -124,13 +133,13 @@ class BackgroundPublisher:
     """
 
     def __init__(self, comp, lcfg, config_json: str, on_published: Callable[[Published | None], Awaitable[None]],
-                 adapter_config: str | None = None, out_version: int = 0, wire_dtype: torch.dtype | None = None):
+                 adapter_config: str | None = None, out_version: int = 0, wire: torch.dtype | None = None):
         self.comp, self.lcfg, self.config_json = comp, lcfg, config_json
         self.out_version = out_version
         """The newest version producers can have: the last one published (at start, the one they start from)."""
         self.adapter_config = adapter_config
         self.on_published = on_published
-        self.snapshots = Snapshots(wire_dtype)
+        self.snapshots = Snapshots(wire)
         self._waiting: tuple[HostImage, int, int, float] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()

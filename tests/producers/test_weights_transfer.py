@@ -375,3 +375,36 @@ async def test_staged_versions_superseded_or_discarded_leave_no_folder_behind(co
     assert seen[-1] == 7 and len(seen) + publisher.superseded == 6
     assert not list(root.glob("*.tmp"))  # neither a superseded nor a published version left its staging folder
     assert await comp.state.policy_version() == 7
+
+
+@pytest.mark.parametrize("transport", ["chunked", "local"])
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_bfloat16_producer_gets_half_the_bytes_equal_to_the_rounded_masters(comp_for, transport, background):
+    from rlstream.learner.publish import wire_dtype
+
+    full = await publish(await comp_for(transport))  # a float32 producer: float32 bytes
+    comp = await comp_for(transport, dtype="bfloat16")
+    wire = wire_dtype(comp.cfg)
+    assert wire == torch.bfloat16
+    masters = tensors(5)
+    if background:
+        out = []
+
+        async def published(pub) -> None:
+            out.append(pub)
+
+        publisher = BackgroundPublisher(comp, comp.cfg.learner, "{}", published, wire=wire)
+        try:
+            await publisher.submit(masters, version=2, step=2)
+            await publisher.flush()
+        finally:
+            await publisher.close()
+        pub = out[0]
+    else:
+        pub = await publish_weights(comp, comp.cfg.learner, masters, version=2, step=2, config_json="{}", wire=wire)
+    assert pub.bytes < 0.51 * full.bytes  # float32 weights travel as bfloat16
+    assert all(v.dtype == tensors()[k].dtype for k, v in masters.items())  # the learner keeps its float32 masters
+    backend = Loader()
+    assert await sync_weights(comp, backend, 1, ProducerStats()) == 2
+    rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors(5).items()}
+    assert_same(backend.loaded[0], rounded)
