@@ -1054,10 +1054,23 @@ class BroadcastWeights(_Chunked):
     """The longest a version's broadcast may take before it fails."""
 
 
+class CudaIpcWeights(Strict):
+    """``transport: cuda_ipc``: the learner shares the version's device buffers through CUDA IPC
+    handles; producers on its host copy device to device, with no host round trip. Two buffers
+    alternate, so the learner never writes the one a producer is reading. Needs CUDA on the
+    learner (``learner.device: cuda``), background publishing, full weights (not LoRA) and the
+    hf backend (it loads device tensors); without CUDA use ``local``."""
+
+    transport: Literal["cuda_ipc"] = "cuda_ipc"
+    path: str = "/dev/shm/rlstream"
+    """The folder (on the learner's machine, shared memory) where each version's record of its
+    IPC handle is written; the two newest are kept, one per buffer."""
+
+
 WEIGHTS_TRANSPORTS = {m.model_fields["transport"].default: m for m in (
-    ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights)}
-WeightsSettings = Annotated[Union[ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights],
-                            Field(discriminator="transport")]
+    ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights, CudaIpcWeights)}
+WeightsSettings = Annotated[Union[ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights,
+                                  CudaIpcWeights], Field(discriminator="transport")]
 
 OLD_WEIGHTS_KEYS: dict[str, tuple[str, str | None]] = {
     "shared_path": ("path", "shared_path"), "local_path": ("path", "local"), "keep_versions": ("keep_versions", None),
@@ -1128,7 +1141,7 @@ class LearnerConfig(Strict):
     publish_every: int = Field(1, ge=1, le=1_000_000_000)
     weights: WeightsSettings = Field(default_factory=ObjectStoreWeights)
     """How new weights reach producers: a transport and its own settings (``transport:
-    object_store | chunked | local | shared_path | broadcast``)."""
+    object_store | chunked | local | shared_path | broadcast | cuda_ipc``)."""
     publish_in_background: bool = True
     """Publish weights off the step: the step pays for the snapshot (serialising the state dict);
     upload and announcement run in a background task while training goes on. At most one
@@ -1170,6 +1183,8 @@ class LearnerConfig(Strict):
 
     @model_validator(mode="after")
     def _shared(self):
+        if self.weights.transport == "cuda_ipc":
+            self._cuda_ipc_fits()
         if self.micro_batch_tokens is not None and self.engine == "deepspeed":
             raise ValueError("learner.micro_batch_tokens with learner.engine 'deepspeed': DeepSpeed fixes the passes per "
                              "step (gradient_accumulation_steps); use learner.micro_batch_size")
@@ -1177,6 +1192,17 @@ class LearnerConfig(Strict):
             raise ValueError(f"learner.reference_model_path {self.reference_model_path!r} with learner.lora: the reference "
                              "is the base model with the adapter disabled; remove one of them")
         return self
+
+    def _cuda_ipc_fits(self) -> None:
+        """``cuda_ipc`` shares the background publisher's device snapshot of the full weights."""
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"learner.weights.transport 'cuda_ipc' shares CUDA buffers and learner.device is "
+                             f"{self.device!r}; use transport 'local'")
+        if not self.publish_in_background:
+            raise ValueError("learner.weights.transport 'cuda_ipc' shares the background publisher's device snapshot; "
+                             "set learner.publish_in_background: true or use transport 'local'")
+        if self.lora is not None:
+            raise ValueError("learner.weights.transport 'cuda_ipc' with learner.lora: an adapter is kilobytes; use transport 'local'")
 
     def deepspeed_config(self, world_size: int | None = None, accumulation: int | None = None) -> dict[str, Any]:
         """The DeepSpeed dict with batch, accumulation, clipping and precision from this config.
@@ -1457,6 +1483,9 @@ class Config(Strict):
             raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
         if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
             raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
+        if self.learner.weights.transport == "cuda_ipc" and self.producer.backend not in ("hf", "fake"):
+            raise ValueError(f"learner.weights.transport 'cuda_ipc' hands device tensors to the producer, which backend "
+                             f"{self.producer.backend!r} cannot load; use transport 'local'")
         if self.data_source.sampling_endpoint and not isinstance(self.producer, OpenAIProducerConfig):
             raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
                              "(served by the 'openai' backend); remove one of them or set producer.backend: openai")

@@ -295,6 +295,10 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`);
     # a collation ahead that is still running when the step ends counts as collate too.
     publisher = None
+    if comp is not None:
+        from rlstream.weights import transport_for
+
+        transport_for(cfg.learner.weights).usable()  # e.g. cuda_ipc without CUDA: refused before the first step
     if comp is not None and cfg.learner.publish_in_background:
         from rlstream.learner.publish import BackgroundPublisher, wire_dtype
 

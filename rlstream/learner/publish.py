@@ -139,7 +139,7 @@ class BackgroundPublisher:
         """The newest version producers can have: the last one published (at start, the one they start from)."""
         self.adapter_config = adapter_config
         self.on_published = on_published
-        self.snapshots = Snapshots(wire)
+        self.snapshots = Snapshots(wire, on_device=transport_for(lcfg.weights).on_device)
         self._waiting: tuple[HostImage, int, int, float] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -193,7 +193,7 @@ class BackgroundPublisher:
         """One queued version out; None when it failed (counted, the next one tries again)."""
         try:
             await asyncio.to_thread(image.wait)
-            pub = await publish_bytes(self.comp, self.lcfg, image.buffer(), version=version, step=step,
+            pub = await publish_bytes(self.comp, self.lcfg, image.payload(), version=version, step=step,
                                       config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
         except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
             self.failures += 1

@@ -23,89 +23,12 @@ bfloat16 bytes, half of float32's), while the learner keeps its float32 masters.
 
 from __future__ import annotations
 
-import json
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-            torch.bool: "BOOL"}
-
-
-def wire_dtype_of(t: torch.Tensor, wire: torch.dtype | None) -> torch.dtype:
-    """The dtype ``t`` travels in: ``wire`` for floating-point weights when given, else its own."""
-    return wire if wire is not None and t.is_floating_point() else t.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class FileLayout:
-    """Where each tensor of a state dict sits in its safetensors file."""
-
-    header: bytes
-    """The 8-byte length, the JSON header, and spaces up to an 8-byte boundary."""
-    entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
-    """(name, dtype, shape, begin, end), the offsets counted from the end of the header."""
-
-    @classmethod
-    def of(cls, state_dict: dict[str, torch.Tensor], wire: torch.dtype | None = None) -> "FileLayout":
-        specs = []
-        for name, t in state_dict.items():
-            dtype = wire_dtype_of(t, wire)
-            if dtype not in ST_NAMES:
-                raise TypeError(f"{name}: dtype {dtype} has no safetensors name")
-            specs.append((name, dtype, tuple(t.shape)))
-        specs.sort(key=lambda s: (-s[1].itemsize, s[0]))  # widest first: every view aligned
-        entries, header, offset = [], {}, 0
-        for name, dtype, shape in specs:
-            nbytes = dtype.itemsize * _numel(shape)
-            entries.append((name, dtype, shape, offset, offset + nbytes))
-            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-(8 + len(head)) % 8)  # tensors start 8-byte aligned
-        return cls(len(head).to_bytes(8, "little") + head, tuple(entries))
-
-    @property
-    def data_size(self) -> int:
-        return self.entries[-1][4] if self.entries else 0
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + self.data_size
-
-    def views(self, data: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each tensor as a view into ``data`` (the uint8 bytes after the header)."""
-        return {name: data[begin:end].view(dtype).view(shape) for name, dtype, shape, begin, end in self.entries}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def write_file(state_dict: dict[str, torch.Tensor], alloc: Callable[[int], Any] = bytearray,
-               wire: torch.dtype | None = None):
-    """The safetensors file of ``state_dict`` in ``alloc(size)``'s buffer (a ``bytearray`` by
-    default, or a file's writable mapping), each tensor copied once, straight into its place."""
-    layout = FileLayout.of(state_dict, wire)
-    buf = alloc(layout.size)
-    buf[:len(layout.header)] = layout.header
-    if layout.data_size:
-        data = torch.frombuffer(buf, dtype=torch.uint8)[len(layout.header):]
-        fill(layout.views(data), state_dict)
-    return buf
-
-
-def fill(views: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
-    with torch.no_grad():
-        for name, view in views.items():
-            view.copy_(state_dict[name].detach(), non_blocking=non_blocking)
-
+from rlstream.weights.layout import FileLayout, fill, write_file  # noqa: F401 (write_file: re-exported)
 
 class HostImage:
     """One safetensors file in host memory kept across versions (pinned when CUDA fills it)."""
@@ -128,8 +51,8 @@ class HostImage:
         if self.ready is not None:
             self.ready.synchronize()
 
-    def buffer(self) -> memoryview:
-        """The file's bytes, for hashing, uploading or writing (no copy)."""
+    def payload(self) -> memoryview:
+        """What the transport gets: the file's bytes, for hashing, uploading or writing (no copy)."""
         return memoryview(self.flat.numpy())
 
 
@@ -160,46 +83,89 @@ class DeviceStaging:
         self.read = image.ready = done
 
 
+class DeviceImage:
+    """One flat device buffer in the file's layout (``on_device`` transports: ``cuda_ipc``
+    shares it with producers on this host). The step's stream fills it; :attr:`ready` marks
+    when it holds its version."""
+
+    def __init__(self, layout: FileLayout, device: torch.device):
+        self.layout = layout
+        self.flat = torch.empty(layout.data_size, dtype=torch.uint8, device=device)
+        self.views = layout.views(self.flat)
+        self.ready: Any = None
+        self.busy = False
+
+    def __len__(self) -> int:
+        return self.layout.size
+
+    def fill(self, state_dict: dict[str, torch.Tensor]) -> None:
+        fill(self.views, state_dict, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(self.flat.device))
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def payload(self) -> "DeviceImage":
+        """What the transport gets: the buffer itself."""
+        return self
+
+
 class Snapshots:
     """The learner's reused snapshot buffers: two host images (and, on CUDA, one device staging
-    buffer). :meth:`take` fills a free image with a state dict; :meth:`release` frees it once
-    its publish has read it. A state dict of another shape (a new model) lays them out anew."""
+    buffer), or with ``on_device`` two device images. :meth:`take` fills a free image with a
+    state dict; :meth:`release` frees it once its publish has read it. A state dict of another
+    shape (a new model) lays them out anew."""
 
     SLOTS = 2
 
-    def __init__(self, wire: torch.dtype | None = None):
+    def __init__(self, wire: torch.dtype | None = None, on_device: bool = False):
         self.wire = wire
+        self.on_device = on_device
         self.layout: FileLayout | None = None
-        self.images: list[HostImage] = []
+        self.device: torch.device | None = None
+        self.images: list[HostImage | DeviceImage] = []
         self.staging: DeviceStaging | None = None
         self._lock = threading.Lock()
+        self._next = 0
 
-    def take(self, state_dict: dict[str, torch.Tensor]) -> HostImage:
+    def take(self, state_dict: dict[str, torch.Tensor]) -> HostImage | DeviceImage:
         """A host image holding ``state_dict`` (on CUDA once ``image.wait()`` returns). The
         inline cost of a version: a copy into buffers allocated at the first call."""
         device = next((t.device for t in state_dict.values() if t.is_cuda), None)
+        if self.on_device and device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self._lay_out(FileLayout.of(state_dict, self.wire), device)
         with self._lock:
-            image = next((i for i in self.images if not i.busy), None)
+            turn = self.images[self._next:] + self.images[:self._next]  # in turn: the last version's buffer is left alone
+            image = next((i for i in turn if not i.busy), None)
             if image is None:
                 raise RuntimeError(f"all {self.SLOTS} snapshot buffers are being read; release one first")
             image.busy = True
+            self._next = (self.images.index(image) + 1) % len(self.images)
         if self.staging is not None:
             self.staging.copy(state_dict, image)
+        elif isinstance(image, DeviceImage):
+            image.fill(state_dict)
         else:
             fill(image.views, state_dict)
         return image
 
-    def release(self, image: HostImage) -> None:
+    def release(self, image: HostImage | DeviceImage) -> None:
         with self._lock:
             image.busy = False
 
     def _lay_out(self, layout: FileLayout, device: torch.device | None) -> None:
-        if layout == self.layout and (self.staging.device if self.staging else None) == device:
+        if layout == self.layout and device == self.device:
             return
         with self._lock:
             if any(i.busy for i in self.images):
                 raise RuntimeError("the state dict changed shape while a snapshot of it is being read")
-            self.layout = layout
+            self.layout, self.device, self._next = layout, device, 0
+            if self.on_device:
+                self.images = [DeviceImage(layout, device) for _ in range(self.SLOTS)]
+                self.staging = None
+                return
             self.images = [HostImage(layout, pinned=device is not None) for _ in range(self.SLOTS)]
             self.staging = DeviceStaging(layout, device) if device is not None else None

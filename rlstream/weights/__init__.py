@@ -7,6 +7,7 @@
 | ``local`` | :mod:`.local` | ``{path}/{run}/policy-v{version:06d}/`` (shared memory) on this machine | SHA-256 per chunk | producers on the learner's machine |
 | ``shared_path`` | :mod:`.shared_path` | ``{path}/{run}/policy-v{version:06d}/``, fsynced | SHA-256 per chunk | a volume every producer mounts |
 | ``broadcast`` | :mod:`.broadcast` | nowhere: a broadcast to the producers that joined the version's group | SHA-256 per chunk | clusters |
+| ``cuda_ipc`` | :mod:`.cuda_ipc` | one of two device buffers of the learner, shared by a CUDA IPC handle | a fingerprint computed on the device | producers on the learner's GPU host |
 
 ``learner.weights`` (a discriminated union on ``transport``, rlstream.config) picks one;
 :func:`transport_for` maps the settings to its implementation, and :func:`receiver_for` maps
@@ -30,13 +31,14 @@ from rlstream.weights.base import (
 )
 from rlstream.weights.broadcast import BroadcastTransport, LateJoin
 from rlstream.weights.chunked import ChunkedTransport
+from rlstream.weights.cuda_ipc import CudaIpcTransport
 from rlstream.weights.folders import StagedFile
 from rlstream.weights.local import LocalTransport
 from rlstream.weights.object_store import ObjectStoreTransport
 from rlstream.weights.shared_path import SharedPathTransport
 
 TRANSPORTS: dict[str, type] = {t.name: t for t in (ObjectStoreTransport, ChunkedTransport, LocalTransport,
-                                                   SharedPathTransport, BroadcastTransport)}
+                                                   SharedPathTransport, BroadcastTransport, CudaIpcTransport)}
 """``learner.weights.transport`` -> its implementation."""
 
 

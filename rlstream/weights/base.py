@@ -28,13 +28,14 @@ class WeightsRefused(WeightsError):
     """An announcement that is not the run's own weights (asking again cannot help)."""
 
 
-class WeightsUnavailable(WeightsError):
+class WeightsUnavailable(WeightsRefused):
     """A transport that cannot run on this machine (it names the one to use instead)."""
 
 
 @dataclass(frozen=True, slots=True)
 class WeightsSource:
-    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path).
+    """New policy weights: safetensors bytes (object store), an HF model directory (shared path),
+    or device tensors (CUDA IPC).
     With ``adapter_config`` they are a LoRA adapter for the base model (PEFT's
     ``adapter_model.safetensors``; a directory then holds the PEFT adapter files)."""
 
@@ -42,6 +43,8 @@ class WeightsSource:
     data: bytes | None = None
     path: str | None = None
     adapter_config: str | None = None
+    tensors: dict[str, Any] | None = None
+    """The tensors themselves, already on this producer's device (``cuda_ipc``)."""
     """The adapter's ``adapter_config.json`` text (None: full weights)."""
 
     @property
@@ -111,6 +114,13 @@ class WeightsTransport(Protocol):
     a producer; a transport never loads weights into a model."""
 
     name: ClassVar[str]
+    on_device: ClassVar[bool]
+    """The learner hands it a device snapshot (:class:`rlstream.learner.snapshot.DeviceImage`)
+    instead of the file's bytes on the host."""
+
+    def usable(self) -> None:
+        """Raise :class:`WeightsUnavailable` when this machine cannot run the transport."""
+        ...
 
     @classmethod
     def claims(cls, ann: WeightsAnnouncement) -> bool:
@@ -147,6 +157,7 @@ class Transport:
     release, no location check beyond the announcement's own."""
 
     name: ClassVar[str] = ""
+    on_device: ClassVar[bool] = False
     default_settings: ClassVar[Any] = None
     """The settings a producer receives with when its config names another transport (None:
     it has none, and the transport refuses what needs them)."""
@@ -156,6 +167,10 @@ class Transport:
 
     def staging(self, run: str, version: int) -> Any:
         """Where the learner serialises a snapshot straight into (None: memory)."""
+        return None
+
+    def usable(self) -> None:
+        """Nothing this machine lacks (checked at the learner's start)."""
         return None
 
     async def put(self, comp, data, version: Version) -> dict[str, Any]:

@@ -27,15 +27,15 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def test_an_image_is_the_safetensors_file_and_its_buffers_are_reused():
     snaps = Snapshots()
     first = snaps.take(tensors(1))
-    assert safetensors.torch.load(bytes(first.buffer())).keys() == tensors().keys()
-    for k, v in safetensors.torch.load(bytes(first.buffer())).items():
+    assert safetensors.torch.load(bytes(first.payload())).keys() == tensors().keys()
+    for k, v in safetensors.torch.load(bytes(first.payload())).items():
         assert v.dtype == tensors(1)[k].dtype and torch.equal(v, tensors(1)[k])
     second = snaps.take(tensors(2))
     snaps.release(first)
     third = snaps.take(tensors(3))
     assert third is first and third.flat.data_ptr() == first.flat.data_ptr()  # reused, not allocated again
-    assert bytes(third.buffer()) == bytes(to_safetensors(tensors(3)))
-    assert bytes(second.buffer()) == bytes(to_safetensors(tensors(2)))
+    assert bytes(third.payload()) == bytes(to_safetensors(tensors(3)))
+    assert bytes(second.payload()) == bytes(to_safetensors(tensors(2)))
 
 
 def test_no_buffer_is_filled_while_it_is_being_read():
@@ -55,7 +55,7 @@ def test_on_cuda_the_copy_goes_through_pinned_memory_on_a_side_stream():
     for v in live.values():  # the step goes on at once on its stream
         v.zero_() if v.dtype != torch.bool else v.logical_not_()
     image.wait()
-    assert bytes(image.buffer()) == bytes(to_safetensors(tensors(4)))
+    assert bytes(image.payload()) == bytes(to_safetensors(tensors(4)))
 
 
 async def test_a_publish_still_reading_its_buffer_is_never_overwritten(nats_server, run_id, monkeypatch):
@@ -94,3 +94,15 @@ async def test_a_publish_still_reading_its_buffer_is_never_overwritten(nats_serv
     assert sorted(digests) == [1, 5] and publisher.superseded == 3
     for version in digests:
         assert digests[version] == hashlib.sha256(to_safetensors(tensors(version))).hexdigest(), version
+
+
+def test_the_buffers_alternate_so_the_version_just_published_is_left_alone():
+    """A buffer shared with producers (cuda_ipc) is still read after its publish released it:
+    the next version goes into the other one."""
+    snaps = Snapshots()
+    images = []
+    for version in range(4):
+        image = snaps.take(tensors(version))
+        snaps.release(image)  # published at once
+        images.append(image)
+    assert images[0] is images[2] and images[1] is images[3] and images[0] is not images[1]
