@@ -1039,7 +1039,7 @@ class SharedPathWeights(_KeptVersions, _Chunked):
 class BroadcastWeights(_Chunked):
     """``transport: broadcast``: a ``torch.distributed`` broadcast from the learner to the
     producers that join within ``join_s``, in a group formed per version
-    (rlstream.weights.broadcast), gloo."""
+    (rlstream.weights.broadcast): NCCL between GPUs, gloo between CPUs."""
 
     transport: Literal["broadcast"] = "broadcast"
     host: str | None = None
@@ -1052,6 +1052,10 @@ class BroadcastWeights(_Chunked):
     """The longest the learner waits for them; later ones take the next version."""
     timeout_s: float = Field(120.0, gt=0, le=DAY_S)
     """The longest a version's broadcast may take before it fails."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The collective that carries the bytes: ``nccl`` between GPUs, ``gloo`` between CPUs;
+    ``auto`` is ``nccl`` when ``learner.device`` is CUDA, else ``gloo``. Producers read it off
+    the announcement."""
 
 
 class CudaIpcWeights(Strict):
@@ -1185,6 +1189,8 @@ class LearnerConfig(Strict):
     def _shared(self):
         if self.weights.transport == "cuda_ipc":
             self._cuda_ipc_fits()
+        if self.weights.transport == "broadcast" and self.weights.backend == "auto":
+            self.weights.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         if self.micro_batch_tokens is not None and self.engine == "deepspeed":
             raise ValueError("learner.micro_batch_tokens with learner.engine 'deepspeed': DeepSpeed fixes the passes per "
                              "step (gradient_accumulation_steps); use learner.micro_batch_size")

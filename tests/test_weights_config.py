@@ -42,7 +42,7 @@ def test_each_transport_has_only_its_own_settings():
      {"transport": "local", "path": "/dev/shm/y"}),
     ({"weights_transport": "broadcast", "broadcast_host": "h", "broadcast_port": 7, "broadcast_receivers": 2,
       "broadcast_join_s": 1.5, "broadcast_timeout_s": 9, "keep_versions": 2},
-     {"transport": "broadcast", "host": "h", "port": 7, "receivers": 2, "join_s": 1.5, "timeout_s": 9}),
+     {"transport": "broadcast", "host": "h", "port": 7, "receivers": 2, "join_s": 1.5, "timeout_s": 9, "backend": "gloo"}),
     ({"keep_versions": 4}, {"transport": "object_store", "keep_versions": 4}),
 ])
 def test_the_old_flat_keys_load_into_the_union_and_the_log_names_the_new_spelling(old, new, caplog):
@@ -65,3 +65,9 @@ def test_every_transport_in_the_config_has_one_implementation():
     for name, settings in WEIGHTS_TRANSPORTS.items():
         fields = {"path": "/x"} if "path" in settings.model_fields else {}
         assert transport_for(settings(**fields)).name == name
+
+
+def test_a_broadcast_between_gpus_uses_nccl_and_between_cpus_gloo():
+    assert learner(weights={"transport": "broadcast"}).weights.backend == "gloo"
+    assert learner(device="cuda", weights={"transport": "broadcast"}).weights.backend == "nccl"
+    assert learner(device="cuda", weights={"transport": "broadcast", "backend": "gloo"}).weights.backend == "gloo"

@@ -6,7 +6,7 @@
 | ``chunked`` | :mod:`.chunked` | objects ``policy-v{version:06d}.safetensors.part{i:05d}`` of ``chunk_mb`` | SHA-256 per chunk | remote producers, larger models |
 | ``local`` | :mod:`.local` | ``{path}/{run}/policy-v{version:06d}/`` (shared memory) on this machine | SHA-256 per chunk | producers on the learner's machine |
 | ``shared_path`` | :mod:`.shared_path` | ``{path}/{run}/policy-v{version:06d}/``, fsynced | SHA-256 per chunk | a volume every producer mounts |
-| ``broadcast`` | :mod:`.broadcast` | nowhere: a broadcast to the producers that joined the version's group | SHA-256 per chunk | clusters |
+| ``broadcast`` | :mod:`.broadcast` | nowhere: a broadcast (NCCL between GPUs, gloo between CPUs) to the producers that joined the version's group | SHA-256 per chunk | clusters |
 | ``cuda_ipc`` | :mod:`.cuda_ipc` | one of two device buffers of the learner, shared by a CUDA IPC handle | a fingerprint computed on the device | producers on the learner's GPU host |
 
 ``learner.weights`` (a discriminated union on ``transport``, rlstream.config) picks one;

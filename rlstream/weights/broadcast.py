@@ -1,6 +1,7 @@
 """``transport: broadcast``: weights by ``torch.distributed`` broadcast, in a group formed per version.
 
-A cluster's learner sends each version to every producer at once (gloo on CPUs). A group fixed
+A cluster's learner sends each version to every producer at once: NCCL when the devices are
+CUDA, gloo on CPUs (``backend``, named in the location so producers build the same group). A group fixed
 at start-up would break when a producer joins or leaves mid-run, so each version forms its own:
 
 1. The learner keeps one ``TCPStore`` server (``dist://host:port``) for the run. It announces
@@ -30,7 +31,17 @@ from urllib.parse import urlsplit
 from rlstream.broker.layout import Layout
 from rlstream.broker.weights import chunk_digests, root_digest
 from rlstream.schemas import WeightsAnnouncement
-from rlstream.weights.base import Transport, Version, WeightsError, WeightsRefused, WeightsSource, announce, check_chunks, where
+from rlstream.weights.base import (
+    Transport,
+    Version,
+    WeightsError,
+    WeightsRefused,
+    WeightsSource,
+    WeightsUnavailable,
+    announce,
+    check_chunks,
+    where,
+)
 
 SCHEME = "dist://"
 JOIN_POLL_S = 0.01
@@ -40,8 +51,11 @@ class LateJoin(WeightsError):
     """The producer asked to join a version's group after the learner had closed it."""
 
 
-def location(host: str, port: int, version: int) -> str:
-    return f"{SCHEME}{host}:{port}/v{version}"
+BACKENDS = ("gloo", "nccl")
+
+
+def location(host: str, port: int, version: int, backend: str = "gloo") -> str:
+    return f"{SCHEME}{host}:{port}/v{version}" + ("" if backend == "gloo" else f"?backend={backend}")
 
 
 def parse(loc: str) -> tuple[str, int, str]:
@@ -53,25 +67,52 @@ def parse(loc: str) -> tuple[str, int, str]:
     return parts.hostname, parts.port, prefix
 
 
+def backend_of(loc: str) -> str:
+    """The collective a location's group uses (``?backend=nccl``; gloo without one)."""
+    backend = dict(p.split("=", 1) for p in urlsplit(loc).query.split("&") if "=" in p).get("backend", "gloo")
+    if backend not in BACKENDS:
+        raise WeightsRefused(f"{loc!r}: backend {backend!r} is not one of {BACKENDS}")
+    return backend
+
+
+def make_group(backend: str, store, prefix: str, rank: int, world: int, timeout: datetime.timedelta):
+    """The version's group on ``backend``: NCCL needs CUDA (and a torch built with it)."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(prefix + "/", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+    if not dist.is_nccl_available():
+        raise WeightsUnavailable("learner.weights.backend 'nccl' needs CUDA and a torch built with NCCL; use backend 'gloo'")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, world, options)
+
+
+def carrier(data, backend: str):
+    """The tensor the broadcast moves: the bytes themselves for gloo, a device copy for NCCL."""
+    import torch
+
+    host = torch.frombuffer(data if not isinstance(data, bytes) else bytearray(data), dtype=torch.uint8)
+    return host.cuda() if backend == "nccl" else host
+
+
 class BroadcastServer:
     """The learner's end: one store server for the run, one group per version."""
 
-    def __init__(self, host: str, port: int = 0, timeout_s: float = 60.0):
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 60.0, backend: str = "gloo"):
         import torch.distributed as dist
 
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self.host, self.port = host, self.store.port
+        self.host, self.port, self.backend = host, self.store.port, backend
 
     def location(self, version: int) -> str:
-        return location(self.host, self.port, version)
+        return location(self.host, self.port, version, self.backend)
 
     def send(self, version: int, data, expected: int, join_s: float) -> int:
         """Wait for up to ``expected`` producers for at most ``join_s``, close the group, and
         broadcast ``data``; returns how many producers received it."""
-        import torch
-        import torch.distributed as dist
-
         prefix = f"v{version}"
         deadline = time.monotonic() + join_s
         while (joined := self.store.add(f"{prefix}/joined", 0)) < expected and time.monotonic() < deadline:
@@ -79,9 +120,8 @@ class BroadcastServer:
         self.store.set(f"{prefix}/world", str(joined + 1))
         if joined == 0:
             return 0
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", self.store), 0, joined + 1, self.timeout)
-        tensor = torch.frombuffer(data if not isinstance(data, bytes) else bytearray(data), dtype=torch.uint8)
-        group.broadcast(tensor, 0).wait(self.timeout)
+        group = make_group(self.backend, self.store, prefix, 0, joined + 1, self.timeout)
+        group.broadcast(carrier(data, self.backend), 0).wait(self.timeout)
         return joined
 
 
@@ -93,6 +133,7 @@ def receive(loc: str, size: int, timeout_s: float):
     import torch.distributed as dist
 
     host, port, prefix = parse(loc)
+    backend = backend_of(loc)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     rank = store.add(f"{prefix}/joined", 1)
@@ -100,9 +141,12 @@ def receive(loc: str, size: int, timeout_s: float):
     if rank >= world:
         raise LateJoin(f"{loc}: joined as producer {rank} after the learner closed the group of {world - 1}; "
                        "the next version will include this producer")
-    group = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank, world, timeout)
+    group = make_group(backend, store, prefix, rank, world, timeout)
     buf = bytearray(size)
-    group.broadcast(torch.frombuffer(buf, dtype=torch.uint8), 0).wait(timeout)
+    tensor = carrier(buf, backend)
+    group.broadcast(tensor, 0).wait(timeout)
+    if backend == "nccl":  # the chunks are checked on the host, and backends load host bytes
+        torch.frombuffer(buf, dtype=torch.uint8).copy_(tensor)
     return buf
 
 
@@ -121,7 +165,8 @@ class BroadcastTransport(Transport):
         server = _servers.get(comp)
         if server is None:
             s = self.settings
-            server = _servers[comp] = await asyncio.to_thread(BroadcastServer, s.host or socket.getfqdn(), s.port, s.timeout_s)
+            server = _servers[comp] = await asyncio.to_thread(BroadcastServer, s.host or socket.getfqdn(), s.port, s.timeout_s,
+                                                              s.backend)
         return server
 
     async def publish(self, comp, data, version: Version) -> WeightsAnnouncement:
@@ -139,6 +184,7 @@ class BroadcastTransport(Transport):
     def check(self, cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
         if ann.chunk_size <= 0:
             raise WeightsRefused(f"{where(ann)}: a broadcast needs chunk digests")
+        backend_of(ann.location)
 
     async def receive(self, comp, ann: WeightsAnnouncement, deadline: float | None) -> WeightsSource:
         p = comp.cfg.producer

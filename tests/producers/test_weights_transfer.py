@@ -408,3 +408,22 @@ async def test_a_bfloat16_producer_gets_half_the_bytes_equal_to_the_rounded_mast
     assert await sync_weights(comp, backend, 1, ProducerStats()) == 2
     rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors(5).items()}
     assert_same(backend.loaded[0], rounded)
+
+
+def test_the_broadcast_location_names_its_backend_and_nccl_is_refused_without_it():
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlstream.weights import WeightsRefused, WeightsUnavailable
+    from rlstream.weights.broadcast import backend_of, location, make_group
+
+    assert backend_of(location("h", 5, 3)) == "gloo" and backend_of(location("h", 5, 3, "nccl")) == "nccl"
+    assert location("h", 5, 3) == "dist://h:5/v3"  # a gloo location reads as before
+    with pytest.raises(WeightsRefused, match="backend 'mpi' is not one of"):
+        backend_of("dist://h:5/v3?backend=mpi")
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL: the refusal is for one without")
+    store = dist.HashStore()
+    with pytest.raises(WeightsUnavailable, match="'nccl' needs CUDA and a torch built with NCCL; use backend 'gloo'"):
+        make_group("nccl", store, "v1", 0, 2, datetime.timedelta(seconds=1))
