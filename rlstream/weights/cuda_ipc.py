@@ -64,6 +64,14 @@ def fingerprint(header: bytes, flat) -> str:
     return hashlib.sha256(header + packed).hexdigest()
 
 
+def b64(raw: bytes | None) -> str:
+    return base64.b64encode(raw).decode() if raw else ""
+
+
+def raw(text: str) -> bytes | None:
+    return base64.b64decode(text) if text else None
+
+
 def share(flat) -> dict[str, Any]:
     """The CUDA IPC handle of the device buffer ``flat`` as JSON-ready fields."""
     import torch
@@ -74,7 +82,6 @@ def share(flat) -> dict[str, Any]:
      ref_offset, event_handle, event_sync) = args
     if dtype != torch.uint8 or storage_cls is not torch.storage.TypedStorage:
         raise WeightsUnavailable(f"cuda_ipc shares flat uint8 buffers, not {dtype} in {storage_cls.__name__}")
-    b64 = lambda b: base64.b64encode(b).decode() if b else ""  # noqa: E731
     return {"size": list(size), "stride": list(stride), "offset": offset, "device": device, "handle": b64(handle),
             "storage_bytes": storage_bytes, "storage_offset": storage_offset, "ref_handle": b64(ref_handle),
             "ref_offset": ref_offset, "event_handle": b64(event_handle), "event_sync": bool(event_sync)}
@@ -85,7 +92,6 @@ def open_shared(fields: dict[str, Any]):
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    raw = lambda s: base64.b64decode(s) if s else None  # noqa: E731
     return rebuild_cuda_tensor(torch.Tensor, torch.Size(fields["size"]), tuple(fields["stride"]), fields["offset"],
                                torch.storage.TypedStorage, torch.uint8, fields["device"], raw(fields["handle"]),
                                fields["storage_bytes"], fields["storage_offset"], False, raw(fields["ref_handle"]),
@@ -104,7 +110,7 @@ class CudaIpcTransport(Transport):
         require_cuda()
 
     async def put(self, comp, data, version: Version) -> dict[str, Any]:
-        if not hasattr(data, "flat") or not getattr(data.flat, "is_cuda", False):
+        if isinstance(data, (bytes, bytearray, memoryview)):
             raise WeightsUnavailable("learner.weights.transport 'cuda_ipc' publishes the device snapshot of "
                                      "learner.publish_in_background; bytes on the host go through transport 'local'")
         require_cuda()

@@ -72,7 +72,7 @@ async def test_without_cuda_a_producer_refuses_the_version_and_keeps_its_weights
         await comp.state.kv.put(WEIGHTS_LATEST, ann.encode())
         await comp.state.set_policy_version(1)
         stats = ProducerStats()
-        assert await sync_weights(comp, Loader(), 0, stats) == 0
+        assert await sync_weights(comp, Refusing(), 0, stats) == 0
         assert comp.reporter.values["alert/weight_fetch_failures"] == 1
 
 
@@ -96,16 +96,13 @@ def test_the_device_fingerprint_changes_with_any_byte_changed_or_moved():
     assert len({base, fingerprint(layout.header, changed), fingerprint(layout.header, moved)}) == 3
 
 
-class Loader:
-    can_reload = True
-    reload_note = ""
+class Refusing:
+    """A backend that must never be asked: the version is refused before it loads anything."""
 
-    def __init__(self):
-        self.loaded = []
+    can_reload, reload_note = True, ""
 
     async def load_weights(self, source) -> bool:
-        self.loaded.append({k: v.cpu() for k, v in source.tensors.items()})
-        return True
+        raise AssertionError("a refused version reached the backend")
 
 
 RECEIVER = """
