@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 
 from rlstream import compute
 from rlstream.learner.snapshot import HostImage, Snapshots
-from rlstream.learner.snapshot import write_file as to_safetensors
+from rlstream.weights.layout import write_file as to_safetensors
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
 
 log = logging.getLogger(__name__)

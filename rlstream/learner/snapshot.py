@@ -10,14 +10,15 @@ a copy into buffers kept from version to version:
   An event marks it done; the background publisher waits on it before it reads the image. The
   next snapshot's device copy waits (on the GPU, not the host) for the previous one to be read.
 
-A host image *is* the safetensors file: the header is laid out once and each tensor is a view
-into the bytes after it, so hashing and uploading read it with no serialising. Tensors are laid
-out widest dtype first, so every view is aligned to its element size (as safetensors itself
-orders them). There are two images: the background publish may still be reading one while the
-next snapshot fills the other; a newer version replaces an older one that is still waiting, so
-two always suffice.
+A host image *is* the safetensors file (:class:`rlstream.weights.layout.FileLayout`): the header
+is laid out once and each tensor is a view into the bytes after it, so hashing and uploading
+read it with no serialising. There are two images, filled in turn: the background publish may
+still be reading one while the next snapshot fills the other; a newer version replaces an older
+one that is still waiting, so two always suffice. A transport that shares device memory
+(``cuda_ipc``) gets two device images instead, and the turn leaves the buffer of the version
+just published alone while producers copy it.
 
-``wire_dtype``: floating-point tensors are converted to it on the way (bfloat16 producers get
+``wire``: floating-point tensors are converted to it on the way (bfloat16 producers get
 bfloat16 bytes, half of float32's), while the learner keeps its float32 masters.
 """
 
@@ -28,7 +29,8 @@ from typing import Any
 
 import torch
 
-from rlstream.weights.layout import FileLayout, fill, write_file  # noqa: F401 (write_file: re-exported)
+from rlstream.weights.layout import FileLayout, fill
+
 
 class HostImage:
     """One safetensors file in host memory kept across versions (pinned when CUDA fills it)."""
@@ -45,6 +47,9 @@ class HostImage:
 
     def __len__(self) -> int:
         return self.layout.size
+
+    def fill(self, state_dict: dict[str, torch.Tensor]) -> None:
+        fill(self.views, state_dict)
 
     def wait(self) -> None:
         """Until the copy into this image is done (blocks: call it off the event loop)."""
@@ -131,7 +136,7 @@ class Snapshots:
         self._next = 0
 
     def take(self, state_dict: dict[str, torch.Tensor]) -> HostImage | DeviceImage:
-        """A host image holding ``state_dict`` (on CUDA once ``image.wait()`` returns). The
+        """An image holding ``state_dict`` once ``image.wait()`` returns (at once on CPU). The
         inline cost of a version: a copy into buffers allocated at the first call."""
         device = next((t.device for t in state_dict.values() if t.is_cuda), None)
         if self.on_device and device is None:
@@ -146,10 +151,8 @@ class Snapshots:
             self._next = (self.images.index(image) + 1) % len(self.images)
         if self.staging is not None:
             self.staging.copy(state_dict, image)
-        elif isinstance(image, DeviceImage):
-            image.fill(state_dict)
         else:
-            fill(image.views, state_dict)
+            image.fill(state_dict)
         return image
 
     def release(self, image: HostImage | DeviceImage) -> None:
