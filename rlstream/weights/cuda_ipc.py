@@ -72,15 +72,26 @@ def raw(text: str) -> bytes | None:
     return base64.b64decode(text) if text else None
 
 
+_shared: dict[tuple[int, int], dict[str, Any]] = {}
+"""Each learner buffer's handle fields, made once: the buffers live as long as the learner."""
+
+
 def share(flat) -> dict[str, Any]:
-    """The CUDA IPC handle of the device buffer ``flat`` as JSON-ready fields."""
+    """The CUDA IPC handle of the device buffer ``flat`` as JSON-ready fields (made once per buffer)."""
+    key = (flat.data_ptr(), flat.numel())
+    if key not in _shared:
+        _shared[key] = _handle_fields(flat)
+    return _shared[key]
+
+
+def _handle_fields(flat) -> dict[str, Any]:
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(flat)
     (_, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes, storage_offset, _, ref_handle,
      ref_offset, event_handle, event_sync) = args
-    if dtype != torch.uint8 or storage_cls is not torch.storage.TypedStorage:
+    if dtype != torch.uint8 or not issubclass(storage_cls, torch.storage.TypedStorage):
         raise WeightsUnavailable(f"cuda_ipc shares flat uint8 buffers, not {dtype} in {storage_cls.__name__}")
     return {"size": list(size), "stride": list(stride), "offset": offset, "device": device, "handle": b64(handle),
             "storage_bytes": storage_bytes, "storage_offset": storage_offset, "ref_handle": b64(ref_handle),
