@@ -1147,9 +1147,10 @@ class LearnerConfig(Strict):
     """How new weights reach producers: a transport and its own settings (``transport:
     object_store | chunked | local | shared_path | broadcast | cuda_ipc``)."""
     publish_in_background: bool = True
-    """Publish weights off the step: the step pays for the snapshot (serialising the state dict);
-    upload and announcement run in a background task while training goes on. At most one
-    publish runs and one waits; a newer version replaces the waiting one (``publish/superseded``)."""
+    """Publish weights off the step: the step pays for a copy into snapshot buffers it reuses (on
+    CUDA a device copy; the host copy finishes on a side stream); hashing, upload and
+    announcement run in a background task while training goes on. At most one publish runs and
+    one waits; a newer version replaces the waiting one (``publish/superseded``)."""
     collate_ahead: bool = True
     """RL modes: while a batch trains, collate the groups the next batch will most likely hold
     (advantages, padded tensors) in a thread, off the step's critical path. The next batch is
