@@ -71,3 +71,11 @@ def test_a_broadcast_between_gpus_uses_nccl_and_between_cpus_gloo():
     assert learner(weights={"transport": "broadcast"}).weights.backend == "gloo"
     assert learner(device="cuda", weights={"transport": "broadcast"}).weights.backend == "nccl"
     assert learner(device="cuda", weights={"transport": "broadcast", "backend": "gloo"}).weights.backend == "gloo"
+
+
+def test_a_config_resolved_before_the_union_still_loads():
+    """config.resolved.json of an older run lists every flat weights key at its default (replay reads it)."""
+    old = {"weights_transport": "object_store", "shared_path": None, "keep_versions": 2, "local_path": "/dev/shm/rlstream",
+           "weights_chunk_mb": 16, "broadcast_host": None, "broadcast_port": 0, "broadcast_receivers": 1,
+           "broadcast_join_s": 2.0, "broadcast_timeout_s": 120.0}
+    assert learner(**old).weights == learner().weights
