@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from rlstream import compute
-from rlstream.learner.snapshot import HostImage, Snapshots
+from rlstream.learner.snapshot import Image, Snapshots
 from rlstream.weights.layout import write_file as to_safetensors
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
 
@@ -140,7 +140,7 @@ class BackgroundPublisher:
         self.adapter_config = adapter_config
         self.on_published = on_published
         self.snapshots = Snapshots(wire, on_device=transport_for(lcfg.weights).on_device)
-        self._waiting: tuple[HostImage, int, int, float] | None = None
+        self._waiting: tuple[Image, int, int, float] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -189,7 +189,7 @@ class BackgroundPublisher:
             if self._waiting is None:
                 self._idle.set()
 
-    async def _publish(self, image: HostImage, version: int, step: int, t0: float) -> Published | None:
+    async def _publish(self, image: Image, version: int, step: int, t0: float) -> Published | None:
         """One queued version out; None when it failed (counted, the next one tries again)."""
         try:
             await asyncio.to_thread(image.wait)

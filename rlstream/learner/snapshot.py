@@ -32,29 +32,37 @@ import torch
 from rlstream.weights.layout import FileLayout, fill
 
 
-class HostImage:
-    """One safetensors file in host memory kept across versions (pinned when CUDA fills it)."""
+class Image:
+    """What both kinds of snapshot buffer share: a layout, views of each tensor, an event, a turn."""
 
-    def __init__(self, layout: FileLayout, pinned: bool):
-        self.layout = layout
-        self.flat = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pinned)
-        self.flat[:len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
-        self.data = self.flat[len(layout.header):]
-        self.views = layout.views(self.data)
+    def __init__(self, layout: FileLayout, flat: torch.Tensor, data: torch.Tensor):
+        self.layout, self.flat = layout, flat
+        self.views = layout.views(data)
         self.ready: Any = None
         """The CUDA event after which the image holds its version (None: it already does)."""
         self.busy = False
+        """A publish has it (queued or reading): no snapshot fills it."""
 
     def __len__(self) -> int:
         return self.layout.size
-
-    def fill(self, state_dict: dict[str, torch.Tensor]) -> None:
-        fill(self.views, state_dict)
 
     def wait(self) -> None:
         """Until the copy into this image is done (blocks: call it off the event loop)."""
         if self.ready is not None:
             self.ready.synchronize()
+
+
+class HostImage(Image):
+    """One safetensors file in host memory kept across versions (pinned when CUDA fills it)."""
+
+    def __init__(self, layout: FileLayout, pinned: bool):
+        flat = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pinned)
+        flat[:len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        self.data = flat[len(layout.header):]
+        super().__init__(layout, flat, self.data)
+
+    def fill(self, state_dict: dict[str, torch.Tensor]) -> None:
+        fill(self.views, state_dict)
 
     def payload(self) -> memoryview:
         """What the transport gets: the file's bytes, for hashing, uploading or writing (no copy)."""
@@ -88,29 +96,19 @@ class DeviceStaging:
         self.read = image.ready = done
 
 
-class DeviceImage:
+class DeviceImage(Image):
     """One flat device buffer in the file's layout (``on_device`` transports: ``cuda_ipc``
     shares it with producers on this host). The step's stream fills it; :attr:`ready` marks
     when it holds its version."""
 
     def __init__(self, layout: FileLayout, device: torch.device):
-        self.layout = layout
-        self.flat = torch.empty(layout.data_size, dtype=torch.uint8, device=device)
-        self.views = layout.views(self.flat)
-        self.ready: Any = None
-        self.busy = False
-
-    def __len__(self) -> int:
-        return self.layout.size
+        flat = torch.empty(layout.data_size, dtype=torch.uint8, device=device)
+        super().__init__(layout, flat, flat)
 
     def fill(self, state_dict: dict[str, torch.Tensor]) -> None:
         fill(self.views, state_dict, non_blocking=True)
         self.ready = torch.cuda.Event()
         self.ready.record(torch.cuda.current_stream(self.flat.device))
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
 
     def payload(self) -> "DeviceImage":
         """What the transport gets: the buffer itself."""
@@ -130,12 +128,12 @@ class Snapshots:
         self.on_device = on_device
         self.layout: FileLayout | None = None
         self.device: torch.device | None = None
-        self.images: list[HostImage | DeviceImage] = []
+        self.images: list[Image] = []
         self.staging: DeviceStaging | None = None
         self._lock = threading.Lock()
         self._next = 0
 
-    def take(self, state_dict: dict[str, torch.Tensor]) -> HostImage | DeviceImage:
+    def take(self, state_dict: dict[str, torch.Tensor]) -> Image:
         """An image holding ``state_dict`` once ``image.wait()`` returns (at once on CPU). The
         inline cost of a version: a copy into buffers allocated at the first call."""
         device = next((t.device for t in state_dict.values() if t.is_cuda), None)
@@ -155,7 +153,7 @@ class Snapshots:
             image.fill(state_dict)
         return image
 
-    def release(self, image: HostImage | DeviceImage) -> None:
+    def release(self, image: Image) -> None:
         with self._lock:
             image.busy = False
 
