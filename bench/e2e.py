@@ -223,7 +223,7 @@ def rlstream_config(name: str, wl: Workload, backend: str, ckpt: Path, prompts: 
     # every component runs on this machine: weights go through one shared-memory file that the
     # producers read in place (docs/deploy.md), not through the broker
     cfg["learner"].update(max_steps=steps, lr=LR, batch_groups=PROMPTS_PER_STEP, micro_batch_size=BATCH,
-                          micro_batch_tokens=MICRO_TOKENS, weights_transport="local", seed=seed)
+                          micro_batch_tokens=MICRO_TOKENS, weights={"transport": "local"}, seed=seed)
     cfg["checkpoint"]["interval"] = 100000
     if placement:
         cfg["placement"] = placement

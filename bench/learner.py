@@ -154,7 +154,7 @@ async def bench_publish(model_dir: Path, quick: bool) -> tuple[float, float, int
     from rlstream.learner.publish import publish_weights, serialize
 
     cfg = parse_config({"run": "bench", "training_mode": "RL_GRPO", "model_checkpoint_path": str(model_dir), "algorithm_params": {},
-                        "learner": {"keep_versions": 2}})
+                        "learner": {"weights": {"transport": "object_store", "keep_versions": 2}}})
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     reps = 2 if quick else 5
     with tempfile.TemporaryDirectory() as store, EmbeddedServer(Path(store)) as server:

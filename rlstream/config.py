@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 TrainingMode = Literal["SFT", "DPO", "RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL"]
 RL_MODES = ("RL_PPO", "RL_GRPO", "RL_DAPO", "RL_GSPO", "DISTILL")
 """Modes that train on the streamed, scored groups (DISTILL: on-policy distillation)."""
+log = logging.getLogger(__name__)
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -772,6 +773,12 @@ class ProducerConfig(Strict):
         """The server this backend sends requests to (None: it generates in-process)."""
         return None
 
+    @property
+    def weights_dtype(self) -> str | None:
+        """The dtype new weights travel in to this backend (None: the learner's own). A backend
+        that runs bfloat16 gets bfloat16 bytes: half of float32's, and what it would round to."""
+        return None
+
 
 class HFProducerConfig(ProducerConfig):
     """``backend: hf``: transformers ``generate`` in the producer's process."""
@@ -780,12 +787,20 @@ class HFProducerConfig(ProducerConfig):
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
+    @property
+    def weights_dtype(self) -> str | None:
+        return "bfloat16" if self.dtype == "bfloat16" else None
+
 
 class VLLMProducerConfig(ProducerConfig):
     """``backend: vllm``: an in-process vLLM engine."""
 
     backend: Literal["vllm"] = "vllm"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @property
+    def weights_dtype(self) -> str | None:
+        return "bfloat16" if self.dtype == "bfloat16" else None
     vllm: dict[str, Any] = Field(default_factory=dict)
     """Extra vllm.LLM / AsyncEngineArgs keyword arguments."""
 
@@ -975,6 +990,128 @@ class LoraSettings(Strict):
         return v
 
 
+# ---- weights transports ----------------------------------------------------------------
+
+
+class _KeptVersions(Strict):
+    keep_versions: int = Field(2, ge=1, le=1000)
+    """Versions kept where they land (older ones are pruned after each publish)."""
+
+
+class _Chunked(Strict):
+    chunk_mb: int = Field(16, ge=1, le=4096)
+    """Bytes per checked chunk (MiB): each chunk has its own SHA-256, checked in parallel."""
+
+
+class ObjectStoreWeights(_KeptVersions):
+    """``transport: object_store``: one object in the run's bucket, checked by the SHA-256 of
+    the whole file (small models)."""
+
+    transport: Literal["object_store"] = "object_store"
+
+
+class ChunkedWeights(_KeptVersions, _Chunked):
+    """``transport: chunked``: ``chunk_mb`` parts in the run's bucket, fetched
+    ``producer.weights_parallel`` at once, each checked against its own SHA-256 (remote
+    producers, larger models)."""
+
+    transport: Literal["chunked"] = "chunked"
+
+
+class LocalWeights(_KeptVersions, _Chunked):
+    """``transport: local``: one file in shared memory on the learner's machine, read in place
+    by producers on that machine only (others refuse it by host)."""
+
+    transport: Literal["local"] = "local"
+    path: str = "/dev/shm/rlstream"
+    """The folder (on the learner's machine) that holds the versions."""
+
+
+class SharedPathWeights(_KeptVersions, _Chunked):
+    """``transport: shared_path``: an HF folder per version on a volume every producer mounts
+    (written under a ``.tmp`` name, fsynced, renamed into place)."""
+
+    transport: Literal["shared_path"] = "shared_path"
+    path: str = Field(min_length=1)
+    """The mounted folder (the same path on the learner and every producer)."""
+
+
+class BroadcastWeights(_Chunked):
+    """``transport: broadcast``: a ``torch.distributed`` broadcast from the learner to the
+    producers that join within ``join_s``, in a group formed per version
+    (rlstream.weights.broadcast): NCCL between GPUs, gloo between CPUs."""
+
+    transport: Literal["broadcast"] = "broadcast"
+    host: str | None = None
+    """The address producers reach the learner at (default: its hostname)."""
+    port: int = Field(0, ge=0, le=65535)
+    """The learner's store port (0: a free one, announced with each version)."""
+    receivers: int = Field(1, ge=0, le=65536)
+    """Producers the learner waits for before it closes a version's group."""
+    join_s: float = Field(2.0, ge=0, le=DAY_S)
+    """The longest the learner waits for them; later ones take the next version."""
+    timeout_s: float = Field(120.0, gt=0, le=DAY_S)
+    """The longest a version's broadcast may take before it fails."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The collective that carries the bytes: ``nccl`` between GPUs, ``gloo`` between CPUs;
+    ``auto`` is ``nccl`` when ``learner.device`` is CUDA, else ``gloo``. Producers read it off
+    the announcement."""
+
+
+class CudaIpcWeights(Strict):
+    """``transport: cuda_ipc``: the learner shares the version's device buffers through CUDA IPC
+    handles; producers on its host copy device to device, with no host round trip. Two buffers
+    alternate, so the learner never writes the one a producer is reading. Needs CUDA on the
+    learner (``learner.device: cuda``), background publishing, full weights (not LoRA) and the
+    hf backend (it loads device tensors); without CUDA use ``local``."""
+
+    transport: Literal["cuda_ipc"] = "cuda_ipc"
+    path: str = "/dev/shm/rlstream"
+    """The folder (on the learner's machine, shared memory) where each version's record of its
+    IPC handle is written; the two newest are kept, one per buffer."""
+
+
+WEIGHTS_TRANSPORTS = {m.model_fields["transport"].default: m for m in (
+    ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights, CudaIpcWeights)}
+WeightsSettings = Annotated[Union[ObjectStoreWeights, ChunkedWeights, LocalWeights, SharedPathWeights, BroadcastWeights,
+                                  CudaIpcWeights], Field(discriminator="transport")]
+
+OLD_WEIGHTS_KEYS: dict[str, tuple[str, str | None]] = {
+    "shared_path": ("path", "shared_path"), "local_path": ("path", "local"), "keep_versions": ("keep_versions", None),
+    "weights_chunk_mb": ("chunk_mb", None), "broadcast_host": ("host", "broadcast"), "broadcast_port": ("port", "broadcast"),
+    "broadcast_receivers": ("receivers", "broadcast"), "broadcast_join_s": ("join_s", "broadcast"),
+    "broadcast_timeout_s": ("timeout_s", "broadcast"),
+}
+"""The flat ``learner`` keys of before ``learner.weights`` -> (its field there, the one transport
+it belongs to, or None: every transport that has the field)."""
+
+
+def moved_weights_settings(learner: dict[str, Any]) -> dict[str, Any]:
+    """``learner`` with its old flat weights keys moved into ``learner.weights``.
+
+    The transport is ``weights_transport``, else ``shared_path`` when only ``learner.shared_path``
+    was given (the folder producers were told to accept), else ``object_store``. A key the chosen
+    transport has no field for was ignored before and is dropped now; each move is logged with
+    the new spelling."""
+    old = [k for k in learner if k == "weights_transport" or k in OLD_WEIGHTS_KEYS]
+    if not old:
+        return learner
+    if "weights" in learner:
+        raise PydanticCustomError("renamed", "learner.{old}: an old spelling beside learner.weights; move it into "
+                                  "learner.weights (learner.weights.{new})",
+                                  {"old": old[0], "new": OLD_WEIGHTS_KEYS.get(old[0], ("transport",))[0]})
+    transport = learner.get("weights_transport") or ("shared_path" if learner.get("shared_path") else "object_store")
+    fields = WEIGHTS_TRANSPORTS[transport].model_fields if transport in WEIGHTS_TRANSPORTS else {}
+    weights: dict[str, Any] = {"transport": transport}
+    for key in old:
+        new, owner = OLD_WEIGHTS_KEYS.get(key, ("transport", None))
+        if new in fields and owner in (None, transport) and learner[key] is not None:
+            weights[new] = learner[key]
+    rest = {k: v for k, v in learner.items() if k not in old}
+    log.warning("learner.%s: old spelling, read as learner.weights: %s", ", learner.".join(old), json.dumps(weights))
+    return {**rest, "weights": weights}
+
+
 class LearnerConfig(Strict):
     engine: Literal["torch", "deepspeed"] = "torch"
     deepspeed: dict[str, Any] | str | None = None
@@ -1006,34 +1143,14 @@ class LearnerConfig(Strict):
     device: str = "cpu"
     max_steps: int = Field(100, ge=1, le=1_000_000_000)
     publish_every: int = Field(1, ge=1, le=1_000_000_000)
-    weights_transport: Literal["object_store", "chunked", "local", "shared_path", "broadcast"] = "object_store"
-    """How new weights reach producers. object_store: one object in the run's bucket (small
-    models). chunked: ``weights_chunk_mb`` parts in the bucket, fetched ``producer.weights_parallel``
-    at once, each checked against its own SHA-256 (remote producers, larger models). local: one
-    file under ``local_path`` (shared memory), read in place by producers on the learner's
-    machine only. shared_path: an HF folder under ``shared_path``, a volume every producer mounts.
-    broadcast: a ``torch.distributed`` (gloo) broadcast from the learner to the producers that
-    join within ``broadcast_join_s``, in a group formed per version (rlstream.broker.broadcast)."""
-    shared_path: str | None = None
-    keep_versions: int = Field(2, ge=1, le=1000)
-    local_path: str = "/dev/shm/rlstream"
-    """weights_transport local: the folder (on the learner's machine) that holds the versions."""
-    weights_chunk_mb: int = Field(16, ge=1, le=4096)
-    """chunked, local and shared_path: bytes per checked chunk (MiB)."""
-    broadcast_host: str | None = None
-    """weights_transport broadcast: the address producers reach the learner at (default: its hostname)."""
-    broadcast_port: int = Field(0, ge=0, le=65535)
-    """weights_transport broadcast: the learner's store port (0: a free one, announced with each version)."""
-    broadcast_receivers: int = Field(1, ge=0, le=65536)
-    """weights_transport broadcast: producers the learner waits for before it closes a version's group."""
-    broadcast_join_s: float = Field(2.0, ge=0, le=DAY_S)
-    """weights_transport broadcast: the longest the learner waits for them; later ones take the next version."""
-    broadcast_timeout_s: float = Field(120.0, gt=0, le=DAY_S)
-    """weights_transport broadcast: the longest a version's broadcast may take before it fails."""
+    weights: WeightsSettings = Field(default_factory=ObjectStoreWeights)
+    """How new weights reach producers: a transport and its own settings (``transport:
+    object_store | chunked | local | shared_path | broadcast | cuda_ipc``)."""
     publish_in_background: bool = True
-    """Publish weights off the step: the step pays for the snapshot (serialising the state dict);
-    upload and announcement run in a background task while training goes on. At most one
-    publish runs and one waits; a newer version replaces the waiting one (``publish/superseded``)."""
+    """Publish weights off the step: the step pays for a copy into snapshot buffers it reuses (on
+    CUDA a device copy; the host copy finishes on a side stream); hashing, upload and
+    announcement run in a background task while training goes on. At most one publish runs and
+    one waits; a newer version replaces the waiting one (``publish/superseded``)."""
     collate_ahead: bool = True
     """RL modes: while a batch trains, collate the groups the next batch will most likely hold
     (advantages, padded tensors) in a thread, off the step's critical path. The next batch is
@@ -1064,10 +1181,17 @@ class LearnerConfig(Strict):
     lora: LoraSettings | None = None
     """Train and publish a LoRA adapter instead of the full weights (absent: full fine-tuning)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_weights_keys(cls, data: Any) -> Any:
+        return moved_weights_settings(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _shared(self):
-        if self.weights_transport == "shared_path" and not self.shared_path:
-            raise ValueError("weights_transport 'shared_path' needs learner.shared_path")
+        if self.weights.transport == "cuda_ipc":
+            self._cuda_ipc_fits()
+        if self.weights.transport == "broadcast" and self.weights.backend == "auto":
+            self.weights.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         if self.micro_batch_tokens is not None and self.engine == "deepspeed":
             raise ValueError("learner.micro_batch_tokens with learner.engine 'deepspeed': DeepSpeed fixes the passes per "
                              "step (gradient_accumulation_steps); use learner.micro_batch_size")
@@ -1075,6 +1199,17 @@ class LearnerConfig(Strict):
             raise ValueError(f"learner.reference_model_path {self.reference_model_path!r} with learner.lora: the reference "
                              "is the base model with the adapter disabled; remove one of them")
         return self
+
+    def _cuda_ipc_fits(self) -> None:
+        """``cuda_ipc`` shares the background publisher's device snapshot of the full weights."""
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"learner.weights.transport 'cuda_ipc' shares CUDA buffers and learner.device is "
+                             f"{self.device!r}; use transport 'local'")
+        if not self.publish_in_background:
+            raise ValueError("learner.weights.transport 'cuda_ipc' shares the background publisher's device snapshot; "
+                             "set learner.publish_in_background: true or use transport 'local'")
+        if self.lora is not None:
+            raise ValueError("learner.weights.transport 'cuda_ipc' with learner.lora: an adapter is kilobytes; use transport 'local'")
 
     def deepspeed_config(self, world_size: int | None = None, accumulation: int | None = None) -> dict[str, Any]:
         """The DeepSpeed dict with batch, accumulation, clipping and precision from this config.
@@ -1355,6 +1490,9 @@ class Config(Strict):
             raise ValueError("training_mode DPO with data_source.type 'on_policy' needs algorithm_params.online_pairs: true")
         if mode == "DPO" and self.data_source.type == "off_policy" and self.algorithm_params.online_pairs:
             raise ValueError("algorithm_params.online_pairs: true builds pairs from the stream; it needs data_source.type 'on_policy'")
+        if self.learner.weights.transport == "cuda_ipc" and self.producer.backend not in ("hf", "fake"):
+            raise ValueError(f"learner.weights.transport 'cuda_ipc' hands device tensors to the producer, which backend "
+                             f"{self.producer.backend!r} cannot load; use transport 'local'")
         if self.data_source.sampling_endpoint and not isinstance(self.producer, OpenAIProducerConfig):
             raise ValueError(f"producer.backend {self.producer.backend!r} conflicts with data_source.sampling_endpoint "
                              "(served by the 'openai' backend); remove one of them or set producer.backend: openai")
@@ -1608,6 +1746,10 @@ def _describe(err: dict[str, Any]) -> str:
     # and the producer's backend tag (producer.hf.device -> producer.device)
     if len(loc) >= 2 and loc[0] == "producer" and loc[1] in PRODUCER_BACKENDS:
         loc = [loc[0]] + loc[2:]
+    # and the weights transport's tag (learner.weights.broadcast.port -> learner.weights.port)
+    transport = None
+    if len(loc) >= 3 and loc[:2] == ["learner", "weights"] and loc[2] in WEIGHTS_TRANSPORTS:
+        transport, loc = loc[2], loc[:2] + loc[3:]
     # and the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
     if len(loc) >= 3 and loc[1] in ("off_policy_correction", "policy_loss") and loc[2] in CORRECTIONS + POLICY_LOSSES:
         loc = loc[:2] + loc[3:]
@@ -1615,6 +1757,10 @@ def _describe(err: dict[str, Any]) -> str:
     value = err.get("input")
     kind = err["type"]
     ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden" and transport is not None:
+        owners = [t for t, m in WEIGHTS_TRANSPORTS.items() if loc[-1] in m.model_fields]
+        return (f"{field}: not a setting of transport {transport!r} (value {_short(value)}); "
+                + (f"it belongs to {' or '.join(map(repr, owners))}" if owners else "check the spelling or remove it"))
     if kind == "extra_forbidden":
         hint = did_you_mean(loc)
         return f"{field}: unknown key (value {_short(value)}); " + (hint or "check the spelling or remove it")
@@ -1627,6 +1773,7 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "union_tag_invalid":
         where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
         where = "producer.backend" if loc == ["producer"] else where
+        where = "learner.weights.transport" if loc == ["learner", "weights"] else where
         return f"{where}: {_short(ctx.get('tag'))} is not allowed; allowed: {ctx.get('expected_tags')}"
     if kind == "string_pattern_mismatch":
         return f"{field}: {_short(value)} must match {ctx.get('pattern')}"

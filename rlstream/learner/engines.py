@@ -57,6 +57,11 @@ class Engine(Protocol):
         """Every weight on CPU under ``AutoModelForCausalLM.state_dict()`` names."""
         ...
 
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under the same names, where it can be the parameters themselves (no
+        copy): for a caller that copies them before the next step (a publish's snapshot)."""
+        ...
+
     def optimizer_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Optimizer state as flat tensors + JSON meta (safetensors-friendly; no pickle)."""
         ...
@@ -123,8 +128,26 @@ def _unique_cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
 
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What torch's fused AdamW kernel takes."""
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation for ``params``: on CUDA the fused kernel (one launch for every
+    tensor: at 269M float32 parameters the per-tensor loop took 0.17 s where the memory traffic
+    needs about 3 ms), or the multi-tensor ``foreach`` one where fused does not apply. On CPU
+    torch's default, so CPU runs keep their numbers."""
+    if not params or not all(p.is_cuda for p in params):
+        return {}
+    if all(p.dtype in FUSED_DTYPES for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def make_optimizer(params, lcfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8)
+    params = list(params)
+    return torch.optim.AdamW(params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay, eps=1e-8,
+                             **adamw_kernel(params))
 
 
 def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -187,6 +210,9 @@ class TorchEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return _unique_cpu(self.unwrapped.state_dict())
+
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.unwrapped.state_dict().items()}
 
     def optimizer_tensors(self):
         return optimizer_to_tensors(self.optimizer)
@@ -284,6 +310,9 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
                 return _unique_cpu(model.state_dict())
         return _unique_cpu(model.state_dict())
+
+    def live_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.full_state_dict()  # ZeRO-3's weights exist whole only inside a gather
 
     # ---- optimizer state (safetensors + JSON, never DeepSpeed's pickled save_checkpoint) ----
     #

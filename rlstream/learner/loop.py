@@ -186,7 +186,7 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
                    adapter_config: str | None = None) -> dict[str, float]:
     """A new policy version: the full weights (or the LoRA adapter) out, then the version
     announced (with a ``publisher``, only the snapshot here; the rest in its background task)."""
-    from rlstream.learner.publish import publish_weights
+    from rlstream.learner.publish import publish_weights, wire_dtype
 
     state = runner.learner.state
     state.policy_version += 1
@@ -194,8 +194,9 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
     if publisher is not None:
         m = await publisher.submit(full, version=state.policy_version, step=state.step)
         return {"time/publish_s": m["publish/snapshot_s"], **m}
-    pub = await publish_weights(comp, runner.learner.cfg.learner, full, version=state.policy_version, step=state.step,
-                                config_json=config_json, adapter_config=adapter_config)
+    cfg = runner.learner.cfg
+    pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step,
+                                config_json=config_json, adapter_config=adapter_config, wire=wire_dtype(cfg))
     await source.published()
     return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
 
@@ -294,13 +295,18 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`);
     # a collation ahead that is still running when the step ends counts as collate too.
     publisher = None
+    if comp is not None:
+        from rlstream.weights import transport_for
+
+        transport_for(cfg.learner.weights).usable()  # e.g. cuda_ipc without CUDA: refused before the first step
     if comp is not None and cfg.learner.publish_in_background:
-        from rlstream.learner.publish import BackgroundPublisher
+        from rlstream.learner.publish import BackgroundPublisher, wire_dtype
 
         async def published(_pub) -> None:
             await source.published()
 
-        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config, out_version=state.policy_version)
+        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config, out_version=state.policy_version,
+                                        wire=wire_dtype(cfg))
     try:
         ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
                           evaluator, adapter_config)
@@ -308,9 +314,9 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
         if publisher is not None:
             await publisher.close()
     if comp is not None:
-        from rlstream.learner.publish import release_local
+        from rlstream.learner.publish import release_weights
 
-        release_local(cfg.learner, comp.layout.run)
+        release_weights(cfg.learner, comp.layout.run)
     return ok
 
 

@@ -32,7 +32,8 @@ class StepRunner(Protocol):
         """One optimizer step on ``batch`` (``collated``: its tensors, built ahead); its metrics."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight (the adapter alone under LoRA), on CPU, for a publish."""
+        """Every weight (the adapter alone under LoRA), for a publish, which copies them at
+        once: they may be the live parameters, on their device."""
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (raises ``CheckpointWriteError``)."""
@@ -49,7 +50,7 @@ def published_tensors(learner: Learner) -> dict[str, torch.Tensor]:
         from rlstream.learner import lora
 
         return lora.adapter_state_dict(engine.unwrapped, gathered=engine.gathers_weights)
-    return engine.full_state_dict()
+    return engine.live_state_dict()
 
 
 class LocalRunner:

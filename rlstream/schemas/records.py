@@ -500,12 +500,14 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     so chunks are fetched and checked in parallel), and ``sha256`` is the digest of the
     concatenated raw chunk digests (see :func:`rlstream.broker.weights.root_digest`); in the
     object store chunk ``i`` is the object ``<name>.part<i:05d>``. ``host`` names the machine of a
-    ``file://`` location that only that machine can read (``learner.weights_transport: local``).
+    ``file://`` location that only that machine can read (``learner.weights.transport: local``).
     v2 also accepts ``dist://host:port/v<version>``: a broadcast group the producer joins
-    (:mod:`rlstream.broker.broadcast`), with chunk digests.
+    (:mod:`rlstream.weights.broadcast`), with chunk digests.
     v3: + ``kind`` (``full``: every weight; ``lora``: a PEFT adapter for the base model, whose
     safetensors are ``adapter_model.safetensors``) and ``adapter_config`` (the adapter's
-    ``adapter_config.json`` text, for ``lora``).
+    ``adapter_config.json`` text, for ``lora``). v3 also accepts ``cuda-ipc://<record>``: the
+    learner's device buffer shared by a CUDA IPC handle (:mod:`rlstream.weights.cuda_ipc`),
+    checked by a fingerprint computed on the device.
     """
 
     SCHEMA: ClassVar[str] = "weights"
@@ -542,8 +544,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
             raise RecordError(f"{path}kind", f"{self.kind!r}; expected 'full' or 'lora'")
         if self.kind == "lora" and not self.adapter_config:
             raise RecordError(f"{path}adapter_config", "a 'lora' announcement needs the adapter's adapter_config.json")
-        if not self.location.startswith(("object://", "file://", "dist://")):
-            raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file:// or dist://")
+        if not self.location.startswith(("object://", "file://", "dist://", "cuda-ipc://")):
+            raise RecordError(f"{path}location", f"{self.location!r} must start with object://, file://, dist:// or cuda-ipc://")
         _min(self.policy_version, 0, f"{path}policy_version")
         _min(self.step, 0, f"{path}step")
         _min(self.size, 0, f"{path}size")

@@ -212,14 +212,14 @@ def test_rlstream_config_validates_and_keeps_the_checkpoint_lifecycle(render):
     assert cfg.checkpoint.keep_last >= 1 and cfg.checkpoint.max_age_days
     if name == "gpu":
         assert cfg.producer.backend == "vllm" and cfg.learner.engine == "deepspeed"
-        assert cfg.learner.weights_transport == "shared_path"
+        assert cfg.learner.weights.transport == "shared_path"
         assert cfg.learner.deepspeed_config()["zero_optimization"]["stage"] == 3
         producers = find(objs, "Deployment", "producers")["spec"]["template"]["spec"]["containers"][0]
         assert producers["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert producers["image"].endswith(":0.1.0-cuda")
         # producers read the weights the learner writes to the shared path
         mounts = {m["mountPath"] for m in producers["volumeMounts"]}
-        assert any(cfg.learner.shared_path.startswith(m) for m in mounts)
+        assert any(cfg.learner.weights.path.startswith(m) for m in mounts)
     else:
         assert find(objs, "Deployment", "producers")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0-cpu")
 

@@ -17,7 +17,7 @@ import pytest
 from helpers.groups import make_cfg, publish_groups, sample_groups
 
 from rlstream import compute
-from rlstream.learner import loop, publish, runner
+from rlstream.learner import loop, runner, snapshot
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def test_the_learners_torch_work_runs_on_one_thread(tiny_model_dir, tmp_path, na
     monkeypatch.setattr(loop, "build_learner", recording("build", loop.build_learner))
     for name in ("resume", "step", "full_state_dict", "save", "close"):
         monkeypatch.setattr(runner.LocalRunner, name, recording(name, getattr(runner.LocalRunner, name)))
-    # the weights copied into the published file: a tensor copy, so a parallel region too
-    monkeypatch.setattr(publish, "snapshot", recording("snapshot", publish.snapshot))
+    # the weights copied into the snapshot buffers: a tensor copy, so a parallel region too
+    monkeypatch.setattr(snapshot.Snapshots, "take", recording("snapshot", snapshot.Snapshots.take))
 
     cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 4, "max_staleness": 4},
                    learner={"batch_groups": 2, "micro_batch_size": 8, "collate_ahead": True, "publish_every": 1},

@@ -19,7 +19,7 @@ import torch
 
 from rlstream.broker import Component, put_object
 from rlstream.broker.weights import delete_object, list_objects, part_name
-from rlstream.config import parse_config
+from rlstream.config import WEIGHTS_TRANSPORTS, parse_config
 from rlstream.learner.publish import BackgroundPublisher, StagedFile, publish_bytes, publish_weights, snapshot, to_safetensors
 from rlstream.producers.backends import ProducerError
 from rlstream.producers.backends.base import safetensors_views
@@ -53,13 +53,24 @@ class Loader:
         return True
 
 
+TRANSPORT_SETTINGS = {"object_store": {}, "chunked": {"chunk_mb": 1}, "local": {"chunk_mb": 1, "path": "shm"},
+                      "shared_path": {"chunk_mb": 1, "path": "shared"}, "broadcast": {"chunk_mb": 1, "host": "127.0.0.1"}}
+"""Each transport's settings in these tests (a ``path`` is under the test's tmp_path)."""
+
+
+def weights_settings(transport: str, tmp_path: Path, **settings) -> dict:
+    out = {"transport": transport, **TRANSPORT_SETTINGS[transport], **settings}
+    if "path" in out:
+        out["path"] = str(tmp_path / out["path"])
+    return out
+
+
 def make_cfg(run: str, url: str, tmp_path: Path, transport: str, learner=None, **producer):
     return parse_config({
         "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused", "nats": {"url": url},
         "metrics": {"prometheus_port": None, "interval_s": 60}, "algorithm_params": {"group_size": 2},
         "producer": {"weights_fetch_tries": 2, "weights_timeout_s": 30, **producer},
-        "learner": {"weights_transport": transport, "weights_chunk_mb": 1, "shared_path": str(tmp_path / "shared"),
-                    "local_path": str(tmp_path / "shm"), "broadcast_host": "127.0.0.1", **(learner or {})},
+        "learner": {"weights": weights_settings(transport, tmp_path, **(learner or {}))},
     })
 
 
@@ -239,7 +250,7 @@ async def test_a_publish_that_fails_in_the_background_is_counted_and_the_next_on
         seen.append(None if pub is None else pub.announcement.policy_version)
 
     publisher = BackgroundPublisher(comp, comp.cfg.learner, "{}", published)
-    blocker = Path(comp.cfg.learner.shared_path)
+    blocker = Path(comp.cfg.learner.weights.path)
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("a file where the folder should be")
     try:
@@ -286,7 +297,7 @@ async def test_a_broadcast_reaches_the_producers_that_joined_and_a_late_one_is_t
     """gloo, a group per version: two producers join v1 and get the same tensors; a third one
     asking after the group closed is told so at once and keeps its weights; v2, which nobody
     joins, goes out to no one after the join window."""
-    comp = await comp_for("broadcast", {"broadcast_receivers": 2, "broadcast_join_s": 30})
+    comp = await comp_for("broadcast", {"receivers": 2, "join_s": 30})
     sender = asyncio.create_task(publish(comp, 1))
     await announced(comp, 1)
     backends = [Loader(), Loader()]
@@ -300,7 +311,7 @@ async def test_a_broadcast_reaches_the_producers_that_joined_and_a_late_one_is_t
     with pytest.raises(ProducerError, match="after the learner closed the group of 2"):
         await asyncio.wait_for(receive_weights(comp, pub.announcement), 30)
     assert await sync_weights(comp, late, 0, stats) == 0 and late.loaded == []
-    comp.cfg.learner.broadcast_join_s = 0.2
+    comp.cfg.learner.weights.join_s = 0.2
     pub = await asyncio.wait_for(publish(comp, 2, seed=2), 30)
     assert comp.reporter.values["publish/broadcast_receivers"] == 0
 
@@ -308,9 +319,9 @@ async def test_a_broadcast_reaches_the_producers_that_joined_and_a_late_one_is_t
 async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_its_timeout(comp_for):
     import torch.distributed as dist
 
-    from rlstream.broker.broadcast import parse
+    from rlstream.weights.broadcast import parse
 
-    comp = await comp_for("broadcast", {"broadcast_receivers": 1, "broadcast_join_s": 30, "broadcast_timeout_s": 2})
+    comp = await comp_for("broadcast", {"receivers": 1, "join_s": 30, "timeout_s": 2})
     sender = asyncio.create_task(publish(comp, 1))
     ann = await announced(comp, 1)
     host, port, prefix = parse(ann.location)
@@ -323,7 +334,7 @@ async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_i
     assert time.monotonic() - t0 < 2 + 13  # the bound plus slack (a hang is 30 s)
 
 
-async def test_a_local_snapshot_is_the_version_s_file_itself(comp_for):
+async def test_a_local_snapshot_is_the_version_s_file_itself(comp_for, tmp_path):
     """Serialised straight into the file in shared memory (no copy in memory first), under the
     folder's .tmp name until the publish puts it in place; its bytes are the safetensors file of
     the state. Every other transport serialises in memory (a disk is written in the background)."""
@@ -338,7 +349,8 @@ async def test_a_local_snapshot_is_the_version_s_file_itself(comp_for):
     assert await sync_weights(comp, backend, 0, ProducerStats()) == 7
     assert_same(backend.loaded[-1], tensors())
     for other in ("object_store", "chunked", "shared_path", "broadcast"):
-        assert snapshot(lcfg.model_copy(update={"weights_transport": other}), run, 8, tensors()) == to_safetensors(tensors())
+        settings = WEIGHTS_TRANSPORTS[other](**weights_settings(other, tmp_path))
+        assert snapshot(lcfg.model_copy(update={"weights": settings}), run, 8, tensors()) == to_safetensors(tensors())
 
 
 async def test_staged_versions_superseded_or_discarded_leave_no_folder_behind(comp_for):
@@ -359,7 +371,59 @@ async def test_staged_versions_superseded_or_discarded_leave_no_folder_behind(co
         await publisher.flush()
     finally:
         await publisher.close()
-    root = Path(lcfg.local_path) / run
+    root = Path(lcfg.weights.path) / run
     assert seen[-1] == 7 and len(seen) + publisher.superseded == 6
     assert not list(root.glob("*.tmp"))  # neither a superseded nor a published version left its staging folder
     assert await comp.state.policy_version() == 7
+
+
+@pytest.mark.parametrize("transport", ["chunked", "local"])
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_bfloat16_producer_gets_half_the_bytes_equal_to_the_rounded_masters(comp_for, transport, background):
+    from rlstream.learner.publish import wire_dtype
+
+    full = await publish(await comp_for(transport))  # a float32 producer: float32 bytes
+    comp = await comp_for(transport, dtype="bfloat16")
+    wire = wire_dtype(comp.cfg)
+    assert wire == torch.bfloat16
+    masters = tensors(5)
+    if background:
+        out = []
+
+        async def published(pub) -> None:
+            out.append(pub)
+
+        publisher = BackgroundPublisher(comp, comp.cfg.learner, "{}", published, wire=wire)
+        try:
+            await publisher.submit(masters, version=2, step=2)
+            await publisher.flush()
+        finally:
+            await publisher.close()
+        pub = out[0]
+    else:
+        pub = await publish_weights(comp, comp.cfg.learner, masters, version=2, step=2, config_json="{}", wire=wire)
+    assert pub.bytes < 0.51 * full.bytes  # float32 weights travel as bfloat16
+    assert all(v.dtype == tensors()[k].dtype for k, v in masters.items())  # the learner keeps its float32 masters
+    backend = Loader()
+    assert await sync_weights(comp, backend, 1, ProducerStats()) == 2
+    rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors(5).items()}
+    assert_same(backend.loaded[0], rounded)
+
+
+def test_the_broadcast_location_names_its_backend_and_nccl_is_refused_without_it():
+    import datetime
+
+    import torch.distributed as dist
+
+    from rlstream.weights import WeightsRefused, WeightsUnavailable
+    from rlstream.weights.broadcast import backend_of, location, make_group
+
+    assert backend_of(location("h", 5, 3)) == "gloo" and backend_of(location("h", 5, 3, "nccl")) == "nccl"
+    assert location("h", 5, 3) == "dist://h:5/v3"  # a gloo location reads as before
+    with pytest.raises(WeightsRefused, match="backend 'mpi' is not one of"):
+        backend_of("dist://h:5/v3?backend=mpi")
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL: the refusal is for one without")
+    store = dist.HashStore()
+    with pytest.raises(WeightsUnavailable, match="'nccl' needs CUDA and a torch built with NCCL; use backend 'gloo'"):
+        make_group("nccl", store, "v1", 0, 2, datetime.timedelta(seconds=1))

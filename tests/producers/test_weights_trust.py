@@ -51,7 +51,7 @@ def make_cfg(run: str, url: str, **sections):
 @pytest.fixture
 async def producer(nats_server, run_id, tmp_path):
     cfg = make_cfg(run_id, nats_server.url, producer={"max_weights_mb": 1, "weights_fetch_tries": 2},
-                   learner={"shared_path": str(tmp_path / "shared")})
+                   learner={"weights": {"transport": "shared_path", "path": str(tmp_path / "shared")}})
     comp = Component(cfg, nats_server.url, "producer", "p0", handle_signals=False)
     await comp.__aenter__()
     yield comp
@@ -109,7 +109,7 @@ async def test_weights_that_are_not_the_runs_own_are_refused_and_the_producer_ke
 
 
 async def test_weights_in_the_runs_shared_folder_are_checked_and_loaded(producer):
-    folder = Path(producer.cfg.learner.shared_path, producer.layout.run, "policy-v000003")
+    folder = Path(producer.cfg.learner.weights.path, producer.layout.run, "policy-v000003")
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(WEIGHTS)
     await announce(producer, 3, f"file://{folder}")

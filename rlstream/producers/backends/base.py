@@ -22,6 +22,8 @@ import numpy as np
 
 from rlstream import chat
 from rlstream.schemas import Prompt
+from rlstream import weights
+from rlstream.weights import WeightsSource  # noqa: F401 (re-exported: backends load what transports receive)
 
 LOGPROBS_KIND = "raw"
 """``RolloutGroup.sampling["logprobs"]``: log_softmax of unprocessed logits at temperature 1."""
@@ -86,38 +88,6 @@ class Completion:
     the batch started, which is all there is without in-flight updates)."""
 
 
-@dataclass(frozen=True, slots=True)
-class WeightsSource:
-    """New policy weights: safetensors bytes (object store) or an HF model directory (shared path).
-    With ``adapter_config`` they are a LoRA adapter for the base model (PEFT's
-    ``adapter_model.safetensors``; a directory then holds the PEFT adapter files)."""
-
-    version: int
-    data: bytes | None = None
-    path: str | None = None
-    adapter_config: str | None = None
-    """The adapter's ``adapter_config.json`` text (None: full weights)."""
-
-    @property
-    def is_adapter(self) -> bool:
-        return self.adapter_config is not None
-
-    def adapter_dir(self, scratch: Path) -> Path:
-        """A PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
-        holding this version, written under ``scratch`` from the bytes or the transport's file."""
-        if self.data is not None:
-            data = self.data
-        elif self.path is not None:
-            data = safetensors_files(self.path)[0].read_bytes()  # an adapter: kilobytes to megabytes
-        else:
-            raise ProducerError("weights source has neither bytes nor a path")
-        d = Path(scratch) / f"lora-v{self.version:06d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "adapter_model.safetensors").write_bytes(data)
-        (d / "adapter_config.json").write_text(self.adapter_config or "")
-        return d
-
-
 def clean_logprobs(values) -> np.ndarray:
     """float32, clamped to <= 0 (rounding can give +1e-7 for a near-certain token)."""
     out = np.asarray(values, dtype=np.float32)
@@ -127,11 +97,11 @@ def clean_logprobs(values) -> np.ndarray:
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files:
-        raise ProducerError(f"no *.safetensors in {p}")
-    return files
+    """The safetensors files of a version's folder (or the one file named), as a backend's error."""
+    try:
+        return weights.safetensors_files(path)
+    except weights.WeightsError as exc:
+        raise ProducerError(str(exc)) from None
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

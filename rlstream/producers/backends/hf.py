@@ -271,6 +271,8 @@ class HFBackend(Backend):
     def _read_state(source: WeightsSource) -> dict:
         # The tensors are views of the received bytes or of a private mapping of each file
         # (copy-on-write: nothing is read twice); load_state_dict copies them into the model.
+        if source.tensors is not None:
+            return dict(source.tensors)
         if source.data is not None:
             buffers = [source.data]
         elif source.path is not None:

@@ -22,7 +22,7 @@ else is replaced by ``<scheme>://<host>/v1/completions``.
 
 Weights: a remote server loads new weights only if it exposes vLLM's
 ``POST /collective_rpc`` (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``), and only from a
-path the server can read: a ``file://`` announcement (``learner.weights_transport:
+path the server can read: a ``file://`` announcement (``learner.weights.transport:
 shared_path``) is passed as it is; object-store bytes are written to a local scratch
 directory first, which works when the server shares this machine's filesystem. Without
 the endpoint the backend says so (``can_reload`` False, ``reload_note`` in the heartbeat),
