@@ -74,6 +74,7 @@ from rlstream.broker import Layout, connect, ensure_layout  # noqa: E402
 from rlstream.broker.cluster import LocalCluster  # noqa: E402
 from rlstream.broker.server import free_port  # noqa: E402
 from rlstream.config import NatsConfig  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, ScoredGroup  # noqa: E402
 
 COMPONENTS = ["producer-0", "producer-1", "scorer-0", "scorer-1", "learner"]
@@ -555,14 +556,7 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
     rollouts_lost = (len(rollout_ids) - len(scored_ids & rollout_ids) - consumers.get(Layout.SCORERS, 0)
                      - foreign_by_stage.get("scorer", 0))
     # the learner's effective history
-    rows = []
-    metrics = ch.run_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
+    rows = read_jsonl(ch.run_dir / "metrics.jsonl").rows  # a line cut by a kill is skipped
     kept = lineage(rows)
     trained_metrics = [g for r in kept for g in r.get("group_ids", [])]
     ckpts = sorted((p for p in (ch.run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit()),

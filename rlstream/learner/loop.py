@@ -48,7 +48,7 @@ from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, St
 from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
 from rlstream.learner.warmup import warm_up
 from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
-from rlstream.rundir import RunDir, default_run_dir
+from rlstream.rundir import RunDir, default_run_dir, rewrite_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,9 @@ log = logging.getLogger(__name__)
 
 
 def _truncate_metrics(path: Path, upto_step: int) -> None:
-    """On resume: drop metric lines of steps after the checkpoint (they are trained again)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= upto_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    """On resume: drop metric lines of steps after the checkpoint (they are trained again),
+    and a line torn by the crash."""
+    rewrite_jsonl(path, lambda row: row.get("step", 0) <= upto_step)
 
 
 def _json_safe(v: Any) -> Any:

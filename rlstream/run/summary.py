@@ -18,21 +18,18 @@ from rlstream.broker import Layout, RunState, connect
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
-from rlstream.rundir import LATEST_LINK, RunDir
+from rlstream.rundir import LATEST_LINK, RunDir, read_jsonl
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunDir(run_dir).metrics
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-    return rows
+    return read_jsonl(RunDir(run_dir).metrics).rows  # a line cut by a crash is skipped
+
+
+def torn_lines(run_dir: Path) -> dict[str, int]:
+    """The run directory's JSON-lines files that hold torn or garbled lines, and how many."""
+    rd = RunDir(run_dir)
+    counts = {p.name: read_jsonl(p).torn for p in (rd.metrics, rd.samples, rd.timeline)}
+    return {name: n for name, n in counts.items() if n}
 
 
 def read_eval(run_dir: Path) -> list[dict[str, Any]]:
@@ -262,6 +259,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
                        **{k: v for k, v in evals[-1].items() if k.startswith("eval/")}} if evals else None),
         "learner": learner_summary,
         "ok": ok,
+        "torn_lines": torn_lines(run_dir),  # lines cut by a kill or a full disk, skipped (file -> count)
     }
     rd.summary.write_text(json.dumps(summary, indent=2) + "\n")
     link_latest(rd.checkpoints)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psutil
 
+from rlstream import rundir
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "arithmetic"
 
@@ -41,15 +43,8 @@ def finished_summary(run_dir: Path, steps: int) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    """The rows of a run directory's JSON-lines file, a line still being written skipped."""
+    return rundir.read_jsonl(path).rows
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
