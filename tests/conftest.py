@@ -3,18 +3,32 @@ context on it, a tiny local model built once per session, and unique run ids."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import uuid
 from pathlib import Path
 
 import pytest
 
+from helpers.required import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (CI=true: no silent skips)
 from rlstream.broker import connect
 from rlstream.broker.server import EmbeddedServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    """With RLSTREAM_STACKS_DIR set (.ci/run), SIGINT (the outer timeout) first writes every
+    thread's stack to a file of this process's own, then stops pytest as usual. A file, not
+    stderr: during a test, stderr is captured and would be dropped."""
+    stacks = os.environ.get("RLSTREAM_STACKS_DIR")
+    if stacks:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        config._rlstream_stacks = open(Path(stacks) / f"stacks-{worker}-{os.getpid()}.txt", "w")
+        faulthandler.register(signal.SIGINT, file=config._rlstream_stacks, all_threads=True, chain=True)
 
 
 @pytest.fixture(scope="module")
