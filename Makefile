@@ -1,4 +1,4 @@
-# `make demo` and `make test` set themselves up from nothing, then run.
+# `make demo`, `make test` and `make test-all` set themselves up from nothing, then run.
 # torch==2.13.0 goes in first: it is the CPU wheel on disk; anything else pulls a CUDA build.
 
 PY      ?= python3
@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q --disable-pip-version-check
 # extra pytest options for the test targets (.ci/run adds skip reasons and a JUnit report)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast setup setup-full bench clean
+.PHONY: demo test test-all setup setup-full bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,13 +50,18 @@ setup-full: $(VENV)/.setup-full
 demo: $(VENV)/.setup-base
 	$(BIN)/python -m examples.arithmetic.demo
 
-# Two workers, each module on one of them (its nats-server and engines are module fixtures): most
-# of the suite waits on subprocesses and brokers, so two run in about 0.7x the time of one.
-test: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS) tests
+# Two workers, each module whole on one of them (its nats-server and engines are module
+# fixtures; tests/conftest.py schedules the vLLM modules together and the heavy ones first):
+# most of the suite waits on subprocesses and brokers, so two run in about 0.7x the time of one.
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder --durations=15
 
-test-fast: $(VENV)/.setup-base
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not vllm and not deepspeed" tests
+# `make test`: everything but the tests marked slow (whole runs of every mode, vLLM, DeepSpeed,
+# torchrun, clusters, chaos), for a developer many times a day. `make test-all`: every test (CI).
+test: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS) tests
+
+test-all: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
+	$(PYTEST) $(PYTEST_ARGS) tests
 
 bench: $(VENV)/.setup-full
 	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
