@@ -217,6 +217,20 @@ def seconds_since_last_step(timeline: Path) -> float | None:
     return None
 
 
+def accounting_problems(accounting: dict[str, Any], groups_trained_twice: int | None) -> list[str]:
+    """What breaks "no acknowledged record lost, no group trained twice", one line each: a
+    hop's records lost, a hop that counts more records passed on than it had (a record counted
+    twice somewhere; ``lost_*`` is floored at 0, so this is the only place an over-count
+    shows), and groups trained twice. Empty when the run kept its promise."""
+    out = [f"{n} {key[len('lost_'):]} lost (published, then neither passed on, pending nor dead-lettered)"
+           for key, n in accounting.items() if key.startswith("lost_") and n]
+    out += [f"{n} {hop} counted more than once (the next hop holds more than it was given)"
+            for hop, n in (accounting.get("accounting_excess") or {}).items() if n]
+    if groups_trained_twice:
+        out.append(f"{groups_trained_twice} group(s) trained twice")
+    return out
+
+
 def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, Any], restarts: dict[str, int],
               ok: bool, streaming: bool, after_last_step_s: float | None = None) -> dict[str, Any]:
     """Write ``summary.json`` (``restarts``: process name -> restarts; ``streaming``: the data
@@ -231,6 +245,9 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
     k = max(1, math.ceil(len(rewards) * 0.1))
     trained_ids: list[str] = [g for r in rows for g in r.get("group_ids", [])]
     evals = read_eval(run_dir)
+    # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
+    trained_twice = (len(trained_ids) - len(set(trained_ids))) if streaming else None
+    problems = accounting_problems(accounting, trained_twice)
     eval_fields = {k: v for k, v in (evals[0] if evals else {}).items() if k.startswith("eval/")}
     summary = {
         "run": cfg.run,
@@ -248,8 +265,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "redelivered": accounting.get("redelivered", 0),
         "policy_version": accounting.get("policy_version", learner_summary.get("policy_version", 0)),
         "groups_trained": len(trained_ids),
-        # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
-        "groups_trained_twice": (len(trained_ids) - len(set(trained_ids))) if streaming else None,
+        "groups_trained_twice": trained_twice,
         "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
         "restarts": {name: n for name, n in restarts.items() if n},
         # held-out evaluation: the first round (before training, when eval.at_start) and the last
@@ -258,7 +274,8 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "eval_last": ({"policy_version": evals[-1]["policy_version"], "step": evals[-1]["step"],
                        **{k: v for k, v in evals[-1].items() if k.startswith("eval/")}} if evals else None),
         "learner": learner_summary,
-        "ok": ok,
+        "ok": ok and not problems,
+        "problems": problems,  # accounting_problems: a record lost or counted twice, a group trained twice
         "torn_lines": torn_lines(run_dir),  # lines cut by a kill or a full disk, skipped (file -> count)
     }
     rd.summary.write_text(json.dumps(summary, indent=2) + "\n")

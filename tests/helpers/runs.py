@@ -35,6 +35,7 @@ def run_cmd(config: str, run_dir: Path, model: Path, data: Path, steps: int, ext
 def finished_summary(run_dir: Path, steps: int) -> dict:
     """The run's summary, checked: it finished all ``steps``, nothing lost, nothing trained twice."""
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["problems"] == [], summary["problems"]  # nothing lost, counted twice or trained twice
     assert summary["ok"] is True and summary["steps"] == steps, summary
     assert summary["groups_trained_twice"] == 0
     acc = summary["accounting"]
