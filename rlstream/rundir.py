@@ -113,6 +113,33 @@ class RunDir:
         return self.root / NATS_STORE_DIR
 
 
+# ---- JSON files -------------------------------------------------------------------------------
+
+
+def read_json(path: str | Path) -> dict[str, Any] | None:
+    """A run directory's JSON document (a summary, ``broker.json``): None when it is missing,
+    or torn or garbled by a crash (with a warning), so a reader goes on without it."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        doc = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        log.warning("%s: torn or garbled, skipped", p)
+        return None
+    return doc
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    """Write a JSON document whole or not at all (a temporary file, then a rename)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, p)
+
+
 # ---- JSON-lines files ------------------------------------------------------------------------
 
 

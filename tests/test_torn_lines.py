@@ -7,6 +7,7 @@ resume drops it from the file, so the next append starts on a line of its own.""
 
 import json
 import logging
+import time
 from pathlib import Path
 
 
@@ -70,6 +71,18 @@ def test_run_summary_and_eval_rows_skip_a_torn_line(tmp_path):
     assert summary.torn_lines(tmp_path) == {"metrics.jsonl": 2}
 
 
+def test_run_summary_survives_a_torn_learner_summary(tmp_path, run_id):
+    # the learner was killed while writing its summary at exit: the run's summary goes on without it
+    from rlstream.config import load_config
+
+    RunDir(tmp_path).metrics.write_text(json.dumps({"step": 1, "group_ids": ["g0"], "samples": 4}) + "\n")
+    RunDir(tmp_path).learner_summary.write_text('{"policy_version": 1, "trained_ids_co')
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "grpo.yaml", [f"run={run_id}"])
+    out = summary.summarize(cfg, tmp_path, 1.0, {}, {}, True, True)
+    assert out["learner"] == {} and out["steps"] == 1
+    assert out["torn_lines"] == {"learner_summary.json": 1}
+
+
 def test_replay_reads_metrics_with_a_torn_line(tmp_path):
     _write(RunDir(tmp_path).metrics, _step_rows(3), middle=GARBLED)
     assert sorted(replay.read_metrics(tmp_path)) == [1, 2, 3]  # raised ReplayError ("not JSON")
@@ -84,3 +97,10 @@ def test_appending_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
     got = read_jsonl(p)
     assert got.rows == [{"step": 1, "elapsed_s": 1.0}, {"step": 3, "elapsed_s": 3.0}] and got.torn == 0
 
+
+
+def test_the_time_since_the_last_step_skips_a_torn_timeline_line(tmp_path):
+    p = RunDir(tmp_path).timeline
+    _write(p, [{"step": 1, "elapsed_s": 1.0, "ts": time.time() - 5.0}], tail='{"step": 2, "elapsed_s": 2.0, "ts": 17')
+    assert 5.0 <= summary.seconds_since_last_step(p) < 60.0
+    assert summary.seconds_since_last_step(tmp_path / "absent.jsonl") is None

@@ -4,7 +4,6 @@ broker's accounting of every record, restarts), the reward curve and ``checkpoin
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -18,7 +17,7 @@ from rlstream.broker import Layout, RunState, connect
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
-from rlstream.rundir import LATEST_LINK, RunDir, read_jsonl
+from rlstream.rundir import LATEST_LINK, RunDir, read_json, read_jsonl, write_json
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -29,6 +28,7 @@ def torn_lines(run_dir: Path) -> dict[str, int]:
     """The run directory's JSON-lines files that hold torn or garbled lines, and how many."""
     rd = RunDir(run_dir)
     counts = {p.name: read_jsonl(p).torn for p in (rd.metrics, rd.samples, rd.timeline)}
+    counts[rd.learner_summary.name] = int(rd.learner_summary.exists() and read_json(rd.learner_summary) is None)
     return {name: n for name, n in counts.items() if n}
 
 
@@ -207,13 +207,9 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
 
 def seconds_since_last_step(timeline: Path) -> float | None:
     """Seconds from the newest learner step in ``timeline.jsonl`` to now (None: no step)."""
-    if not timeline.exists():
-        return None
-    for line in reversed(timeline.read_text().splitlines()):
-        try:
-            return max(0.0, time.time() - float(json.loads(line)["ts"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn or foreign line
+    for point in reversed(read_jsonl(timeline).rows):  # a torn line is skipped
+        if isinstance(point.get("ts"), (int, float)):  # a foreign row has none
+            return max(0.0, time.time() - float(point["ts"]))
     return None
 
 
@@ -238,9 +234,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
     long the processes took to end after the learner's last step) and link ``checkpoints/latest``."""
     rd = RunDir(run_dir)
     rows = read_metrics(run_dir)
-    learner_summary = {}
-    if rd.learner_summary.exists():
-        learner_summary = json.loads(rd.learner_summary.read_text())
+    learner_summary = read_json(rd.learner_summary) or {}  # none, or torn by a kill at its exit
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     k = max(1, math.ceil(len(rewards) * 0.1))
     trained_ids: list[str] = [g for r in rows for g in r.get("group_ids", [])]
@@ -278,7 +272,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "problems": problems,  # accounting_problems: a record lost or counted twice, a group trained twice
         "torn_lines": torn_lines(run_dir),  # lines cut by a kill or a full disk, skipped (file -> count)
     }
-    rd.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(rd.summary, summary)
     link_latest(rd.checkpoints)
     return summary
 
