@@ -123,6 +123,19 @@ async def test_a_group_counted_twice_is_reported_not_floored_away(nats_server, j
     assert summary.accounting_problems(acc, 0) == ["2 prompts counted more than once (the next hop holds more than it was given)"]
 
 
+async def test_a_group_stored_before_its_prompt_is_acked_is_in_flight_not_twice(nats_server, js, run_id):
+    # a producer stored p0's group and stopped before its ack: the prompt is pending (awaiting
+    # that ack) and its group stored, which is one record in flight
+    lay = await _layout_with(js, run_id, 2, ["p0"])
+    sub = await js.pull_subscribe(lay.prompts, durable=Layout.PRODUCERS, stream=lay.prompts_stream)
+    [first] = await sub.fetch(1, timeout=5.0)
+    await sub.unsubscribe()
+    acc = await summary.broker_accounting(None, nats_server.url, lay)
+    assert acc["accounting_excess"]["prompts"] == 1 and acc["accounting_in_flight"]["prompts"] == 1
+    assert summary.accounting_problems(acc, 0) == []
+    assert bytes(first.data) == b"p0"
+
+
 async def test_a_clean_hop_reports_nothing(nats_server, js, run_id):
     lay = await _layout_with(js, run_id, 2, ["p0", "p1"])
     await _take_prompts(js, lay, 2)

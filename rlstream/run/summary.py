@@ -190,6 +190,10 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
                          - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
         out["lost_prompts"], out["lost_rollouts"] = max(0, lost_prompts), max(0, lost_rollouts)
         out["accounting_excess"] = {"prompts": max(0, -lost_prompts), "rollouts": max(0, -lost_rollouts)}
+        # a record passed on but not yet acked (its stage stopped in between) counts on both
+        # sides of a hop: up to that many of the excess are in flight, not counted twice
+        out["accounting_in_flight"] = {"prompts": out[f"{Layout.PRODUCERS}_ack_pending"],
+                                       "rollouts": out[f"{Layout.SCORERS}_ack_pending"]}
         upstream = "scored"
         for stage in layout.stages:
             out[f"{stage}_published"] = (await js.stream_info(layout.annotated_stream(stage))).state.messages
@@ -197,6 +201,7 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
                     - out[f"{stage}_ack_pending"] - dlq_by_stage[stage])
             out[f"lost_{upstream}"] = max(0, lost)
             out["accounting_excess"][upstream] = max(0, -lost)
+            out["accounting_in_flight"][upstream] = out[f"{stage}_ack_pending"]
             upstream = stage
         out["lost"] = sum(v for k, v in out.items() if k.startswith("lost_"))
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
@@ -215,13 +220,15 @@ def seconds_since_last_step(timeline: Path) -> float | None:
 
 def accounting_problems(accounting: dict[str, Any], groups_trained_twice: int | None) -> list[str]:
     """What breaks "no acknowledged record lost, no group trained twice", one line each: a
-    hop's records lost, a hop that counts more records passed on than it had (a record counted
-    twice somewhere; ``lost_*`` is floored at 0, so this is the only place an over-count
-    shows), and groups trained twice. Empty when the run kept its promise."""
+    hop's records lost, a hop that holds more records passed on than it was given beyond those
+    still awaiting their ack (a record counted twice somewhere; ``lost_*`` is floored at 0, so
+    this is the only place an over-count shows), and groups trained twice. Empty when the run
+    kept its promise."""
     out = [f"{n} {key[len('lost_'):]} lost (published, then neither passed on, pending nor dead-lettered)"
            for key, n in accounting.items() if key.startswith("lost_") and n]
-    out += [f"{n} {hop} counted more than once (the next hop holds more than it was given)"
-            for hop, n in (accounting.get("accounting_excess") or {}).items() if n]
+    in_flight = accounting.get("accounting_in_flight") or {}
+    out += [f"{n - in_flight.get(hop, 0)} {hop} counted more than once (the next hop holds more than it was given)"
+            for hop, n in (accounting.get("accounting_excess") or {}).items() if n > in_flight.get(hop, 0)]
     if groups_trained_twice:
         out.append(f"{groups_trained_twice} group(s) trained twice")
     return out
