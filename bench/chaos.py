@@ -74,6 +74,7 @@ from rlstream.broker import Layout, connect, ensure_layout  # noqa: E402
 from rlstream.broker.cluster import LocalCluster  # noqa: E402
 from rlstream.broker.server import free_port  # noqa: E402
 from rlstream.config import NatsConfig  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, ScoredGroup  # noqa: E402
 
 COMPONENTS = ["producer-0", "producer-1", "scorer-0", "scorer-1", "learner"]
@@ -524,7 +525,63 @@ async def check_when_ready(ch: Chaos, faults: list[Fault], timeout: float = 120.
             await asyncio.sleep(2.0)
 
 
-async def check(ch: Chaos, faults: list[Fault]) -> dict:
+@dataclass
+class History:
+    """What the checker reads at the end of a chaos run: the broker's streams (garbage
+    bursts told apart) and the run directory. :func:`audit` judges it."""
+
+    prompts_fed: int  # prompts published to the run, garbage left out
+    prompts_pending: int  # prompts still in the work queue, garbage left out
+    rollout_ids: list[str]  # the ids of the rollout groups stored, one per stored message
+    scored_ids: list[str]
+    scorer_backlog: int  # the scorers' consumer: pending plus awaiting an ack
+    dead_letters: int  # all of them, garbage included
+    foreign_letters: list[DeadLetter]  # dead letters of the run's own records (not garbage)
+    metrics_rows: list[dict]  # metrics.jsonl as written, superseded rows included
+    trained_ids: list[str]  # the last checkpoint's trained group ids
+    final_step: int  # the last checkpoint's step
+    run_exit: int | None
+
+
+def audit(h: History) -> dict:
+    """Where every record went, from the history alone: lost (published, then neither passed
+    on, pending nor dead-lettered), trained twice (by the checkpoint's ids, and by the kept
+    metrics rows), trained without having been scored, and whether the run finished."""
+    rollout_ids, scored_ids = set(h.rollout_ids), set(h.scored_ids)
+    foreign_by_stage: dict[str, int] = {}
+    for d in h.foreign_letters:
+        foreign_by_stage[d.stage] = foreign_by_stage.get(d.stage, 0) + 1
+    prompts_lost = h.prompts_fed - h.prompts_pending - len(rollout_ids) - foreign_by_stage.get("producer", 0)
+    rollouts_lost = (len(rollout_ids) - len(scored_ids & rollout_ids) - h.scorer_backlog
+                     - foreign_by_stage.get("scorer", 0))
+    kept = lineage(h.metrics_rows)  # the learner's effective history
+    trained_metrics = [g for r in kept for g in r.get("group_ids", [])]
+    trained = h.trained_ids
+    never_scored = len(set(trained) - scored_ids) + len(set(trained_metrics) - scored_ids - set(trained))
+    finished = bool(h.run_exit in (0, 130) and kept and h.final_step == kept[-1]["step"] and set(trained) == set(trained_metrics))
+    return {
+        "prompts_fed": h.prompts_fed, "prompts_pending": h.prompts_pending, "rollouts": len(rollout_ids),
+        "scored": len(scored_ids), "steps": len(kept), "groups_trained": len(trained), "final_checkpoint_step": h.final_step,
+        "prompts_lost": prompts_lost, "rollouts_lost": rollouts_lost,
+        "trained_twice": len(trained) - len(set(trained)),
+        "trained_twice_metrics": len(trained_metrics) - len(set(trained_metrics)),
+        "trained_never_scored": never_scored, "dead_letters": h.dead_letters, "foreign_dead_letters": len(h.foreign_letters),
+        "foreign_reasons": sorted({d.reason.strip().splitlines()[-1][:160] for d in h.foreign_letters if d.reason})[:5],
+        "run_exit": h.run_exit, "finished": finished,
+    }
+
+
+def verdict_ok(result: dict | None, interrupted: str | None) -> bool:
+    """The bench's verdict: nothing lost (nor counted more than its source: a negative count
+    is not ok either), nothing trained twice or unscored, no dead letter of the run's own
+    records, the run finished, and it trained again after the last heal (or trained all its data)."""
+    return bool(result is not None and not interrupted and result["prompts_lost"] == 0 and result["rollouts_lost"] == 0
+                and result["trained_twice"] == 0 and result["trained_twice_metrics"] == 0
+                and result["trained_never_scored"] == 0 and result["foreign_dead_letters"] == 0 and result["finished"]
+                and (result["final_recovery_s"] is not None or result["run_exit"] == 0))
+
+
+async def read_history(ch: Chaos) -> History:
     lay = ch.layout
     nc = await connect(NatsConfig(url=ch.cluster.urls), name="chaos-checker")
     js = nc.jetstream(timeout=10)
@@ -541,38 +598,24 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
         await nc.close()
     garbage_prompts = ch.garbage_by_subject.get(lay.prompts, 0)
     letters = [DeadLetter.decode(bytes(m.data)) for m in dlq]
-    fed = prompts_info.state.last_seq - garbage_prompts
     # garbage prompts not dead-lettered yet are still in the work queue (a producer never rolls one out)
     garbage_prompt_letters = sum(1 for d in letters if d.stage == "producer" and bytes(d.data) in ch.garbage)
-    pending = prompts_info.state.messages - (garbage_prompts - garbage_prompt_letters)
-    rollout_ids = {i for i in (decode_id(RolloutGroup, bytes(m.data)) for m in rollouts) if i}
-    scored_ids = {i for i in (decode_id(ScoredGroup, bytes(m.data)) for m in scored) if i}
-    foreign = [d for d in letters if bytes(d.data) not in ch.garbage]
-    foreign_by_stage: dict[str, int] = {}
-    for d in foreign:
-        foreign_by_stage[d.stage] = foreign_by_stage.get(d.stage, 0) + 1
-    prompts_lost = fed - pending - len(rollout_ids) - foreign_by_stage.get("producer", 0)
-    rollouts_lost = (len(rollout_ids) - len(scored_ids & rollout_ids) - consumers.get(Layout.SCORERS, 0)
-                     - foreign_by_stage.get("scorer", 0))
-    # the learner's effective history
-    rows = []
-    metrics = ch.run_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-    kept = lineage(rows)
-    trained_metrics = [g for r in kept for g in r.get("group_ids", [])]
     ckpts = sorted((p for p in (ch.run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit()),
                    key=lambda p: int(p.name[5:])) if (ch.run_dir / "checkpoints").exists() else []
     state = json.loads((ckpts[-1] / "learner_state.json").read_text()) if ckpts else {}
-    trained = state.get("trained_ids", [])
-    final_step = state.get("step", 0)
-    trained_twice = len(trained) - len(set(trained))
-    trained_twice_metrics = len(trained_metrics) - len(set(trained_metrics))
-    never_scored = len(set(trained) - scored_ids) + len(set(trained_metrics) - scored_ids - set(trained))
+    return History(
+        prompts_fed=prompts_info.state.last_seq - garbage_prompts,
+        prompts_pending=prompts_info.state.messages - (garbage_prompts - garbage_prompt_letters),
+        rollout_ids=[i for i in (decode_id(RolloutGroup, bytes(m.data)) for m in rollouts) if i],
+        scored_ids=[i for i in (decode_id(ScoredGroup, bytes(m.data)) for m in scored) if i],
+        scorer_backlog=consumers.get(Layout.SCORERS, 0), dead_letters=len(letters),
+        foreign_letters=[d for d in letters if bytes(d.data) not in ch.garbage],
+        metrics_rows=read_jsonl(ch.run_dir / "metrics.jsonl").rows,  # a line cut by a kill is skipped
+        trained_ids=state.get("trained_ids", []), final_step=state.get("step", 0), run_exit=ch.run_proc.returncode)
+
+
+async def check(ch: Chaos, faults: list[Fault]) -> dict:
+    result = audit(await read_history(ch))
     # stalls and recovery, from the moments new steps appeared
     times = ch.step_times
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -585,19 +628,12 @@ async def check(ch: Chaos, faults: list[Fault]) -> dict:
         after = next((t for t in times if t >= f.healed), None)
         f.recovered_s = round(after - f.healed, 1) if after is not None else None
     recoveries = [f.recovered_s for f in faults if f.recovered_s is not None and f.started is not None]
-    rc = ch.run_proc.returncode
-    finished = bool(rc in (0, 130) and kept and final_step == kept[-1]["step"] and set(trained) == set(trained_metrics))
     return {
-        "prompts_fed": fed, "prompts_pending": pending, "rollouts": len(rollout_ids), "scored": len(scored_ids),
-        "steps": len(kept), "groups_trained": len(trained), "final_checkpoint_step": final_step,
-        "prompts_lost": prompts_lost, "rollouts_lost": rollouts_lost,
-        "trained_twice": trained_twice, "trained_twice_metrics": trained_twice_metrics,
-        "trained_never_scored": never_scored,
-        "dead_letters": len(letters), "garbage_injected": len(ch.garbage), "foreign_dead_letters": len(foreign),
-        "foreign_reasons": sorted({d.reason.strip().splitlines()[-1][:160] for d in foreign if d.reason})[:5],
+        **{k: v for k, v in result.items() if k not in ("run_exit", "finished")},
+        "garbage_injected": len(ch.garbage),
         "longest_stall_s": round(longest_stall, 1), "worst_recovery_s": max(recoveries, default=None),
         "final_recovery_s": round(ch.final_recovery_s, 1) if ch.final_recovery_s is not None else None,
-        "run_exit": rc, "finished": finished, "peak_rss_mb": {k: round(v) for k, v in sorted(ch.rss.items())},
+        "run_exit": result["run_exit"], "finished": result["finished"], "peak_rss_mb": {k: round(v) for k, v in sorted(ch.rss.items())},
     }
 
 
@@ -662,10 +698,7 @@ def main() -> int:
             print(f"  {f.brief():45s} {f.note:45s} {rec if f.started else ''}")
         table(f"chaos seed {args.seed}: {len(injected)} faults", [
             (k, json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in result.items()], ("figure", "value"))
-    ok = (result is not None and not ch.interrupted and result["prompts_lost"] == 0 and result["rollouts_lost"] == 0
-          and result["trained_twice"] == 0 and result["trained_twice_metrics"] == 0 and result["trained_never_scored"] == 0
-          and result["foreign_dead_letters"] == 0 and result["finished"]
-          and (result["final_recovery_s"] is not None or result["run_exit"] == 0))  # stepped after the last heal, or trained all its data
+    ok = verdict_ok(result, ch.interrupted)
     (work / "faults.json").write_text(json.dumps([asdict(f) for f in faults], indent=1))
     verdict = {"bench": "chaos", "seed": args.seed, "duration_s": args.duration, "faults": len(injected),
                "faults_by_kind": kinds, **{k: v for k, v in (result or {}).items() if k != "foreign_reasons"},

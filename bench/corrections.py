@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".corrections"
 RESULTS = ROOT / "bench" / "results"
@@ -86,7 +87,7 @@ def main() -> None:
         sets = [f"model_checkpoint_path={warm}", f"data_source.path={data['rl']}", "algorithm_params.max_staleness=4",
                 f"algorithm_params.off_policy_correction={name}", f"producer.count={args.producers}", f"run=bench-corr-{name.replace('_', '-')}"]
         summary = run(EXAMPLES / "grpo.yaml", run_dir, sets, steps, WORK / f"grpo_{name}.log")
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        metrics = read_jsonl(run_dir / "metrics.jsonl").rows
         r = {
             "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
             "ess": mean_of(metrics, "is/ess"), "ess_raw": mean_of(metrics, "is/ess_raw"),

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".distill"
 RESULTS = ROOT / "bench" / "results"
@@ -95,7 +96,7 @@ def main() -> None:
     student = run(EXAMPLES / "distill.yaml", student_dir, [f"model_checkpoint_path={student_model}", f"data_source.path={data['rl']}",
                                                          f"teacher.model_path={teacher_dir}",
                                                          *([f"learner.lr={args.lr}"] if args.lr else [])], steps, WORK / "distill.log")
-    metrics = [json.loads(line) for line in (student_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_jsonl(student_dir / "metrics.jsonl").rows
     kl = [m["distill/reverse_kl"] for m in metrics if isinstance(m.get("distill/reverse_kl"), (int, float))]
     k = max(1, len(kl) // 10)
     rise = student["reward_last"] - student["reward_first"]

@@ -95,6 +95,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".e2e"
 RESULTS = ROOT / "bench" / "results"
@@ -266,7 +267,7 @@ def rlstream_race(wl: Workload, label: str, backend: str, ckpt: Path, prompts: P
                   WORK / f"{name}.log", env)
     from rlstream.broker.telemetry import STAGE_PHASES
 
-    raw = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    raw = read_jsonl(run_dir / "timeline.jsonl").rows
     samples = BATCH
     points = [{"step": p["step"], "elapsed_s": p["ts"] - launched, "reward": p.get("reward/mean", 0.0),
                "samples": p["step"] * samples, "step_s": learner_s(p, STAGE_PHASES["learner"]["work"]),

@@ -42,6 +42,7 @@ from _common import parser, table  # noqa: E402
 from e2e import REWARD_FILE, REWARD_IMPORT, ROOT, check_versions, sh, trl_python  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".gpu"
 GROUP, LR = 8, 1e-5
@@ -132,7 +133,7 @@ def rlstream_run(setup: Setup, size: Size, device: str, model: Path, prompts: Pa
           f"max_staleness {setup.staleness}, {device} ...", flush=True)
     sh([sys.executable, "-m", "rlstream.cli", "run", str(config(setup, size, device, model, prompts)), "--run-dir", str(run_dir),
         "--no-live"], WORK / f"{setup.name}.log", env)
-    raw = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    raw = read_jsonl(run_dir / "timeline.jsonl").rows
     total = 0.0
     for p in raw:
         total += p.get("samples", 0.0)

@@ -31,6 +31,7 @@ from _common import parser, table, verdict  # noqa: E402
 BACKEND = "fake"
 
 from examples.arithmetic import task  # noqa: E402
+from rlstream.rundir import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".soak"
 
@@ -74,8 +75,8 @@ def main() -> None:
     if proc.returncode != 0:
         raise SystemExit(f"soak run failed (exit {proc.returncode}); see {WORK / 'soak.log'}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl").rows
+    timeline = read_jsonl(run_dir / "timeline.jsonl").rows
     fifth = max(2, len(timeline) // 5)
 
     def rate(pts):

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from rlstream.rundir import read_jsonl
+
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -95,7 +97,7 @@ def plot(grpo_dir: Path, points: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(grpo_dir / "metrics.jsonl").rows
     rows = [r for r in rows if "reward/mean" in r]
     steps, reward = [int(r["step"]) for r in rows], [float(r["reward/mean"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.8))

@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from rlstream.rundir import append_jsonl, read_jsonl, rewrite_jsonl
+
 SINKS = ("tensorboard", "wandb", "trackio", "mlflow")
 _MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
@@ -199,9 +201,7 @@ class Reports:
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:
         if not rows:
             return
-        with open(self.samples_path, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(self.samples_path, rows)
         for sink in self.sinks:
             sink.log_table(rows, step)
 
@@ -213,20 +213,12 @@ class Reports:
 
 def truncate_samples(path: str | Path, step: int) -> None:
     """Drop the samples logged after ``step`` (a resumed run logs them again)."""
-    p = Path(path)
-    if not p.exists():
-        return
-    keep = [line for line in p.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    p.write_text("".join(line + "\n" for line in keep))
+    rewrite_jsonl(path, lambda row: row.get("step", 0) <= step)
 
 
 def read_samples(path: str | Path, *, after_step: int = -1) -> list[dict[str, Any]]:
     """The rows of a ``samples.jsonl`` logged after ``after_step``."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    rows = (json.loads(line) for line in p.read_text().splitlines() if line.strip())
-    return [r for r in rows if r.get("step", 0) > after_step]
+    return [r for r in read_jsonl(path).rows if r.get("step", 0) > after_step]
 
 
 def sample_rows(groups: Iterable[Any], step: int, policy_version: int, advantages: list[float] | None = None) -> list[dict[str, Any]]:

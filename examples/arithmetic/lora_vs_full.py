@@ -19,6 +19,7 @@ from pathlib import Path
 
 from examples.arithmetic import task
 from examples.arithmetic.demo import HERE, ROOT
+from rlstream.rundir import read_jsonl
 
 
 def run(config: Path, run_dir: Path, model: Path, data: Path, steps: int, sets: list[str]) -> dict:
@@ -33,7 +34,7 @@ def run(config: Path, run_dir: Path, model: Path, data: Path, steps: int, sets: 
 
 
 def rewards(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl").rows
     return [r["reward/mean"] for r in rows]
 
 

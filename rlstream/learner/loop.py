@@ -48,7 +48,7 @@ from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, St
 from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
 from rlstream.learner.warmup import warm_up
 from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
-from rlstream.rundir import RunDir, default_run_dir
+from rlstream.rundir import RunDir, default_run_dir, rewrite_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,9 @@ log = logging.getLogger(__name__)
 
 
 def _truncate_metrics(path: Path, upto_step: int) -> None:
-    """On resume: drop metric lines of steps after the checkpoint (they are trained again)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= upto_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    """On resume: drop metric lines of steps after the checkpoint (they are trained again),
+    and a line torn by the crash."""
+    rewrite_jsonl(path, lambda row: row.get("step", 0) <= upto_step)
 
 
 def _json_safe(v: Any) -> Any:
@@ -473,5 +471,5 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
         log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
         return 1
-    RunDir(run_dir).learner_summary.write_text(json.dumps(_summary(cfg, learner.state, source, evaluator), indent=2) + "\n")
+    write_json(RunDir(run_dir).learner_summary, _summary(cfg, learner.state, source, evaluator))
     return 0

@@ -39,7 +39,7 @@ from rlstream.broker.layout import Layout
 from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
 from rlstream.learner.checkpoint import load_checkpoint
 from rlstream.learner.steps import build_learner, train_step
-from rlstream.rundir import RunDir
+from rlstream.rundir import RunDir, read_jsonl
 from rlstream.schemas import ScoredGroup
 
 
@@ -54,15 +54,10 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     if not path.exists():
         raise ReplayError(f"{path} does not exist (not a learner run directory?)")
     out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ReplayError(f"{path}:{n}: not JSON ({exc})") from None
-            if rec.get("kind") == "eval":  # an evaluation round's figures, not a training step
-                continue
-            out[int(rec["step"])] = rec  # a resumed run rewrote later steps: the last line wins
+    for rec in read_jsonl(path).rows:  # a torn line (a killed learner's last) is skipped, with a warning
+        if rec.get("kind") == "eval":  # an evaluation round's figures, not a training step
+            continue
+        out[int(rec["step"])] = rec  # a resumed run rewrote later steps: the last line wins
     return out
 
 

@@ -153,6 +153,8 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     ended = f" (every process ended {after_last_step_s:.1f}s after the last step)" if after_last_step_s is not None else ""
     print(f"run {verdict}: {summary['steps']} steps, {summary['samples_trained']} samples in {summary['wall_s']:.0f}s{ended}",
           flush=True)
+    for problem in summary["problems"]:
+        print(f"error: accounting: {problem}", file=sys.stderr, flush=True)
     if first is not None:
         print(f"reward: first 10% of steps {first:.3f} -> last 10% {last:.3f}", flush=True)
     e0, e1 = summary.get("eval_first"), summary.get("eval_last")
@@ -163,4 +165,6 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     print(f"summary: {rd.summary}", flush=True)
     if curve:
         print(f"curve:   {curve}", flush=True)
+    if summary["problems"] and outcome.code == 0:
+        return 1  # the promise broken: no exit 0, however well the processes ran
     return outcome.code

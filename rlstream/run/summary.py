@@ -4,7 +4,6 @@ broker's accounting of every record, restarts), the reward curve and ``checkpoin
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -18,21 +17,19 @@ from rlstream.broker import Layout, RunState, connect
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
-from rlstream.rundir import LATEST_LINK, RunDir
+from rlstream.rundir import LATEST_LINK, RunDir, read_json, read_jsonl, write_json
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = RunDir(run_dir).metrics
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-    return rows
+    return read_jsonl(RunDir(run_dir).metrics).rows  # a line cut by a crash is skipped
+
+
+def torn_lines(run_dir: Path) -> dict[str, int]:
+    """The run directory's JSON-lines files that hold torn or garbled lines, and how many."""
+    rd = RunDir(run_dir)
+    counts = {p.name: read_jsonl(p).torn for p in (rd.metrics, rd.samples, rd.timeline)}
+    counts[rd.learner_summary.name] = int(rd.learner_summary.exists() and read_json(rd.learner_summary) is None)
+    return {name: n for name, n in counts.items() if n}
 
 
 def read_eval(run_dir: Path) -> list[dict[str, Any]]:
@@ -193,6 +190,10 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
                          - out["scorers_ack_pending"] - dlq_by_stage["scorer"])
         out["lost_prompts"], out["lost_rollouts"] = max(0, lost_prompts), max(0, lost_rollouts)
         out["accounting_excess"] = {"prompts": max(0, -lost_prompts), "rollouts": max(0, -lost_rollouts)}
+        # a record passed on but not yet acked (its stage stopped in between) counts on both
+        # sides of a hop: up to that many of the excess are in flight, not counted twice
+        out["accounting_in_flight"] = {"prompts": out[f"{Layout.PRODUCERS}_ack_pending"],
+                                       "rollouts": out[f"{Layout.SCORERS}_ack_pending"]}
         upstream = "scored"
         for stage in layout.stages:
             out[f"{stage}_published"] = (await js.stream_info(layout.annotated_stream(stage))).state.messages
@@ -200,6 +201,7 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
                     - out[f"{stage}_ack_pending"] - dlq_by_stage[stage])
             out[f"lost_{upstream}"] = max(0, lost)
             out["accounting_excess"][upstream] = max(0, -lost)
+            out["accounting_in_flight"][upstream] = out[f"{stage}_ack_pending"]
             upstream = stage
         out["lost"] = sum(v for k, v in out.items() if k.startswith("lost_"))
         out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
@@ -210,14 +212,26 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
 
 def seconds_since_last_step(timeline: Path) -> float | None:
     """Seconds from the newest learner step in ``timeline.jsonl`` to now (None: no step)."""
-    if not timeline.exists():
-        return None
-    for line in reversed(timeline.read_text().splitlines()):
-        try:
-            return max(0.0, time.time() - float(json.loads(line)["ts"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn or foreign line
+    for point in reversed(read_jsonl(timeline).rows):  # a torn line is skipped
+        if isinstance(point.get("ts"), (int, float)):  # a foreign row has none
+            return max(0.0, time.time() - float(point["ts"]))
     return None
+
+
+def accounting_problems(accounting: dict[str, Any], groups_trained_twice: int | None) -> list[str]:
+    """What breaks "no acknowledged record lost, no group trained twice", one line each: a
+    hop's records lost, a hop that holds more records passed on than it was given beyond those
+    still awaiting their ack (a record counted twice somewhere; ``lost_*`` is floored at 0, so
+    this is the only place an over-count shows), and groups trained twice. Empty when the run
+    kept its promise."""
+    out = [f"{n} {key[len('lost_'):]} lost (published, then neither passed on, pending nor dead-lettered)"
+           for key, n in accounting.items() if key.startswith("lost_") and n]
+    in_flight = accounting.get("accounting_in_flight") or {}
+    out += [f"{n - in_flight.get(hop, 0)} {hop} counted more than once (the next hop holds more than it was given)"
+            for hop, n in (accounting.get("accounting_excess") or {}).items() if n > in_flight.get(hop, 0)]
+    if groups_trained_twice:
+        out.append(f"{groups_trained_twice} group(s) trained twice")
+    return out
 
 
 def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, Any], restarts: dict[str, int],
@@ -227,13 +241,14 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
     long the processes took to end after the learner's last step) and link ``checkpoints/latest``."""
     rd = RunDir(run_dir)
     rows = read_metrics(run_dir)
-    learner_summary = {}
-    if rd.learner_summary.exists():
-        learner_summary = json.loads(rd.learner_summary.read_text())
+    learner_summary = read_json(rd.learner_summary) or {}  # none, or torn by a kill at its exit
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     k = max(1, math.ceil(len(rewards) * 0.1))
     trained_ids: list[str] = [g for r in rows for g in r.get("group_ids", [])]
     evals = read_eval(run_dir)
+    # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
+    trained_twice = (len(trained_ids) - len(set(trained_ids))) if streaming else None
+    problems = accounting_problems(accounting, trained_twice)
     eval_fields = {k: v for k, v in (evals[0] if evals else {}).items() if k.startswith("eval/")}
     summary = {
         "run": cfg.run,
@@ -251,8 +266,7 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "redelivered": accounting.get("redelivered", 0),
         "policy_version": accounting.get("policy_version", learner_summary.get("policy_version", 0)),
         "groups_trained": len(trained_ids),
-        # offline SFT/DPO revisit examples every epoch by design; per-epoch use is in learner.epochs
-        "groups_trained_twice": (len(trained_ids) - len(set(trained_ids))) if streaming else None,
+        "groups_trained_twice": trained_twice,
         "accounting": {k: v for k, v in accounting.items() if k not in ("dlq", "redelivered", "policy_version")},
         "restarts": {name: n for name, n in restarts.items() if n},
         # held-out evaluation: the first round (before training, when eval.at_start) and the last
@@ -261,9 +275,11 @@ def summarize(cfg: Config, run_dir: Path, wall_s: float, accounting: dict[str, A
         "eval_last": ({"policy_version": evals[-1]["policy_version"], "step": evals[-1]["step"],
                        **{k: v for k, v in evals[-1].items() if k.startswith("eval/")}} if evals else None),
         "learner": learner_summary,
-        "ok": ok,
+        "ok": ok and not problems,
+        "problems": problems,  # accounting_problems: a record lost or counted twice, a group trained twice
+        "torn_lines": torn_lines(run_dir),  # lines cut by a kill or a full disk, skipped (file -> count)
     }
-    rd.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(rd.summary, summary)
     link_latest(rd.checkpoints)
     return summary
 

@@ -39,7 +39,7 @@ from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config, Placement
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.run.preload import Preforked, Preloader, child_env, preloadable
-from rlstream.rundir import RunDir
+from rlstream.rundir import RunDir, append_jsonl
 
 log = logging.getLogger("rlstream.run")
 
@@ -328,9 +328,7 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
         if state.broker_retries or broker_misses:
             log.info("broker unavailable during the run: %d state calls retried, %d health checks skipped",
                      state.broker_retries, broker_misses)
-        with open(RunDir(run_dir).timeline, "a") as f:
-            for point in figures.timeline:
-                f.write(json.dumps(point) + "\n")
+        append_jsonl(RunDir(run_dir).timeline, figures.timeline)
         await stop_children(children)
         await nc.close()
     if outcome is None:

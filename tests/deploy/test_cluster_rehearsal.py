@@ -67,6 +67,7 @@ async def _wait_current(js, stream: str, timeout: float) -> None:
         await asyncio.sleep(0.25)
 
 
+@pytest.mark.slow
 async def test_no_prompt_lost_or_duplicated_when_a_node_dies(cluster, run_id):
     cfg = NatsConfig(url=cluster.urls, replicas=3, ack_wait_s=4.0)
     nc = await connect(cfg, name="rehearsal")

@@ -93,7 +93,7 @@ def _start_nodes(root: Path, source: str, tls: Path, mp: pytest.MonkeyPatch) -> 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make test certificates")
+        pytest.skip("openssl is not installed (it makes the test certificates)")
     root = tmp_path_factory.mktemp("deploy-nats")
     tls = make_certs(root / "tls")
     passwords = {r: "pw" + secrets.token_hex(16) for r in ROLES}

@@ -24,6 +24,8 @@ MODES = [
     ("dapo.yaml", "RL_DAPO", "rl", []),
     ("gspo.yaml", "RL_GSPO", "rl", []),
 ]
+# `make test` keeps GRPO, the demo's mode; the other modes are `make test-all`'s (slow)
+MODE_PARAMS = [pytest.param(*m, id=m[1], marks=() if m[1] == "RL_GRPO" else pytest.mark.slow) for m in MODES]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def warm_model(data, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("config, mode, dataset, extra", MODES, ids=[m[1] for m in MODES])
+@pytest.mark.parametrize("config, mode, dataset, extra", MODE_PARAMS)
 def test_run_each_mode(config, mode, dataset, extra, data, tiny_model_dir, request, tmp_path):
     run_dir = tmp_path / "run"
     steps = 4
@@ -86,6 +88,7 @@ def test_run_each_mode(config, mode, dataset, extra, data, tiny_model_dir, reque
         assert after > before, (before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_run_distill_with_reference_and_teacher_stages(data, tiny_model_dir, warm_model, tmp_path):
     """`rlstream run` starts the reference and teacher stages from the config; the fresh student

@@ -5,8 +5,9 @@ far below the size of its model file, so every checkpoint write fails with ``EFB
 ignores ``SIGXFSZ``) the way a full disk fails with ``ENOSPC``; small files (metrics.jsonl)
 still fit. "Space returns" is the test raising that limit on the running process with
 ``prlimit`` (allowed for the same user up to the hard limit). Meanwhile the learner must stay
-up, keep training, hold its records unacked with in-progress acks (ack_wait 3 s, so a lapse
-would show as redeliveries), and once a checkpoint succeeds, ack everything.
+up, keep training, hold its records unacked with in-progress acks (every ack_wait / 3; with
+ack_wait 6 s a lapse needs a 4 s stall, and would show as redeliveries), and once a checkpoint
+succeeds, ack everything.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def config(run: str, model_dir: Path) -> dict:
         "algorithm_params": {"kl_coefficient": 0.0, "group_size": 4, "max_staleness": 1000},
         "learner": {"lr": 1e-3, "batch_groups": 1, "micro_batch_size": 8, "max_steps": 100},
         "checkpoint": {"interval": 2, "keep_last": 10},
-        "nats": {"ack_wait_s": 3.0},
+        "nats": {"ack_wait_s": 6.0},
         "buffer": {"max_groups": 64},
         "metrics": {"interval_s": 0.5},
     }

@@ -3,7 +3,6 @@ config and its metrics (the crash-and-resume tests and the backup tests share th
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from helpers.groups import make_cfg
+from rlstream.rundir import read_jsonl
 
 STEPS = 6
 KILL_AFTER = 2
@@ -26,7 +26,7 @@ def learner_env() -> dict[str, str]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_jsonl(run_dir / "metrics.jsonl").rows
 
 
 def write_cfg(tmp_path: Path, name: str, model_dir: Path, run: str) -> Path:

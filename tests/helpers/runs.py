@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psutil
 
+from rlstream import rundir
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "arithmetic"
 
@@ -33,6 +35,7 @@ def run_cmd(config: str, run_dir: Path, model: Path, data: Path, steps: int, ext
 def finished_summary(run_dir: Path, steps: int) -> dict:
     """The run's summary, checked: it finished all ``steps``, nothing lost, nothing trained twice."""
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["problems"] == [], summary["problems"]  # nothing lost, counted twice or trained twice
     assert summary["ok"] is True and summary["steps"] == steps, summary
     assert summary["groups_trained_twice"] == 0
     acc = summary["accounting"]
@@ -41,15 +44,8 @@ def finished_summary(run_dir: Path, steps: int) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    """The rows of a run directory's JSON-lines file, a line still being written skipped."""
+    return rundir.read_jsonl(path).rows
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:

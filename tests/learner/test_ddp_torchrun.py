@@ -103,6 +103,7 @@ def test_message_round_trips_records_without_pickle(tiny_model_dir):
     assert Message.decode(Message("stop").encode()).records == []
 
 
+@pytest.mark.slow
 def test_sft_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
     data = tmp_path / "sft.jsonl"
     # 14 examples, 6 per step: batches of 6, 6, 2 per epoch (a batch never spans epochs);
@@ -158,6 +159,7 @@ def _singletons(groups):
             for g in groups for j, (s, r) in enumerate(zip(g.rollout.samples, g.rewards))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["RL_GRPO", "RL_PPO"])
 def test_rl_two_ranks_from_the_stream_equal_one_process(mode, tiny_model_dir, tmp_path, nats_server, recorded):
     one_cfg, two_cfg = _grpo_cfg(tiny_model_dir, f"{mode}-1", mode), _grpo_cfg(tiny_model_dir, f"{mode}-2", mode)
@@ -193,6 +195,7 @@ def test_rl_two_ranks_from_the_stream_equal_one_process(mode, tiny_model_dir, tm
     assert "rank 1: stopped after 2 steps" in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_two_ranks_match_torch_two_ranks(tiny_model_dir, tmp_path, nats_server, recorded):
     pytest.importorskip("deepspeed")

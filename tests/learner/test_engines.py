@@ -43,6 +43,7 @@ def torch_run(tiny_model_dir, tmp_path_factory, groups):
     return losses, norms, learner.engine.full_state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("zero", [{"stage": 0}, {"stage": 1}, {"stage": 1, "offload_optimizer": {"device": "cpu"}},
                                   {"stage": 2, "offload_optimizer": {"device": "cpu"}}],
@@ -67,6 +68,7 @@ def test_deepspeed_zero_0_1_and_cpu_offload_train_like_torch(tiny_model_dir, tmp
     assert worst < 1e-4, worst
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_matches_torch(tiny_model_dir, tmp_path, groups, stage):

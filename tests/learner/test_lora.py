@@ -97,6 +97,7 @@ def test_every_mode_trains_the_adapter_alone(tiny_model_dir, tmp_path, groups, m
     assert any(float(after[n].abs().max()) > 0 for n in trainable if "lora_B" in n)  # B starts at 0 and moved
 
 
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("mode,stage", [("SFT", 0), ("DPO", 0), ("RL_PPO", 0), ("RL_GRPO", 0), ("RL_DAPO", 2), ("RL_GSPO", 3)])
 def test_deepspeed_trains_the_adapter_like_torch(tiny_model_dir, tmp_path, groups, mode, stage):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from rlstream.learner.checkpoint import load_checkpoint, save_checkpoint
 from rlstream.learner.steps import build_learner, train_step
 
-pytestmark = pytest.mark.deepspeed
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 STEPS, K = 3, 1  # 3 steps of 2 groups; the "crash" after step 1
 

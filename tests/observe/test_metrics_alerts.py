@@ -191,7 +191,7 @@ ALERT_CASES = {
 }
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) is not installed")
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian's prometheus package)")
 def test_alert_rules_fire_on_the_series_the_components_serve(tmp_path):
     """``promtool test rules``: each rule, as deployed (expression and ``for``), fires for the
     run whose series cross its threshold, and only then: not for the calm run, and not before

@@ -177,10 +177,13 @@ async def test_duplicates_are_skipped_and_metrics_published(js, nats_server, run
 
 async def test_a_group_is_acked_only_once_its_scored_record_is_stored(js, nats_server, run_id):
     """While its scored record cannot be stored (the scored stream gone) the scorer retries the
-    publish and the rollout stays unacked, kept with in-progress acks past several ack waits;
+    publish and the rollout stays unacked, kept with in-progress acks past two ack waits;
     a scorer gone then leaves it unacked, so it is delivered again, to the next scorer, which
     scores and acks it once the scored stream is back."""
-    ack_wait = 2.0  # longer than a fetch waits to fill its batch (1 s), before the in-progress acks start
+    # The scorer sends an in-progress ack every ack_wait / 3 (2 s here): a lapse needs it stalled
+    # for 2/3 of the ack wait (4 s), far beyond a loaded machine's hiccups; and the first one
+    # comes after a fetch has waited to fill its batch (1 s).
+    ack_wait = 6.0
     lay = await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait))
     cfg = config({"terms": [{"rule": "exact_match"}]}, run=run_id, nats={"ack_wait_s": ack_wait})
     g = group("kept", ["1", "2"], columns={"answer": "1"}, run=run_id)
@@ -199,7 +202,11 @@ async def test_a_group_is_acked_only_once_its_scored_record_is_stored(js, nats_s
     while (await consumer()).num_ack_pending < 1:
         assert time.monotonic() < deadline, "the group was not delivered"
         await asyncio.sleep(0.1)
-    await asyncio.sleep(3 * ack_wait)  # the publish fails and is retried meanwhile
+    # the publish fails and is retried meanwhile; a redelivery fails the test when it shows
+    held_until = time.monotonic() + 2 * ack_wait
+    while time.monotonic() < held_until:
+        assert (await consumer()).num_redelivered == 0
+        await asyncio.sleep(0.2)
     info = await consumer()
     assert info.num_ack_pending == 1 and info.ack_floor.stream_seq == 0   # not acked...
     assert info.num_redelivered == 0                                      # ...and kept, not redelivered
