@@ -9,7 +9,7 @@ learning rate and loss):
 - float32 on both sides, 8 prompts x 8 samples a step, exactly 128 new tokens per completion
   (``min_new_tokens`` = ``max_new_tokens``);
 - rlstream: the hf backend, ``producer.device`` and ``learner.device`` the same device,
-  ``learner.weights_transport: local``; TRL 1.16 with ``use_cpu`` false on a GPU;
+  ``learner.weights.transport: local``; TRL 1.16 with ``use_cpu`` false on a GPU;
 - 20 steps each; samples/s counted between the 5th and the last step.
 
 Configurations (``--configs``, default all): async with 1, 2 and 4 producers at 8 prompts a
@@ -103,7 +103,7 @@ def config(setup: Setup, size: Size, device: str, model: Path, prompts: Path) ->
     cfg["producer"] = {"backend": "hf", "count": setup.producers, "batch_prompts": setup.batch_prompts, "device": device,
                        "max_new_tokens": size.new_tokens, "min_new_tokens": size.new_tokens, "temperature": 1.0, "seed": 0}
     cfg["learner"].update(max_steps=size.steps, lr=LR, batch_groups=8, micro_batch_size=GROUP * 8, device=device,
-                          weights_transport="local", seed=0)
+                          weights={"transport": "local"}, seed=0)
     cfg["checkpoint"]["interval"] = 100000
     cfg.pop("eval", None)
     path = WORK / f"{setup.name}.yaml"
