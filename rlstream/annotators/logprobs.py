@@ -91,7 +91,7 @@ class LocalLogprobs:
         self.model_path = model_path
         self.device = torch.device(device)
         self.micro_batch_size = micro_batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), use_safetensors=True)
         self.model.to(self.device).eval().requires_grad_(False)
         self.vocab_size = int(self.model.config.vocab_size)
 

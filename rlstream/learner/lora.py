@@ -121,5 +121,5 @@ def merge_into_base(adapter_dir: Path, base_path: str | Path, dtype: torch.dtype
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, use_safetensors=True)
     return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -122,7 +122,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     # keeps its own; the torch engine autocasts the forward), never pure bfloat16 training.
     mixed = lcfg.dtype == "bfloat16" and lcfg.engine == "torch"
     dtype = torch.float32
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_checkpoint_path, dtype=dtype, use_safetensors=True)
     if lcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if lcfg.lora is not None:  # the frozen embeddings' output must carry gradients to the adapters
@@ -144,7 +144,8 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
     ref_model = None
     # with the reference stage on, the reference log-probs arrive recorded in the groups
     if params.needs_reference and cfg.reference is None and lcfg.lora is None:
-        ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype)
+        ref_model = AutoModelForCausalLM.from_pretrained(lcfg.reference_model_path or cfg.model_checkpoint_path, dtype=dtype,
+                                                         use_safetensors=True)
         ref_model.to(device).eval().requires_grad_(False)
         if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
             autocast_forward(ref_model, torch.bfloat16)

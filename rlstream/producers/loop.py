@@ -50,14 +50,16 @@ fails or outlives ``producer.weight_update_timeout_s`` leaves the producer gener
 current weights: ``alert/weight_update_failures`` is raised, the log says why, and the next
 version is tried when it comes.
 
-SIGTERM (a spot node's preemption notice, a scale-down) stops fetching; the batches in hand
-may finish (generate, publish, ack) within ``producer.drain_timeout_s``. Whatever is still
-in hand then is nak'ed, so another producer takes those prompts at once instead of after
-``nats.ack_wait_s``, and the producer exits 0 without waiting for its backend's threads.
-No fetch starts after the signal; prompts a fetch already asked for are in hand like the
-rest (the broker has delivered them), and finish or are nak'ed with them. Ready groups (in
-flight on a continuous engine) that have not reached the engine when the signal comes are
-nak'ed as soon as they would have got a slot, instead of being generated. A batch whose
+SIGTERM (a spot node's preemption notice, a scale-down, the end of a run) stops fetching.
+Prompts whose generation has not begun are given back (nak'ed) at once: a batch waiting for
+new weights or for the generation gate, prompts a fetch brought in after the signal, and
+prompts the broker delivered to a fetch that had already given up. Only a generation in
+progress gets the grace period: those batches may finish (generate, publish, ack) within
+``producer.drain_timeout_s``, and whatever is still in hand then is nak'ed too. So a run ends
+as soon as its last batch is done, another producer takes the given-back prompts at once
+instead of after ``nats.ack_wait_s``, and the producer exits 0 without waiting for its
+backend's threads. Ready groups (in flight on a continuous engine) that have not reached the
+engine when the signal comes are given back as soon as they would have got a slot. A batch whose
 generation fails is nak'ed with backoff (dead-lettered after ``nats.max_deliver``
 deliveries); three failing batches (groups, when kept in flight one by one) in a row end the
 producer with an error.

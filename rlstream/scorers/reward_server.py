@@ -58,7 +58,7 @@ class RewardModel:
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True).to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"{model_dir}: a reward model has one label, this one has {self.model.config.num_labels}")
         if self.tokenizer.pad_token is None:

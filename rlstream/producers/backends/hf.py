@@ -59,7 +59,7 @@ class HFBackend(Backend):
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), use_safetensors=True).to(device).eval()
         self.vocab_size = int(self.model.config.vocab_size)
         self.device = device
         self.generator_seed = seed
