@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q --disable-pip-version-check
 # extra pytest options for the test targets (.ci/run adds skip reasons and a JUnit report)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all setup setup-full bench clean
+.PHONY: demo test test-all lint setup setup-full bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,15 @@ test: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
 
 test-all: $(VENV)/.setup-full $(VENV)/.setup-chromium $(VENV)/.setup-promtool
 	$(PYTEST) $(PYTEST_ARGS) tests
+
+# ruff: pyflakes, isort, bugbear, a complexity cap of 15 (pyproject.toml's [tool.ruff.lint]);
+# pinned, since a new release brings new findings
+$(VENV)/.setup-lint: | $(BIN)/python
+	$(PIP) ruff==0.17.6
+	touch $@
+
+lint: $(VENV)/.setup-lint
+	$(BIN)/ruff check .
 
 bench: $(VENV)/.setup-full
 	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done

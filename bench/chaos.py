@@ -402,7 +402,7 @@ class Chaos:
         rows = max(1, sum(1 for line in data.read_text().splitlines() if line.strip()))
         return max(10, int(a.rate * (a.duration + a.recover_timeout) / rows) + 1)
 
-    async def drive(self, faults: list[Fault]) -> None:
+    async def drive(self, faults: list[Fault]) -> None:  # noqa: C901
         a = self.args
         self.say(f"waiting for the first learner step (run log {self.work / 'run.out'})")
         deadline = time.monotonic() + a.start_timeout

@@ -482,7 +482,7 @@ def medians(runs: list[Run], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901
     p = parser(__doc__)
     p.add_argument("--workload", choices=["short", "long", "both"], default="both")
     p.add_argument("--backends", default="hf,vllm", help="rlstream producer backends for the long workload (short runs hf)")
@@ -546,7 +546,7 @@ def main() -> None:
             groups.setdefault(r.group, []).append(r)
 
         def group(label: str, backend: str) -> list[Run]:
-            return groups.get((wl.name, label, backend), [])
+            return groups.get((wl.name, label, backend), [])  # noqa: B023
 
         # every run starts from the same checkpoint: the start is the mean of their first windows
         start = statistics.mean(sum(q["reward"] for q in r.points[:window]) / max(1, len(r.points[:window])) for r in mine)
@@ -595,7 +595,7 @@ def main() -> None:
         trls = [g for g in (group(trl_label(m), "hf") for m in trl_micros(wl)) if g]
 
         def trl_best(k: str) -> float | None:
-            vals = [v for v in (medians(g, k) for g in trls) if v]
+            vals = [v for v in (medians(g, k) for g in trls) if v]  # noqa: B023
             return min(vals) if vals else None
 
         for backend in [b for b in backends if b in wl.backends]:

@@ -160,7 +160,7 @@ class Monitor:
             last = now
 
 
-async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, folders,
+async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, folders,  # noqa: C901
                    window: tuple[float, float] | None = None) -> dict:
     """One mode on ``items`` ((prompt ids, completion length) pairs), scheduled as the loop
     schedules it. Fixed work (``window`` None): until ``items`` runs out and the last sequence

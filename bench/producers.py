@@ -54,9 +54,9 @@ def write_prompts(path: Path, n: int) -> Path:
 async def bare_rate(backend, cfg, batches: int, in_flight: int = 1) -> float:
     """``backend.generate`` on the same batches with no broker, ``in_flight`` batches at once
     (as many as the producer loop keeps in flight for this backend)."""
+    from rlstream.data import read_rows
     from rlstream.producers.backends import SamplingSpec
     from rlstream.producers.feeder import build_prompts
-    from rlstream.data import read_rows
 
     spec = SamplingSpec.from_config(cfg)
     prompts = [backend.encode_prompt(p)[0] for p in build_prompts(read_rows(cfg.data_source.path), cfg)]
@@ -127,13 +127,13 @@ async def bench(args, backends: dict, model_dir: Path, tmp: Path, url: str) -> d
 
             async def run_bare():
                 nonlocal serial, bare
-                if lanes > 1:
-                    serial = max(serial, await bare_rate(backend, cfg, batches))
-                bare = max(bare, await bare_rate(backend, cfg, batches, in_flight=lanes))
+                if lanes > 1:  # noqa: B023
+                    serial = max(serial, await bare_rate(backend, cfg, batches))  # noqa: B023
+                bare = max(bare, await bare_rate(backend, cfg, batches, in_flight=lanes))  # noqa: B023
 
             async def run_loop():
                 nonlocal looped
-                looped = max(looped, await loop_rate(backend, cfg, url, batches))
+                looped = max(looped, await loop_rate(backend, cfg, url, batches))  # noqa: B023
 
             # alternate which goes first, so neither always gets the warmer (or the colder) machine
             for step in ((run_bare, run_loop) if rep % 2 == 0 else (run_loop, run_bare)):

@@ -22,8 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from msgspec.structs import replace
 from pathlib import Path
+
+from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

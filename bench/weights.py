@@ -196,7 +196,7 @@ def inline_and_pause(url: str, tmp: Path, mb: int, repeats: int) -> dict:
             "inline_x_memcpy": inline_s / memcpy_s, "pause_x_memcpy": row["pause_s"] / memcpy_s}
 
 
-async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int,
+async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int,  # noqa: C901
                   transports: tuple[str, ...] = TRANSPORTS) -> list[dict]:
     """Per size and transport, the best of ``repeats`` round trips; ratios against the first transport."""
     from rlstream.broker import Component

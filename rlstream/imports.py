@@ -49,7 +49,7 @@ def import_transformers_models() -> None:
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]  # find_spec -> None, import -> ImportError
     try:
-        import transformers.generation.candidate_generator  # noqa: F401
+        import transformers.generation.candidate_generator
         import transformers.modeling_utils  # noqa: F401
     finally:
         for name in hidden:

@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers.required import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (CI=true: no silent skips)
+
 from rlstream.broker import connect
 from rlstream.broker.server import EmbeddedServer
 

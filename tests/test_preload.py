@@ -21,8 +21,7 @@ from helpers.groups import make_cfg
 from rlstream.config import parse_config
 from rlstream.run import forks_from_preloader, start_preloader
 from rlstream.run.preload import mallopt_settings
-from rlstream.run.supervisor import KEEP_FREED_MEMORY
-from rlstream.run.supervisor import plan_children
+from rlstream.run.supervisor import KEEP_FREED_MEMORY, plan_children
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forking from a preloader is Linux-only")
 DRIVER = Path(__file__).parent / "helpers" / "preload_driver.py"

@@ -214,13 +214,13 @@ def test_scored_group_checks_reward_length():
 
 # ---- decode cost is bounded: free-form fields cannot blow up memory ---------------------
 
-def _peak_decode(cls, data, limits=Limits()):
+def _peak_decode(cls, data, limits=None):
     """(record or RecordError, peak bytes allocated while decoding)."""
     import tracemalloc
     tracemalloc.start()
     try:
         try:
-            out = cls.decode(data, limits)
+            out = cls.decode(data, limits or Limits())
         except RecordError as exc:
             out = exc
         return out, tracemalloc.get_traced_memory()[1]

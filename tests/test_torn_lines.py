@@ -10,12 +10,11 @@ import logging
 import time
 from pathlib import Path
 
-
 from rlstream.learner import loop as learner_loop
 from rlstream.learner import replay
 from rlstream.report import read_samples, truncate_samples
-from rlstream.rundir import RunDir, append_jsonl, read_jsonl
 from rlstream.run import summary
+from rlstream.rundir import RunDir, append_jsonl, read_jsonl
 
 TORN = '{"step": 3, "policy_version": 3, "loss/tot'  # the kill landed mid-write: no newline
 GARBLED = "\x00\x00\x00\x00"  # a block of zeros after a crash of the file system

@@ -7,7 +7,6 @@ import os
 import ssl
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 from nats.errors import NoServersError
 

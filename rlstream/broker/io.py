@@ -19,14 +19,14 @@ import logging
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import nats.errors
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.client import DEFAULT_JS_SUB_PENDING_BYTES_LIMIT, DEFAULT_JS_SUB_PENDING_MSGS_LIMIT

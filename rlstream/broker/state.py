@@ -34,9 +34,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from rlstream.broker.errors import BrokerError
-
 from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout, heartbeat_key
-
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

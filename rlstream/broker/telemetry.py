@@ -210,7 +210,7 @@ class Reporter:
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Collector(self))
         port = self.prometheus_port
-        for attempt in range(64):
+        for _ in range(64):
             try:
                 self._server, _thread = start_http_server(port, addr="0.0.0.0" if os.environ.get("RLSTREAM_METRICS_PUBLIC") else "127.0.0.1", registry=self._registry)
                 self.bound_port = self._server.server_port

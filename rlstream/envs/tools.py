@@ -303,7 +303,7 @@ class ToolResult:
 class ToolRegistry:
     """The tools of an environment, by name. ``specs`` are built-in names or import paths."""
 
-    def __init__(self, specs: list[str] | tuple[str, ...] = ("calculator",), *, limits: sandbox.Limits = sandbox.Limits(),
+    def __init__(self, specs: list[str] | tuple[str, ...] = ("calculator",), *, limits: sandbox.Limits = sandbox.Limits(),  # noqa: B008 (frozen)
                  isolation: Literal["process", "thread"] = "process", max_output_chars: int = 4000):
         self.limits = limits
         self.max_output_chars = max_output_chars

@@ -35,8 +35,8 @@ import base64
 import errno as errno_names
 import json
 import os
-import re
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field

@@ -318,7 +318,7 @@ async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoint
     return ok
 
 
-async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
+async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,  # noqa: C901
                  limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str, evaluator=None,
                  adapter_config: str | None = None) -> bool:
     learner = runner.learner

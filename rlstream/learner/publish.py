@@ -31,8 +31,8 @@ from safetensors.torch import save as st_save
 
 from rlstream import compute
 from rlstream.learner.snapshot import Image, Snapshots
-from rlstream.weights.layout import write_file as to_safetensors
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
+from rlstream.weights.layout import write_file as to_safetensors
 
 log = logging.getLogger(__name__)
 

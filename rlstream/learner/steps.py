@@ -39,8 +39,17 @@ from rlstream.config import Config
 from rlstream.learner import advantages as adv
 from rlstream.learner import distributed as dist
 from rlstream.learner import losses
-from rlstream.learner.batching import (Row, TokenBatch, collate, forward_logprobs, micro_batches, pack, pad_fraction, sequence_logps,
-                                       split_rows)
+from rlstream.learner.batching import (
+    Row,
+    TokenBatch,
+    collate,
+    forward_logprobs,
+    micro_batches,
+    pack,
+    pad_fraction,
+    sequence_logps,
+    split_rows,
+)
 from rlstream.learner.checkpoint import LearnerState
 from rlstream.learner.critic import ValueHead
 from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
@@ -388,7 +397,7 @@ def collate_groups(learner: Learner, groups: list[ScoredGroup]) -> Collated:
 
 def rl_step(learner: Learner, groups: list[ScoredGroup], collated: Collated | None = None) -> dict[str, float]:
     """One update on ``groups``; ``collated``: their tensors built ahead (None: built here)."""
-    cfg, params = learner.cfg, learner.cfg.algorithm_params
+    params = learner.cfg.algorithm_params
     loss_fn = losses.policy_loss_fn(params)
     if collated is None:
         collated = collate_groups(learner, groups)
@@ -425,7 +434,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup], collated: Collated | No
                     teacher_logprobs=tb.teacher_logprobs,
                 )
                 loss, metrics = loss_fn(batch, params)
-                if record and epoch == params.epochs_per_batch - 1:
+                if record and epoch == params.epochs_per_batch - 1:  # noqa: B023
                     _merge(acc, weights, metrics, metrics.get("policy/tokens", float(tb.mask.sum())))
                 return loss
             return run

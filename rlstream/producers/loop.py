@@ -246,7 +246,7 @@ class GenerationGate:
                 self._cond.notify_all()
 
 
-async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:
+async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:  # noqa: C901
     """The loop, until ``comp.stop`` is set (or ``max_groups`` groups were produced).
 
     ``producer.pipeline_batches`` lanes run the loop at once (default: the backend's

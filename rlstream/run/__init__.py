@@ -89,7 +89,15 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     from rlstream.broker import EmbeddedServer, Layout
     from rlstream.config import SecretMaskingFormatter, dump_resolved, mask_secrets
     from rlstream.observe.rundir import write_broker_record
-    from rlstream.run.summary import eval_headline, read_eval, read_metrics, reward_curve, seconds_since_last_step, settled_accounting, summarize
+    from rlstream.run.summary import (
+        eval_headline,
+        read_eval,
+        read_metrics,
+        reward_curve,
+        seconds_since_last_step,
+        settled_accounting,
+        summarize,
+    )
     from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
     from rlstream.rundir import RunDir, default_run_dir
 

@@ -136,9 +136,9 @@ def main() -> None:
     import_transformers_models()  # as the components do: without scikit-learn, SciPy and boto3
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import rlstream.cli  # noqa: F401
-    import rlstream.learner.loop  # noqa: F401
-    import rlstream.producers.backends.hf  # noqa: F401
+    import rlstream.cli
+    import rlstream.learner.loop
+    import rlstream.producers.backends.hf
     import rlstream.producers.loop  # noqa: F401
 
     print("ready", flush=True)  # imported: the run gives its cores back to what it started meanwhile

@@ -198,7 +198,7 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
     return children
 
 
-async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool,
+async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: list[Child], live: bool,  # noqa: C901
                     preloader: Preloader | None = None) -> Outcome:
     """Run ``children`` until the learner finishes or the dataset is used up (code 0), a
     process fails for good (1) or with a usage error (2), the run cannot progress (3), or a
@@ -232,7 +232,6 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     await progress.start()
     last_health = last_progress = time.monotonic()
     idle_since: float | None = None
-    exhausted = False
     broker_misses = 0
     try:
         with signals_to(stop):

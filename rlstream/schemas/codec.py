@@ -306,7 +306,7 @@ _SIZED = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xC7: (">B", 1), 0x
           0xC9: (">I", 1), 0xD9: (">B", 0), 0xDA: (">H", 0), 0xDB: (">I", 0)}
 
 
-def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple[int, int]:
+def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple[int, int]:  # noqa: C901
     """(elements, depth) of one MessagePack value, each counted only up to just past its
     limit. Malformed bytes stop the count early; msgspec reports them when it decodes."""
     data = bytes(raw)

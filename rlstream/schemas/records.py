@@ -28,11 +28,11 @@ from rlstream.schemas.codec import (
     FLOAT32,
     INT32,
     MAX_NAMES,
+    UINT8,
     Columns,
     Counts,
     Floats,
     Limits,
-    UINT8,
     LogProbs,
     Mask,
     MaybeFloats,
@@ -318,7 +318,7 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
         self._check_episode(lengths, total, path)
         self._check_version_runs(lengths, path)
 
-    def _check_episode(self, lengths: list[int], total: int, path: str) -> None:
+    def _check_episode(self, lengths: list[int], total: int, path: str) -> None:  # noqa: C901
         """The v4 fields: each empty, or of the length its docstring gives."""
         g = len(lengths)
         if len(self.loss_mask) not in (0, total):

@@ -50,7 +50,7 @@ def load_function(path: str) -> Callable[..., Any]:
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (a callable object's own __call__)
 
 
 def reward_values(name: str, values: Any, n: int) -> np.ndarray:

@@ -273,7 +273,7 @@ class Scorer:
             raise RewardError(f"reward term names must be unique, got {names}")
 
     # -- building terms --------------------------------------------------------------------
-    def _build(self, t: RewardTerm) -> Term:
+    def _build(self, t: RewardTerm) -> Term:  # noqa: C901
         p = dict(t.params)
         if t.function is not None:
             fn = load_function(t.function)

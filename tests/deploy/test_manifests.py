@@ -176,7 +176,7 @@ def test_references_resolve(render):
 def test_every_component_has_probes_on_its_metrics_port(render):
     _, objs = render
     port = parse_config(_config(objs)).metrics.prometheus_port
-    for where, spec, c in _containers(objs):
+    for where, _spec, c in _containers(objs):
         if where.startswith(("Job/", "CronJob/", "PyTorchJob/learner/Worker")):
             continue  # run-to-completion jobs (feeder, backup), and learner ranks > 0 (rank 0 serves /metrics)
         assert "livenessProbe" in c and "readinessProbe" in c, where

@@ -16,10 +16,9 @@ import pytest
 from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout
-from rlstream.broker.server import free_ports
-from rlstream.broker.layout import Layout, bind_layout
-from rlstream.broker.server import nats_server_binary
 from rlstream.broker.cluster import LocalCluster
+from rlstream.broker.layout import Layout, bind_layout
+from rlstream.broker.server import free_ports, nats_server_binary
 from rlstream.config import NatsConfig, NatsTLS
 
 NATS = Path(__file__).resolve().parents[2] / "deploy" / "nats"

@@ -149,7 +149,7 @@ async def prepared(server, passwords, run: str) -> tuple:
     return op, ojs, replies
 
 
-def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]:
+def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]:  # noqa: C901
     """(subject, payload, what) for everything ``role`` must not do."""
     out: list[tuple[str, bytes, str]] = []
     lay, other = chain(run), Layout(OTHER_RUN)

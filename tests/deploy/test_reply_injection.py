@@ -25,7 +25,7 @@ async def learner_writes(state: RunState, version: int) -> None:
 
 
 @pytest.mark.parametrize("role", COMPONENTS)
-async def test_a_puback_written_through_a_reply_subject_is_read_as_the_last_good_value(secured, role):
+async def test_a_puback_written_through_a_reply_subject_is_read_as_the_last_good_value(secured, role):  # noqa: F811 (the fixture)
     server, passwords = secured
     run = shipped_run()
     op, ojs, _ = await prepared(server, passwords, run)

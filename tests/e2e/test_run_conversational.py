@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers.runs import finished_summary, read_jsonl
 
 SCORERS = Path(__file__).resolve().parents[1] / "scorers"

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
+from helpers.runs import EXAMPLES, ROOT, finished_summary, read_jsonl, run_cmd, write_data
 
-from helpers.runs import ROOT, EXAMPLES, finished_summary, read_jsonl, run_cmd, write_data
 from rlstream.broker import EmbeddedServer, Layout, connect
 from rlstream.schemas import RolloutGroup, ScoredGroup
 

@@ -47,7 +47,7 @@ async def test_hanging_failing_and_flooding_tools_are_observations_and_no_episod
         return t1, t2
 
     results = await asyncio.gather(*(one(i) for i in range(4)))  # episodes run concurrently in one process
-    for i, (t1, t2) in enumerate(results):
+    for t1, t2 in results:
         assert not t1.done and [m["name"] for m in t1.messages] == ["hangs", "fails", "huge"]
         hang, fail, flood = (m["content"] for m in t1.messages)
         assert "time limit" in hang and fail == "error: LookupError: boom" and len(flood) < 600

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.runs import finished_summary
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -154,5 +154,5 @@ async def test_checkpoint_disk_full_holds_records_keeps_training_and_recovers(na
     assert after.num_ack_pending == 0 and after.num_pending == 0 and after.num_redelivered == 0  # all acked
     summary = json.loads((run_dir / "learner_summary.json").read_text())
     assert summary["duplicates_skipped"] == 0 and summary["trained_ids_count"] == 12
-    print(f"3 checkpoints failed with EFBIG, learner up, 6 groups held unacked with 0 redeliveries; "
-          f"after the limit was lifted: step_8 acked 8, all 12 groups trained once, 0 unacked")
+    print("3 checkpoints failed with EFBIG, learner up, 6 groups held unacked with 0 redeliveries; "
+          "after the limit was lifted: step_8 acked 8, all 12 groups trained once, 0 unacked")

@@ -22,7 +22,6 @@ from rlstream.broker import connect, ensure_layout
 from rlstream.config import NatsConfig, parse_config
 from rlstream.producers.feeder import feed
 
-
 GRACE_S = 2.0
 ACK_WAIT_S = 120.0
 

@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 import torch
+from helpers.groups import make_cfg, publish_groups, sample_groups
 from transformers import AutoModelForCausalLM
 
 from rlstream.annotators.loop import main as stage_main
@@ -22,7 +23,6 @@ from rlstream.config import dump_resolved, parse_config
 from rlstream.learner.loop import main as learner_main
 from rlstream.learner.replay import replay
 from rlstream.schemas import ScoredGroup
-from helpers.groups import make_cfg, publish_groups, sample_groups
 
 
 def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:

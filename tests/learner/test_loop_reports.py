@@ -8,10 +8,10 @@ import json
 
 import numpy as np
 import pytest
+from helpers.groups import make_cfg, publish_groups, sample_groups
 from msgspec.structs import replace
 
 from rlstream.learner.loop import main
-from helpers.groups import make_cfg, publish_groups, sample_groups
 
 
 def _rows(path):

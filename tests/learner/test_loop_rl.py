@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from msgspec.structs import replace
 
 import numpy as np
 import pytest
 from helpers.groups import advantage_logprob_gap, kv_int, make_cfg, publish_groups, sample_groups
+from msgspec.structs import replace
 
 from rlstream.learner.loop import main
 

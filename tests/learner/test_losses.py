@@ -8,19 +8,34 @@ import typing
 import pytest
 import torch
 
-from rlstream.config import (DAPOParams, DistillParams, DPOParams, GeometricMask, GRPOParams, GSPOParams, IcePop, LossAggregation, NoCorrection,
-                             PPOParams, SequenceMIS, SequenceTIS, TokenMask, TokenMIS, TokenTIS)
+from rlstream.config import (
+    DAPOParams,
+    DistillParams,
+    DPOParams,
+    GeometricMask,
+    GRPOParams,
+    GSPOParams,
+    IcePop,
+    LossAggregation,
+    NoCorrection,
+    PPOParams,
+    SequenceMIS,
+    SequenceTIS,
+    TokenMask,
+    TokenMIS,
+    TokenTIS,
+)
 from rlstream.learner.losses import (
     AGGREGATIONS,
     PolicyBatch,
     clipped_surrogate,
+    correction_weights,
     dapo_loss,
     distill_loss,
     dpo_loss,
     entropy_from_logits,
-    gspo_loss,
     grpo_loss,
-    correction_weights,
+    gspo_loss,
     kl_k3,
     policy_loss_fn,
     ppo_loss,

@@ -141,7 +141,7 @@ def test_packed_forward_equals_each_document_alone(model):
         packed = [forward_logprobs(model, tb).logprobs for tb in tbs]
         # each packed document's completion log-probs vs its own unpacked forward
         alone = {}
-        for i, r in enumerate(rows):
+        for r in rows:
             tb1 = collate([r], 0, 32)
             alone[tuple(r.completion_ids.tolist())] = forward_logprobs(model, tb1).logprobs[0, :len(r.completion_ids)]
     checked = 0

@@ -8,14 +8,13 @@ after the first, so the KL term is not zero) every loss and the gradient norm ag
 
 from __future__ import annotations
 
-from msgspec.structs import replace
-
 import pytest
+from helpers.groups import make_cfg, sample_groups
+from msgspec.structs import replace
 
 from rlstream.annotators.logprobs import LocalLogprobs
 from rlstream.config import parse_config
 from rlstream.learner.steps import LearnerError, build_learner, train_step
-from helpers.groups import make_cfg, sample_groups
 
 
 @pytest.fixture(scope="module")

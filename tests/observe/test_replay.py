@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 import yaml
-
 from helpers.observe import run_cli, sample_groups
+
 from rlstream.broker import Publisher, connect, ensure_layout
 from rlstream.config import dump_resolved, parse_config
 

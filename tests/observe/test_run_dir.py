@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from helpers.observe import make_cfg, run_cli, scored
+
 from rlstream.broker import Publisher, connect, ensure_layout
 from rlstream.broker.server import EmbeddedServer
 from rlstream.config import dump_resolved

@@ -9,8 +9,7 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from helpers.broker import layout_for, read_rollouts, wait_until
+from helpers.broker import layout_for, read_rollouts
 
 from rlstream.broker import Component
 from rlstream.config import parse_config

@@ -17,7 +17,6 @@ from rlstream.producers.backends.hf import HFBackend
 from rlstream.schemas import Prompt, RolloutGroup, Sample
 
 
-
 def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
     """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
     ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]

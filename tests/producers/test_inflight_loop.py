@@ -22,7 +22,6 @@ from rlstream.producers.backends import make_backend
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import ready_groups
 
-
 ACK_WAIT_S = 600.0
 
 

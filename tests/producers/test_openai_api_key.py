@@ -15,8 +15,8 @@ import subprocess
 import threading
 
 import pytest
-
 from helpers.runs import ROOT, finished_summary, run_cmd, write_data
+
 from rlstream.config import ConfigError, parse_config
 from rlstream.preflight import check_secrets
 

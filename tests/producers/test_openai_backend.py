@@ -194,12 +194,11 @@ async def test_episodes_through_vllm_serve(server, tiny_model_dir):
     turn, token ids in and out; each model turn's log-probs are HF's teacher-forced ones over the
     prompt and every recorded token before it (environment tokens included), so the server
     generated from exactly the tokens the record holds."""
+    import safetensors.torch
     from helpers.envs import Counting
 
     from rlstream.config import EnvConfig
     from rlstream.producers.episodes import run_batch
-
-    import safetensors.torch
 
     base = load_model(tiny_model_dir)
     backend = OpenAIBackend(server, tokenizer_path=str(tiny_model_dir), retries=1)

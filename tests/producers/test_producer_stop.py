@@ -18,7 +18,6 @@ from rlstream.producers.backends import make_backend
 from rlstream.producers.feeder import feed
 from rlstream.schemas import Prompt
 
-
 ACK_WAIT_S = 600.0
 DRAIN_S = 600.0  # far longer than any wait below: only giving back at once passes
 

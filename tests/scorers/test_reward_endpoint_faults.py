@@ -12,7 +12,6 @@ from rlstream.broker.server import free_port
 from rlstream.schemas import DeadLetter, ScoredGroup
 from rlstream.scorers import loop
 
-
 PHASES = (("garbage", 2), ("short", 2), ("slow", 2))
 """The endpoint's failure phases, each for a number of calls; every later call is answered."""
 

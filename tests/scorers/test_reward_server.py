@@ -93,8 +93,9 @@ def test_refuses_a_public_address_without_a_token(tiny_reward_model_dir):
 def _start(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     import os
 
-    from rlstream.broker.server import free_port
     from helpers.http import wait_http
+
+    from rlstream.broker.server import free_port
 
     port = free_port()
     env = {**os.environ, "RLSTREAM_REWARD_TOKEN": "tok-abc"}

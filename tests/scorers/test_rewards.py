@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from helpers.scorers import config, group
 
-from rlstream.scorers import rewards
-from rlstream.scorers import scoring
+from rlstream.scorers import rewards, scoring
 from rlstream.scorers.functions import RewardError, check_rewards, reward_values
 from rlstream.scorers.scoring import RewardStats, Scorer, overlong_settings
 

@@ -20,10 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlstream import chat
+from rlstream import chat, weights
 from rlstream.schemas import Prompt
-from rlstream import weights
-from rlstream.weights import WeightsSource  # noqa: F401 (re-exported: backends load what transports receive)
+from rlstream.weights import WeightsSource
 
 LOGPROBS_KIND = "raw"
 """``RolloutGroup.sampling["logprobs"]``: log_softmax of unprocessed logits at temperature 1."""

@@ -374,7 +374,6 @@ class HFBackend(Backend):
         """A LoRA adapter version, in place: the base model stays loaded. A new adapter shape
         (rank, targets) wraps the base anew; the same shape only overwrites the tensors."""
         import json
-        from pathlib import Path
 
         import safetensors.torch
         from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
