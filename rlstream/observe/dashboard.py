@@ -41,14 +41,17 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
@@ -255,12 +258,45 @@ async def info(request: web.Request) -> web.Response:
                               "samples": request.app["run_dir"] is not None})
 
 
+STAGES_TTL_S = 2.0
+"""``/api/stages`` answers from a summary at most this old: listing the heartbeats is a KV
+consumer on the broker, and every open page polls every 2 s."""
+
+
 async def stages(request: web.Request) -> web.Response:
-    try:
-        state = await RunState.open(request.app["hub"].js, request.app["hub"].layout)
-    except NotFoundError:
-        return web.json_response(stage_summary({}))
-    return web.json_response(stage_summary(live_phases(await state.heartbeats())))
+    cache = request.app["stages"]
+    async with cache["lock"]:  # one listing at a time; the polls that wait for it share it
+        if time.monotonic() - cache["at"] > cache["ttl_s"]:
+            try:
+                state = await RunState.open(request.app["hub"].js, request.app["hub"].layout)
+            except NotFoundError:
+                cache["summary"] = stage_summary({})
+            else:
+                cache["summary"] = stage_summary(live_phases(await state.heartbeats()))
+            cache["at"] = time.monotonic()
+            cache["listings"] += 1
+        return web.json_response(cache["summary"])
+
+
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+"""The page runs only its own scripts (no inline ones, nothing from elsewhere): model text shown
+on it cannot become code even if a rendering bug let markup through."""
+
+
+@web.middleware
+async def _security_headers(request: web.Request, handler):
+    resp = await handler(request)
+    resp.headers["Content-Security-Policy"] = CSP
+    resp.headers["X-Content-Type-Options"] = "nosniff"
+    return resp
+
+
+class AccessLog(AbstractAccessLogger):
+    """The access log without query strings: ``/?token=`` must not land in a log."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, seconds: float) -> None:
+        self.logger.info("%s %s %s %d %.3fs", request.remote, request.method, request.path, response.status, seconds)
 
 
 def _auth(token: str):
@@ -284,9 +320,11 @@ def _auth(token: str):
     return check
 
 
-def make_app(hub: Hub, token: str | None = None, run_dir: str | Path | None = None) -> web.Application:
-    app = web.Application(middlewares=[_auth(token)] if token else [])
+def make_app(hub: Hub, token: str | None = None, run_dir: str | Path | None = None,
+             stages_ttl_s: float = STAGES_TTL_S) -> web.Application:
+    app = web.Application(middlewares=[_security_headers, *([_auth(token)] if token else [])])
     app["hub"] = hub
+    app["stages"] = {"lock": asyncio.Lock(), "at": -math.inf, "summary": None, "listings": 0, "ttl_s": stages_ttl_s}
     app["run_dir"] = run_dir
     app.router.add_get("/", index)
     app.router.add_get("/events", events)
@@ -328,7 +366,8 @@ async def serve(args) -> int:
             hub = Hub(js, Layout(args.run), getattr(args, "backfill", None) or DEFAULT_BACKFILL,
                       getattr(args, "max_viewers", None) or DEFAULT_MAX_VIEWERS)
             await hub.start()
-            runner = web.AppRunner(make_app(hub, token, getattr(args, "run_dir", None)), shutdown_timeout=2.0)
+            runner = web.AppRunner(make_app(hub, token, getattr(args, "run_dir", None)), shutdown_timeout=2.0,
+                                   access_log_class=AccessLog)
             await runner.setup()
             site = web.TCPSite(runner, args.host, args.port)
             await site.start()

@@ -164,9 +164,63 @@ async def test_a_public_bind_needs_a_token(nats_server, run_id):
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
             async with browser.get(url + "?token=dash-tok-42") as r:
                 assert r.status == 200 and "uPlot" in await r.text()
+                # the page runs only its own scripts
+                assert "script-src 'self'" in r.headers["Content-Security-Policy"]
             ev = Events(await browser.get(url + "events"))
             assert ev.resp.status == 200 and await ev.until(2)
             ev.resp.close()
     finally:
         await _stop(dash)
+        await nc.close()
+    log = (await dash.drain).decode()
+    assert "/events" in log  # the access log is on, and left the query string out
+    assert "dash-tok-42" not in log, log[-2000:]
+
+
+async def test_stage_polls_share_one_heartbeat_listing(nats_server, run_id):
+    """Every open page polls /api/stages every 2 s; the listing behind it (a KV consumer on the
+    broker) runs at most once per STAGES_TTL_S however many poll."""
+    from aiohttp import web
+
+    from rlstream.broker import RunState
+    from rlstream.observe.dashboard import DEFAULT_BACKFILL, Hub, make_app
+
+    nc = await connect(url=nats_server.url, name="test-dash-stages")
+    js = nc.jetstream()
+    layout = await ensure_layout(js, run_id)
+    await (await RunState.open(js, layout)).heartbeat("learner", "learner", interval_s=60.0, **{"time/learner/wait_s": 0.5})
+    runners = []
+
+    async def served(ttl_s: float):
+        app = make_app(Hub(js, layout, DEFAULT_BACKFILL, 8), stages_ttl_s=ttl_s)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        return app, f"http://127.0.0.1:{runner.addresses[0][1]}/api/stages"
+
+    async def poll(http, url, n: int, together: bool) -> list[dict]:
+        if together:
+            responses = await asyncio.gather(*(http.get(url) for _ in range(n)))
+        else:
+            responses = [await http.get(url) for _ in range(n)]
+        bodies = []
+        for r in responses:
+            assert r.status == 200
+            bodies.append(await r.json())
+            r.close()
+        return bodies
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            shared, url = await served(ttl_s=3600.0)  # (no clock in the claim: nothing ages out here)
+            bodies = await poll(http, url, 20, together=True) + await poll(http, url, 5, together=False)
+            assert shared["stages"]["listings"] == 1 and all(b == bodies[0] for b in bodies)
+            assert "learner" in bodies[0]["stages"]
+            fresh, url = await served(ttl_s=0.0)  # the control: without the cache, one listing a poll
+            await poll(http, url, 3, together=False)
+            assert fresh["stages"]["listings"] == 3
+    finally:
+        for runner in runners:
+            await runner.cleanup()
         await nc.close()
