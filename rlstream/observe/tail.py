@@ -88,8 +88,10 @@ class TextPrinter:
 
     def _samples(self, rollout: RolloutGroup, rewards=None) -> list[Text]:
         lines = []
-        for i, s in enumerate(rollout.samples):
-            lp = float(s.logprobs.mean()) if len(s.logprobs) else 0.0
+        for i, (s, mask) in enumerate(zip(rollout.samples, rollout.sample_masks())):
+            # over the model's tokens only: an episode's environment tokens carry log-prob 0.0
+            model_lps = s.logprobs[mask.astype(bool)]
+            lp = float(model_lps.mean()) if len(model_lps) else 0.0
             body = self._tokens(s.completion_ids) or s.text
             parts = [("  ", ""), (f"[{i}]", "bold"), (f" {s.finish_reason:<6} {len(s.completion_ids):>4} tok  mean_lp={lp:.3f}", "")]
             if rewards is not None:

@@ -36,6 +36,8 @@ async def test_tail_shows_an_episode_turn_by_turn(js, nats_server, run_id):
     turns = [line for line in lines if line[:1].isdigit()]
     assert [t.split()[:3] for t in turns] == [["0", "model", "2"], ["1", "env", "3"], ["2", "model", "1"], ["3", "env", "0"]]
     assert turns[1].endswith("'user: higher'") and turns[2].endswith("'7'") and turns[3].endswith("'user: correct'")
+    # the mean log-prob of the model's 3 tokens, (-0.5 - 0.25 - 1) / 3, not of all 6 (-0.292)
+    assert "mean_lp=-0.583" in out.decode()
 
 
 def test_dashboard_rows_carry_the_turns():
