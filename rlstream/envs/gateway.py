@@ -51,6 +51,17 @@ whose text holds Hermes/Qwen ``<tool_call>`` blocks comes back with OpenAI ``too
 back into the text the same way, so the chat template sees what the model wrote. Each response
 also carries ``rlstream``: the call id, the policy version, and the token ids.
 
+**Who may call it.** The gateway holds the producer's engine, and what it records becomes training
+data, so every route needs its token: a random one per gateway (or one given), carried in the
+path (``/t/<token>/e/<episode>/v1``: what :meth:`Gateway.base_url` returns, so an agent that only
+takes a ``base_url`` needs nothing else) or as ``Authorization: Bearer <token>`` (the OpenAI
+client's ``api_key``). A non-loopback bind without a token is refused. The ``Host`` header must
+name the gateway itself and a browser's ``Origin`` must too (no DNS rebinding, no cross-site
+form). Each call is bounded: ``n`` <= ``max_n``, the prompt <= ``max_prompt_tokens`` ids, each
+inside the vocabulary, finite sampling values in range, a body <= 8 MB; and so is the record:
+at most ``max_episodes`` episodes held, ``max_calls`` calls each (429 past either).
+:meth:`Gateway.new_episode` gives episode ids that cannot be guessed.
+
 How it differs from an OpenAI server: sampling parameters the backend does not have
 (``presence_penalty``, ``logit_bias``, ...) are ignored; ``logprobs`` are the raw log-softmax of
 the sampled token at temperature 1 (what the learner recomputes), with no ``top_logprobs``.
@@ -61,8 +72,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 import logging
+import math
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -78,8 +92,23 @@ from rlstream.schemas.records import Sample
 log = logging.getLogger(__name__)
 
 
+AUTO_TOKEN: Any = object()
+"""``Gateway(token=...)``'s default: a random token of the gateway's own."""
+MAX_BODY = 8 << 20
+"""The largest request body (bytes)."""
+SAMPLING_BOUNDS = (("temperature", 0.0, 100.0), ("top_p", 0.0, 1.0), ("top_k", -1, 1 << 20), ("seed", 0, 2**63 - 1))
+"""Sampling values a call may set, each a finite number in its range (JSON allows NaN and Infinity)."""
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
 class GatewayError(ValueError):
     """Calls that cannot make the record asked for."""
+
+
+class GatewayLimit(GatewayError):
+    """The gateway holds as many episodes, or an episode as many calls, as it may."""
 
 
 @dataclass(slots=True)
@@ -177,14 +206,25 @@ class Gateway:
     """
 
     def __init__(self, backend, defaults, *, policy_version: Callable[[], int] = lambda: 0,
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "rlstream-policy", max_tokens_cap: int = 4096):
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "rlstream-policy", max_tokens_cap: int = 4096,
+                 token: str | None = AUTO_TOKEN, max_n: int = 16, max_prompt_tokens: int = 32768, max_episodes: int = 4096,
+                 max_calls: int = 256):
+        from rlstream.broker.server import is_loopback
+
+        if not token and not is_loopback(host):
+            raise GatewayError(f"refusing to serve the gateway on {host} without a token (it samples with the producer's "
+                               "engine and records training data): give one, or bind 127.0.0.1")
         self.backend = backend
         self.defaults = defaults
         self.policy_version = policy_version
         self.host, self.port = host, port
         self.model_name = model_name
         self.max_tokens_cap = max_tokens_cap
+        self.token = secrets.token_urlsafe(24) if token is AUTO_TOKEN else token
+        self.max_n, self.max_prompt_tokens, self.max_episodes, self.max_calls = max_n, max_prompt_tokens, max_episodes, max_calls
         self.calls: dict[str, list[CallRecord]] = {}
+        self.refused = 0
+        """Calls refused: no or a wrong token, a foreign Host or Origin, out of bounds."""
         self._runner = None
 
     # ---- server ------------------------------------------------------------------------------
@@ -192,8 +232,8 @@ class Gateway:
         """Start serving; returns the base URL (``http://host:port``)."""
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 << 20)
-        for prefix in ("/v1", "/e/{episode}/v1"):
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        for prefix in ("/v1", "/e/{episode}/v1", "/t/{token}/v1", "/t/{token}/e/{episode}/v1"):
             app.router.add_post(prefix + "/chat/completions", self._chat)
             app.router.add_post(prefix + "/completions", self._completions)
             app.router.add_get(prefix + "/models", self._models)
@@ -205,8 +245,54 @@ class Gateway:
         return f"http://{self.host}:{self.port}"
 
     def base_url(self, episode: str) -> str:
-        """What an agent's OpenAI client takes as ``base_url`` for one episode."""
-        return f"http://{self.host}:{self.port}/e/{episode}/v1"
+        """What an agent's OpenAI client takes as ``base_url`` for one episode (the token in it)."""
+        prefix = f"/t/{self.token}" if self.token else ""
+        return f"http://{self.host}:{self.port}{prefix}/e/{episode}/v1"
+
+    @staticmethod
+    def new_episode() -> str:
+        """An episode id nobody can guess (another local process cannot add calls to it)."""
+        return "ep-" + secrets.token_urlsafe(12)
+
+    def _own_host(self, value: str) -> bool:
+        """``value`` (a Host header, or an Origin without its scheme) names this gateway. On
+        loopback it must be a loopback name and this port (a rebound DNS name is refused); a
+        network bind answers to any name, its token being the guard."""
+        if value.startswith("["):
+            host, _, rest = value[1:].partition("]")
+            port = rest[1:]
+        else:
+            host, sep, port = value.rpartition(":")
+            host, port = (host, port) if sep else (value, "")
+        if port not in ("", str(self.port)):
+            return False
+        return host.lower() in LOOPBACK_NAMES if self.host in LOOPBACK_NAMES else True
+
+    def _refuse(self, status: int, message: str):
+        from aiohttp import web
+
+        self.refused += 1
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+    @functools.cached_property
+    def _guard(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def guard(request, handler):
+            if not self._own_host(request.headers.get("Host", "")):
+                return self._refuse(421, "this gateway does not serve that Host")
+            origin = request.headers.get("Origin")
+            if origin is not None and origin.split("://", 1)[-1] != request.headers.get("Host"):
+                return self._refuse(403, "cross-origin requests are refused")
+            if self.token:
+                header = request.headers.get("Authorization", "")
+                given = request.match_info.get("token") or (header[7:] if header.startswith("Bearer ") else "")
+                if not hmac.compare_digest(given.encode(), self.token.encode()):
+                    return self._refuse(401, "missing or wrong gateway token")
+            return await handler(request)
+
+        return guard
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -238,13 +324,23 @@ class Gateway:
             return None
 
     def _spec(self, body: dict[str, Any], chat_call: bool = False):
+        """The call's sampling spec; a GatewayError for a value out of bounds."""
         stop = body.get("stop") or ()
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.defaults.max_new_tokens
-        changes = {"n": int(body.get("n") or 1), "max_new_tokens": min(int(max_tokens), self.max_tokens_cap),
+        n = 1 if body.get("n") is None else body["n"]
+        if not isinstance(n, int) or not 1 <= n <= self.max_n:
+            raise GatewayError(f"n must be an integer from 1 to {self.max_n}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise GatewayError("max_tokens must be a positive integer")
+        changes = {"n": n, "max_new_tokens": min(max_tokens, self.max_tokens_cap),
                    "stop": (stop,) if isinstance(stop, str) else tuple(stop)}
-        for key in ("temperature", "top_p", "top_k", "seed"):
-            if body.get(key) is not None:
-                changes[key] = body[key]
+        for key, low, high in SAMPLING_BOUNDS:
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+                raise GatewayError(f"{key} must be a finite number from {low} to {high}")
+            changes[key] = value
         stop_ids = tuple(int(t) for t in body.get("stop_token_ids") or ())  # vLLM's extension
         if chat_call and self._turn_end is not None and self._turn_end not in stop_ids:
             stop_ids += (self._turn_end,)  # a chat reply ends with its turn, as a chat model's server stops it
@@ -287,6 +383,16 @@ class Gateway:
     async def _sample(self, episode: str, prompt_ids: list[int], body: dict[str, Any], messages, *, tools=None,
                       extends: tuple[str, int] | None = None) -> CallRecord:
         spec = self._spec(body, chat_call=messages is not None)
+        vocab = len(self.backend.tokenizer)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise GatewayError(f"the prompt has {len(prompt_ids)} tokens, over the gateway's {self.max_prompt_tokens}")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise GatewayError(f"prompt token ids must be from 0 to {vocab - 1}")
+        calls = self.calls.get(episode)
+        if calls is None and len(self.calls) >= self.max_episodes:
+            raise GatewayLimit(f"the gateway holds {self.max_episodes} episodes already; pop finished ones")
+        if calls is not None and len(calls) >= self.max_calls:
+            raise GatewayLimit(f"episode {episode} has made {self.max_calls} calls, the most one may")
         version = int(self.policy_version())
         (completions,) = await self.backend.generate([np.asarray(prompt_ids, np.int32)], spec)
         record = CallRecord(id="call-" + uuid.uuid4().hex[:16], episode=episode, prompt_ids=np.asarray(prompt_ids, np.int32),
@@ -327,7 +433,10 @@ class Gateway:
             ids, extends = await asyncio.to_thread(self._prompt_ids, episode, rendered, tools, earlier)
         except Exception as exc:  # the agent sent what the template cannot render: its error, as OpenAI reports one
             return web.json_response({"error": {"message": f"chat template: {exc}", "type": "invalid_request_error"}}, status=400)
-        record = await self._sample(episode, ids, body, rendered, tools=tools, extends=extends)
+        try:
+            record = await self._sample(episode, ids, body, rendered, tools=tools, extends=extends)
+        except GatewayError as exc:
+            return self._refuse(429 if isinstance(exc, GatewayLimit) else 400, str(exc))
         choices = []
         for i, c in enumerate(record.choices):
             calls, _ = parse_tool_calls(c.text) if tools else ([], [])
@@ -355,7 +464,10 @@ class Gateway:
             ids = prompt
         else:
             return web.json_response({"error": {"message": "prompt must be a string or a list of token ids", "type": "invalid_request_error"}}, status=400)
-        record = await self._sample(self._episode(request), ids, body, None)
+        try:
+            record = await self._sample(self._episode(request), ids, body, None)
+        except GatewayError as exc:
+            return self._refuse(429 if isinstance(exc, GatewayLimit) else 400, str(exc))
         choices = []
         for i, c in enumerate(record.choices):
             tokens = ([f"token_id:{t}" for t in c.token_ids.tolist()] if body.get("return_tokens_as_token_ids")

@@ -69,6 +69,8 @@ class OpenAIBackend(Backend):
         self._api_key = api_key
         parts = urlsplit(self.url)
         self.base = f"{parts.scheme}://{parts.netloc}"
+        # beside the completions route, under the same path (a server behind a prefix, a gateway's token)
+        self.models_url = self.url.rsplit("/", 1)[0] + "/models"
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.retries = retries
@@ -96,10 +98,10 @@ class OpenAIBackend(Backend):
         if self.session is None:
             self.session = open_session(max_connections=self.max_connections, timeout_s=self.timeout_s, api_key=self._api_key)
         if self.model_name is None:
-            body = await self._request("GET", f"{self.base}/v1/models")
+            body = await self._request("GET", self.models_url)
             models = body.get("data") or []
             if not models:
-                raise ProducerError(f"{self.base}/v1/models lists no model; set producer.model_name")
+                raise ProducerError(f"{self.models_url} lists no model; set producer.model_name")
             self.model_name = models[0]["id"]
         return self.session
 
