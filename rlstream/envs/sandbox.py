@@ -11,7 +11,7 @@ What is enforced, on every run:
 | files | ``RLIMIT_FSIZE`` = ``max_file_mb``; a fresh temporary working directory, removed after the run; ``RLIMIT_CORE`` = 0 | |
 | processes | ``RLIMIT_NPROC`` = ``max_processes`` (counted per user; in a user namespace that user is the child's own mapped root) | |
 | environment | an empty environment except ``PATH``/``LANG``; ``python -I`` (no user site, no ``PYTHON*`` variables) | no secret of the parent reaches the child |
-| network | with ``unshare`` (util-linux) and user namespaces allowed: a new user + network namespace, where the only interface is a loopback that is down, so every connect fails (``ENETUNREACH``), and the child cannot raise its limits back (it lacks ``CAP_SYS_RESOURCE`` in the initial namespace). Without them: ``socket.socket`` and ``socket.create_connection`` are replaced in the child before the code runs; this stops ordinary code only (ctypes or a subprocess get around it), and a child running as root could raise its limits | ``Result.isolation`` says which: ``"namespace"`` or ``"socket-blocked"`` |
+| network | with ``unshare`` (util-linux) and user namespaces allowed: a new user + network namespace, where the only interface is a loopback that is down, so every connect fails (``ENETUNREACH``), and the child cannot raise its limits back (it lacks ``CAP_SYS_RESOURCE`` in the initial namespace). Without them: ``socket.socket`` and ``socket.create_connection`` are replaced in the child before the code runs; this stops ordinary code only (ctypes or a subprocess get around it), and a child running as root could raise its limits | ``Result.isolation`` says which: ``"namespace"`` or ``"socket-blocked"``; the second only when ``Limits.allow_weak`` says so by name, otherwise nothing runs (``reason="no-sandbox"``): the sandbox fails closed |
 
 The limits are set by a small preamble the child runs before the code (never by a
 ``preexec_fn``, which is unsafe in a threaded parent such as a producer).
@@ -51,6 +51,9 @@ class Limits:
     """Per stream (stdout, stderr); the process is killed once either goes past it."""
     max_file_mb: int = 16
     max_processes: int = 64
+    allow_weak: bool = False
+    """Run without namespaces (the in-process socket block only) where the host refuses them;
+    off by default: the run is then refused (``reason="no-sandbox"``), the code never runs."""
 
 
 @dataclass(slots=True)
@@ -61,7 +64,8 @@ class Result:
     stdout: str
     stderr: str
     reason: str | None = None
-    """``timeout``, ``cpu``, ``memory``, ``output``, ``killed`` (a SIGKILL not sent by the run) or None."""
+    """``timeout``, ``cpu``, ``memory``, ``output``, ``killed`` (a SIGKILL not sent by the run),
+    ``no-sandbox`` (namespaces refused by the host and the weak mode not allowed: nothing ran) or None."""
     truncated: bool = False
     wall_s: float = 0.0
     isolation: str = ""
@@ -80,6 +84,7 @@ class Result:
             "memory": f"stopped: it asked for more than {limits.memory_mb} MB of memory",
             "output": f"stopped: its output went past {limits.max_output_bytes} bytes",
             "killed": "killed by the system (CPU or memory limit)",
+            "no-sandbox": "not run: this host refuses the sandbox's namespaces, and the weak sandbox is not allowed",
         }.get(self.reason or "", f"exited with code {self.returncode}")
 
 
@@ -93,6 +98,20 @@ def namespaces_available() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
+
+
+WEAK_REFUSED = ("this host refuses user and network namespaces (unshare), so the sandbox cannot cut the network or "
+                "hide the parent; allow the weak sandbox by name to run anyway (env kwargs sandbox: weak)")
+
+
+def check_isolation(allow_weak: bool) -> str:
+    """The isolation runs will have: ``namespace``, or ``socket-blocked`` when the weak mode is
+    allowed; a ValueError (one line) when the host refuses namespaces and it is not."""
+    if namespaces_available():
+        return "namespace"
+    if not allow_weak:
+        raise ValueError(WEAK_REFUSED)
+    return "socket-blocked"
 
 
 def _preamble(limits: Limits, block_sockets: bool) -> str:
@@ -150,6 +169,8 @@ async def run_python(code: str, limits: Limits = Limits(), *, stdin: bytes = b""
     """Run ``code`` as a script in a fresh sandboxed interpreter; never raises for anything
     the code does, and always returns within ``limits.timeout_s`` (+ :data:`KILL_GRACE_S`)."""
     isolated = namespaces_available()
+    if not isolated and not limits.allow_weak:  # fail closed
+        return Result(returncode=None, stdout="", stderr=WEAK_REFUSED, reason="no-sandbox", isolation="none")
     script = _preamble(limits, block_sockets=not isolated) + code
     cmd = [*(_NAMESPACE if isolated else []), sys.executable, "-I", "-c", script, *(argv or [])]
     workdir = tempfile.mkdtemp(prefix="rlstream-sandbox-")

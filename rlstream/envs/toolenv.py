@@ -26,15 +26,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from rlstream.envs.base import Turn
-from rlstream.envs.sandbox import Limits
+from rlstream.envs.sandbox import Limits, check_isolation
 from rlstream.envs.tools import ToolRegistry, load_callable, parse_tool_calls
 from rlstream.schemas import Prompt
+
+log = logging.getLogger(__name__)
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*([^\n]+?)\s*\.?\s*$", re.IGNORECASE | re.MULTILINE)
@@ -128,8 +131,16 @@ class ToolEnvironment:
     def __init__(self, tools: list[str] | tuple[str, ...] = ("calculator",), *, reward: str = "answer",
                  answer_column: str = "answer", tools_column: str = "tools", system_prompt: str | None = None,
                  max_tool_rounds: int = 4, max_calls_per_turn: int = 4, isolation: str = "process",
-                 timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_output_chars: int = 4000):
-        limits = Limits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=max(4 * max_output_chars, 4096))
+                 timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_output_chars: int = 4000,
+                 sandbox: Literal["namespace", "weak"] = "namespace"):
+        if sandbox not in ("namespace", "weak"):
+            raise ValueError(f"sandbox must be 'namespace' or 'weak', not {sandbox!r}")
+        # fail closed, at start: a host that refuses namespaces runs model-written code only when
+        # the config allows the weak sandbox by name
+        self.sandbox = check_isolation(allow_weak=sandbox == "weak")
+        log.info("tool environment: sandbox isolation %s", self.sandbox)
+        limits = Limits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=max(4 * max_output_chars, 4096),
+                        allow_weak=sandbox == "weak")
         self.registry = ToolRegistry(list(tools), limits=limits, isolation=isolation, max_output_chars=max_output_chars)
         self.reward_fn = make_reward(reward, answer_column)
         self.tools_column = tools_column

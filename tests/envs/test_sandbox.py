@@ -56,11 +56,26 @@ async def test_the_network_is_refused():
     assert r.isolation == ("namespace" if namespaces_available() else "socket-blocked")
 
 
-async def test_without_namespaces_sockets_are_blocked_in_the_child(monkeypatch):
+async def test_without_namespaces_the_weak_sandbox_runs_only_when_allowed_by_name(monkeypatch, tmp_path):
+    """A host that refuses namespaces (a pod's default seccomp profile refuses unshare): the
+    sandbox fails closed, and runs the code with the weak in-process socket block only when
+    the caller allows that mode by name."""
+    import dataclasses
+
     from rlstream.envs import sandbox
+    from rlstream.envs.toolenv import ToolEnvironment
 
     monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
-    r = await run_python("import socket\ntry:\n    socket.socket()\nexcept PermissionError as e:\n    print(e)", FAST)
+    marker = tmp_path / "ran"
+    r = await run_python(f"open({str(marker)!r}, 'w').write('x')", FAST)
+    assert r.reason == "no-sandbox" and r.isolation == "none" and not marker.exists()
+    assert "not run" in r.describe(FAST)
+    with pytest.raises(ValueError, match="sandbox: weak"):
+        ToolEnvironment(["python"])  # refused at start, in one line, not at the first call
+    assert ToolEnvironment(["python"], sandbox="weak").sandbox == "socket-blocked"
+
+    weak = dataclasses.replace(FAST, allow_weak=True)
+    r = await run_python("import socket\ntry:\n    socket.socket()\nexcept PermissionError as e:\n    print(e)", weak)
     assert r.isolation == "socket-blocked" and "network access is disabled" in r.stdout
 
 
