@@ -3,8 +3,12 @@ run always returns."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import subprocess
 import time
 
+import psutil
 import pytest
 
 from rlstream.envs.sandbox import Limits, namespaces_available, run_function, run_python
@@ -36,10 +40,23 @@ async def test_a_memory_bomb_is_refused():
 
 async def test_a_sleeping_child_times_out_and_the_run_returns():
     # sleep uses no CPU: only the wall deadline can stop it; a grandchild in the group dies too
-    code = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\ntime.sleep(300)"
+    code = "import subprocess, time\nprint(subprocess.Popen(['sleep', '300']).pid, flush=True)\ntime.sleep(300)"
     start = time.monotonic()
     r = await run_python(code, Limits(timeout_s=1.0))
     assert r.reason == "timeout" and time.monotonic() - start < 15  # 1 s bound, not the 300 s sleep; slack for a busy machine
+    grandchild = int(r.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by init
+        except psutil.NoSuchProcess:
+            return True
+
+    for _ in range(100):  # the kill is sent; init reaps the orphan when it gets to it
+        if gone():
+            break
+        await asyncio.sleep(0.1)
+    assert gone(), f"the grandchild {grandchild} outlived the run"
 
 
 async def test_output_past_the_cap_is_cut_and_the_process_stopped():
@@ -48,12 +65,24 @@ async def test_output_past_the_cap_is_cut_and_the_process_stopped():
     assert r.reason == "output" and r.truncated and r.stdout == "x" * 4096 and r.wall_s < 10
 
 
-async def test_the_network_is_refused():
-    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 4222), timeout=2)\n"
+def unshare_works() -> bool:
+    """Whether this host gives a process a user + network namespace, found out here, not by
+    the code under test."""
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not unshare_works(), reason="this host refuses user namespaces (unshare): the sandbox fails closed here")
+async def test_the_network_is_refused(listener):
+    socket.create_connection(("127.0.0.1", listener), timeout=5).close()  # the control: this process reaches it
+    code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {listener}), timeout=2)\n"
             "except OSError as e:\n    print('refused', type(e).__name__)\nelse:\n    print('connected')")
     r = await run_python(code, FAST)
     assert r.stdout.startswith("refused"), r.stdout + r.stderr
-    assert r.isolation == ("namespace" if namespaces_available() else "socket-blocked")
+    assert r.isolation == "namespace"
 
 
 async def test_without_namespaces_the_weak_sandbox_runs_only_when_allowed_by_name(monkeypatch, tmp_path):

@@ -3,6 +3,7 @@ dispatch: every failure of a tool is text for the model, never an exception."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -173,13 +174,15 @@ async def test_a_user_tool_that_hangs_raises_or_answers_10_mb_gives_an_observati
     assert r.content == "Oslo: 21 degrees celsius"
 
 
-async def test_the_python_tool_runs_in_the_sandbox():
+async def test_the_python_tool_runs_in_the_sandbox(listener):
     reg = ToolRegistry(["python"], limits=LIMITS)
     r = await reg.call(ToolCall("python", {"code": "print(sum(range(10)))"}))
     assert r.content == "45" and not r.error
     r = await reg.call(ToolCall("python", {"code": "while True: pass"}))
     assert r.error and r.reason in ("cpu", "timeout")
-    r = await reg.call(ToolCall("python", {"code": "import socket; socket.create_connection(('10.0.0.1', 80), timeout=1)"}))
+    # a server this process reaches (the control) is out of the tool's reach
+    socket.create_connection(("127.0.0.1", listener), timeout=5).close()
+    r = await reg.call(ToolCall("python", {"code": f"import socket; socket.create_connection(('127.0.0.1', {listener}), timeout=2)"}))
     assert r.error and r.reason == "exception" and "Error" in r.content
 
 
