@@ -87,9 +87,25 @@ async def test_update_in_flight_when_idle_loads_at_once_and_a_bad_one_keeps_the_
     np.testing.assert_allclose(group[0].logprobs, teacher_forced(models[1], ids, group[0].token_ids), atol=1e-4)
 
 
-async def test_update_in_flight_during_a_generation_is_loaded_before_it_ends(tiny_model_dir, models):
+async def test_weights_queued_for_a_generation_are_loaded_at_its_next_chunk_boundary(tiny_model_dir, models):
+    """Weights waiting when the generation reaches its first chunk boundary (4 tokens) are
+    loaded there: exactly 4 tokens of v0, then 60 of v1, each v1 token sampled by the new
+    weights over a KV cache recomputed under them (teacher-forced log-probs of v1's model)."""
+    backend = HFBackend(str(tiny_model_dir), seed=6, update_chunk_tokens=4)
+    ids = backend.encode_prompt(Prompt(id="q", text="Q: 3 + 4?"))[0]
+    loaded = backend.queue_weights(WeightsSource(version=1, data=safetensors.torch.save(models[1].state_dict())))
+    (group,) = await backend.generate([ids], SamplingSpec(n=2, max_new_tokens=64, ignore_eos=True))
+    assert loaded.is_set() and backend.policy_version == 1
+    for c in group:
+        assert c.versions.tolist() == [0] * 4 + [1] * 60
+        np.testing.assert_allclose(c.logprobs[4:], teacher_forced(models[1], ids, c.token_ids)[4:], atol=1e-4)
+        np.testing.assert_allclose(c.logprobs[:4], teacher_forced(models[0], ids, c.token_ids)[:4], atol=1e-4)
+
+
+async def test_update_in_flight_during_a_generation_is_never_lost(tiny_model_dir, models):
     """Whenever the update lands, it is loaded at a chunk boundary or at the end, never lost,
-    and the versions of every sample are one run of v0 then one of v1 (possibly empty)."""
+    and the versions of every sample are one run of v0 then one of v1 (possibly empty: the
+    test above pins the boundary itself)."""
     backend = HFBackend(str(tiny_model_dir), seed=6, update_chunk_tokens=4)
     ids = backend.encode_prompt(Prompt(id="e", text="Q: 3 + 4?"))[0]
     task = asyncio.ensure_future(backend.generate([ids], SamplingSpec(n=2, max_new_tokens=64, ignore_eos=True)))
