@@ -12,7 +12,7 @@ import pytest
 from helpers.broker import layout_for, read_rollouts
 
 from rlstream.broker import Component
-from rlstream.config import parse_config
+from rlstream.config import ConfigError, parse_config
 from rlstream.learner import steps
 from rlstream.learner.steps import build_learner, rl_step
 from rlstream.producers.backends.hf import HFBackend
@@ -155,5 +155,5 @@ def test_env_config_errors_are_one_line(tiny_model_dir, tmp_path):
         problems = [p for p in preflight(cfg) if p.startswith("env")]
         assert len(problems) == 1 and why in problems[0], problems
     fake = {**base, "producer": {"backend": "fake"}, "env": {"name": "guess_number"}}
-    with pytest.raises(Exception, match="tokenizer"):
+    with pytest.raises(ConfigError, match="tokenizer"):
         parse_config(fake)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rlstream.broker import free_port
-from rlstream.producers.backends.base import SamplingSpec
+from rlstream.producers.backends.base import ProducerError, SamplingSpec
 from rlstream.producers.backends.openai import OpenAIBackend, completions_url
 
 
@@ -24,7 +24,7 @@ async def test_unreachable_server_fails_after_retries():
     backend = OpenAIBackend(f"http://127.0.0.1:{free_port()}", model_name="m", retries=1, timeout_s=2)
     try:
         t0 = time.monotonic()
-        with pytest.raises(Exception, match="ClientConnectorError|Cannot connect"):
+        with pytest.raises(ProducerError, match="ClientConnectorError|Cannot connect"):
             await backend.generate([np.array([1, 2], np.int32)], SamplingSpec(n=1, max_new_tokens=2))
         assert time.monotonic() - t0 >= 0.5  # one backoff before giving up
     finally:
