@@ -1360,11 +1360,15 @@ class EvalConfig(Strict):
     learner sums the round up. Nothing from a round is trained."""
 
     path: str | None = None
-    """The held-out dataset, read like ``data_source.path`` (a file, a ``datasets`` directory
-    or a Hub id), with ``data_source``'s prompt and messages columns. None: no evaluation
-    (the section's other settings wait for a path, e.g. ``--set eval.path=...``)."""
+    """The held-out dataset, read like ``data_source.path`` (a file, a ``datasets`` directory,
+    a Hub id, or ``reasoning_gym:<task>``), with ``data_source``'s prompt and messages columns.
+    None: no evaluation (the section's other settings wait for a path, e.g. ``--set eval.path=...``)."""
     name: str | None = None
     """Hub datasets: the configuration (subset) name."""
+    reasoning_gym: ReasoningGymSource | None = None
+    """``path: reasoning_gym:<task>``: how its held-out problems are generated. Absent: the
+    training source's settings (``data_source.reasoning_gym``, or the defaults) with the seed
+    plus one, so that the problems are not the ones trained on."""
     split: str = "train"
     every: int = Field(50, ge=0)
     """Evaluate every this many policy versions (0: only before and after training)."""
@@ -1390,6 +1394,10 @@ class EvalConfig(Strict):
 
     @model_validator(mode="after")
     def _k_within_samples(self):
+        if self.path and self.path.startswith(GYM_PREFIX):
+            check_reasoning_gym(self.path, self.reasoning_gym)
+        elif self.reasoning_gym is not None:
+            raise ValueError(f"eval.reasoning_gym is for path '{GYM_PREFIX}<task>' (path is {self.path!r})")
         bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
         if bad:
             raise ValueError(f"eval.pass_k {bad} must be within 1..eval.samples ({self.samples})")

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from rlstream.config import Config, EvalConfig
+from rlstream.envs.gym import is_gym_source
 from rlstream.schemas import Prompt, ScoredGroup
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,25 @@ def read_eval_rows(cfg: Config) -> list[dict[str, Any]]:
     ecfg = cfg.eval
     if ecfg is None:
         raise ValueError("the config has no eval section")
+    if is_gym_source(ecfg.path):
+        return gym_eval_rows(cfg)
     return read_rows(ecfg.path, ecfg.split, ecfg.max_prompts, name=ecfg.name)
+
+
+def gym_eval_rows(cfg: Config) -> list[dict[str, Any]]:
+    """``eval.path: reasoning_gym:<task>``: rows generated as training rows are (the scorer's
+    ``reasoning_gym`` rule scores them by the spec each carries), by ``eval.reasoning_gym``, or
+    else by the training source's settings with the seed plus one (other problems)."""
+    from rlstream.config import ReasoningGymSource
+    from rlstream.envs import gym
+
+    ecfg = cfg.eval
+    opts = ecfg.reasoning_gym
+    if opts is None:
+        trained = cfg.data_source.reasoning_gym or ReasoningGymSource()
+        opts = trained.model_copy(update={"seed": trained.seed + 1})
+    return gym.rows(gym.task_of(ecfg.path), size=opts.size, seed=opts.seed, config=opts.config, system=opts.system_prompt,
+                    prompt_column=cfg.data_source.prompt_column, limit=ecfg.max_prompts)
 
 
 def round_prompts(cfg: Config, rows: list[dict[str, Any]], version: int, *, run: str = "") -> list[Prompt]:

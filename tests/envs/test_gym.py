@@ -101,3 +101,28 @@ def test_the_trl_style_reward_function():
                      completions=[[{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in rows[:1]] + [[{"role": "assistant", "content": "x"}]],
                      reasoning_gym=[r["reasoning_gym"] for r in rows])
     assert out == [1.0, 0.0]
+
+
+def test_evaluation_rows_come_from_a_reasoning_gym_source_held_out_by_seed(tmp_path):
+    """``eval.path: reasoning_gym:<task>``: the held-out rows are generated like the training
+    rows, with the training settings and the seed plus one unless ``eval.reasoning_gym`` says
+    otherwise, and the ``reasoning_gym`` rule scores them by the spec each row carries."""
+    from rlstream.evaluation import read_eval_rows, round_prompts
+
+    cfg = parse_config({**config().model_dump(mode="json", exclude_unset=True),
+                        "eval": {"path": "reasoning_gym:basic_arithmetic", "max_prompts": 4}})
+    rows = read_eval_rows(cfg)
+    trained = gym.rows_for(cfg.data_source)
+    assert len(rows) == 4 and [r["reasoning_gym"]["seed"] for r in rows] == [4] * 4  # the training seed 3, plus one
+    assert rows[0]["reasoning_gym"]["config"] == {"min_terms": 2, "max_terms": 2}
+    assert [r["prompt"] for r in rows] != [r["prompt"] for r in trained[:4]]
+    assert all(gym.score_reply(f"<answer>{r['answer']}</answer>", r) == 1.0 for r in rows)
+    prompts = round_prompts(cfg, rows, version=2)
+    assert len(prompts) == 4 and all(p.messages and p.columns["reasoning_gym"]["seed"] == 4 for p in prompts)
+
+    pinned = parse_config({**config().model_dump(mode="json", exclude_unset=True),
+                           "eval": {"path": "reasoning_gym:basic_arithmetic", "reasoning_gym": {"size": 3, "seed": 9}}})
+    assert [r["reasoning_gym"]["seed"] for r in read_eval_rows(pinned)] == [9, 9, 9]
+    with pytest.raises(ConfigError, match="eval.reasoning_gym is for path"):
+        parse_config({**config().model_dump(mode="json", exclude_unset=True),
+                      "eval": {"path": str(tmp_path / "e.jsonl"), "reasoning_gym": {"seed": 9}}})
