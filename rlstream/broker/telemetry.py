@@ -55,7 +55,7 @@ def is_counter(key: str) -> bool:
 
 STAGE_PHASES: dict[str, dict[str, tuple[str, ...]]] = {
     "learner": {"wait": ("wait",), "work": ("collate", "forward", "backward", "optimizer", "publish", "checkpoint")},
-    "producer": {"wait": ("pacing", "fetch"), "work": ("weight_reload", "generate", "publish")},
+    "producer": {"wait": ("pacing", "fetch"), "work": ("weight_wait", "weight_reload", "generate", "publish")},
     "scorer": {"wait": ("fetch",), "work": ("score", "publish")},
 }
 """Each stage's phases: ``wait`` ones are time spent waiting for another stage (data to come,

@@ -77,7 +77,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -90,12 +89,21 @@ import numpy as np
 
 from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception
 from rlstream.broker.component import Stopped, kept_in_progress, lanes, refilled, unless_stopped
-from rlstream.broker.layout import ORIGIN_HEADER, WEIGHTS_LATEST
+from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
 from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
-from rlstream.producers.weights import WeightsRefused, WeightsTimeout, check_announcement, fetch_weights, receive_weights  # noqa: F401 (the first, third and fourth: re-exported)
+from rlstream.producers.weights import (  # noqa: F401 (WeightsRefused, WeightsTimeout, check_announcement, fetch_weights: re-exported)
+    WeightsFollower,
+    WeightsRefused,
+    WeightsTimeout,
+    check_announcement,
+    fetch_weights,
+    newest_announcement,
+    receive_or_skip,
+    receive_weights,
+)
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup, Sample, WeightsAnnouncement
 
 log = logging.getLogger(__name__)
@@ -305,18 +313,31 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     def more_wanted() -> bool:
         return not comp.stop.is_set() and (max_groups is None or stats.groups + pending < max_groups)
 
-    async def newest_weights() -> None:
-        """Between batches: load newer weights, once no batch is generating. A broker away
-        for longer than the state's retry window: keep the weights, look again next batch."""
+    follower = WeightsFollower(comp, backend, stats, PACING_POLL_S)
+
+    async def newest_weights(phases: Phases | None = None) -> None:
+        """Between batches: swap in the newest version, once no batch is generating. The
+        follower received and staged it while the last batch generated; a receipt still under
+        way is waited for (``weight_wait``), so a batch is never generated on a version older
+        than the one announced before it began. A broker away for longer than the state's retry
+        window: keep the weights, look again next batch."""
         try:
-            newer = backend.can_reload and await comp.state.policy_version() > stats.policy_version
+            version = await comp.state.policy_version() if backend.can_reload else 0
         except BrokerUnavailable as exc:
             log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
             return
-        if not newer:
+        if version <= stats.policy_version:
             return
-        async with gate.reload():
-            stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
+        phases = phases or Phases("producer")
+        t0 = time.perf_counter()
+        if not await follower.settled(version, p.weights_timeout_s):
+            log.warning("producer %s: policy v%d not received within %gs (producer.weights_timeout_s); generating on v%d",
+                        comp.component_id, version, p.weights_timeout_s, stats.policy_version)
+            return
+        async with gate.reload():  # the other lanes' batches finish first
+            phases.add("weight_wait", time.perf_counter() - t0)
+            with phases.time("weight_reload"):
+                stats.policy_version = await follower.swap_in(stats.policy_version)
 
     async def take_prompts(fetching: asyncio.Lock, phases: Phases, most: int) -> list | None:
         """Steps 0-2: eval prompts first, then pacing room, then up to ``most`` prompts (counted
@@ -442,8 +463,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         """The newest weights, then generation (None: it failed, the prompts nak'ed). Raises
         :class:`Stopped` when a stop comes before the generation has begun."""
         if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
-            with phases.time("weight_reload"):
-                await unless_stopped(comp.stop, newest_weights())
+            await unless_stopped(comp.stop, newest_weights(phases))
         if continuous:
             reached, groups = await generate_ready(deliveries, phases)
             release()  # its refilled slot: the next ready group is taken while this one publishes
@@ -536,6 +556,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
         stats.ready_naks += await consumer.sub.give_back()
 
     watcher = asyncio.create_task(watch_weights(), name=f"producer-{comp.component_id}-weights") if in_flight else None
+    if not in_flight:
+        follower.start(name=f"producer-{comp.component_id}-weights-follower")
     undelivered = asyncio.create_task(give_back_undelivered(), name=f"producer-{comp.component_id}-give-back")
     try:
         # one lane failing stops the others (their prompts come back unacked); after SIGTERM the
@@ -547,6 +569,7 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
                         give_back=give_back)
     finally:
+        await follower.stop()
         for task in (watcher, undelivered):
             if task is not None:
                 task.cancel()
@@ -757,27 +780,14 @@ async def _sync_weights(comp: Component, backend: GenerationBackend, loaded: int
     version = await comp.state.policy_version()
     if version <= loaded or not backend.can_reload or version <= stats.skipped_version:
         return loaded
-    try:
-        entry = await comp.state.kv.get(WEIGHTS_LATEST)
-        announcement = WeightsAnnouncement.decode(entry.value)
-    except Exception as exc:  # no usable announcement yet: keep generating with what we have
-        log.warning("policy.version is %d but weights.latest is not readable (%s); keeping v%d", version, exc, loaded)
-        return loaded
-    if announcement.policy_version <= loaded:
+    announcement = await newest_announcement(comp, version, loaded)
+    if announcement is None:
         return loaded
     t0 = time.monotonic()
-    try:
-        source = await receive_weights(comp, announcement)
-    except ProducerError as exc:
-        stats.skipped_version = max(version, announcement.policy_version)
-        comp.reporter.inc("alert/weight_fetch_failures")
-        if isinstance(exc, WeightsTimeout):
-            comp.reporter.inc("alert/weight_fetch_timeouts")
-        log.error("producer %s: keeping policy v%d: %s", comp.component_id, loaded, exc)
+    source = await receive_or_skip(comp, announcement, version, loaded, stats)
+    if source is None:
         return loaded
     fetch_s = time.monotonic() - t0
-    if announcement.kind == "lora":  # the bytes are a LoRA adapter for the loaded base model
-        source = dataclasses.replace(source, adapter_config=announcement.adapter_config)
     if in_flight:
         await backend.update_in_flight(source)
         stats.in_flight_updates += 1
@@ -787,9 +797,7 @@ async def _sync_weights(comp: Component, backend: GenerationBackend, loaded: int
         return loaded
     dt = time.monotonic() - t0
     stats.reloads += 1
-    comp.reporter.update({"producer/weight_reload_s": dt, "producer/weight_fetch_s": fetch_s,
-                          "producer/weight_fetch_mb_per_s": announcement.size / 2**20 / max(fetch_s, 1e-9),
-                          "producer/policy_version": announcement.policy_version})
+    comp.reporter.update({"producer/weight_reload_s": dt, "producer/policy_version": announcement.policy_version})
     log.info("producer %s: loaded policy v%d in %.2fs (fetched in %.2fs)", comp.component_id, announcement.policy_version,
              dt, fetch_s)
     return announcement.policy_version

@@ -6,6 +6,12 @@
 into a backend or decides when to; the caller keeps generating on the weights it has whenever
 this raises.
 
+:class:`WeightsFollower` is the between-batches receipt taken off the batch boundary: a named
+task of the producer that, as soon as ``policy.version`` moves, receives the announced version
+and has the backend stage it in a second buffer while batches generate
+(:meth:`rlstream.producers.backends.Backend.stage_weights`); at the next batch boundary the
+loop swaps the staged version in under its generation gate, and the swap is all the pause.
+
 The fetch itself is the receiving end of the transport that published the announcement
 (:func:`rlstream.weights.receiver_for`; the table of transports is in :mod:`rlstream.weights`).
 """
@@ -13,10 +19,15 @@ The fetch itself is the receiving end of the transport that published the announ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
+from typing import Any
 
 from rlstream import weights
 from rlstream.broker import Layout
+from rlstream.broker.layout import WEIGHTS_LATEST
+from rlstream.broker.state import BrokerUnavailable
 from rlstream.producers.backends import ProducerError, WeightsSource
 from rlstream.schemas import WeightsAnnouncement
 
@@ -92,3 +103,160 @@ async def fetch_weights(comp, announcement: WeightsAnnouncement, deadline: float
     against the announcement's digests and size (call :func:`check_announcement` first).
     ``deadline`` (event-loop time): how long a file that is not visible yet is waited for."""
     return await weights.receiver_for(comp.cfg.learner.weights, announcement).receive(comp, announcement, deadline)
+
+
+async def newest_announcement(comp, version: int, loaded: int) -> WeightsAnnouncement | None:
+    """``weights.latest`` when ``policy.version`` is ``version`` and it announces something newer
+    than ``loaded``; None (logged) when it is not readable yet or not newer."""
+    try:
+        entry = await comp.state.kv.get(WEIGHTS_LATEST)
+        announcement = WeightsAnnouncement.decode(entry.value)
+    except Exception as exc:  # no usable announcement yet: keep generating with what we have
+        log.warning("policy.version is %d but weights.latest is not readable (%s); keeping v%d", version, exc, loaded)
+        return None
+    return announcement if announcement.policy_version > loaded else None
+
+
+async def receive_or_skip(comp, announcement: WeightsAnnouncement, version: int, loaded: int, stats) -> WeightsSource | None:
+    """:func:`receive_weights`, or None when the version cannot be had: it is skipped
+    (``stats.skipped_version``, not tried again), ``alert/weight_fetch_failures`` (and
+    ``alert/weight_fetch_timeouts``) raised, the log says why. Sets ``producer/weight_fetch_s``."""
+    t0 = time.monotonic()
+    try:
+        source = await receive_weights(comp, announcement)
+    except ProducerError as exc:
+        stats.skipped_version = max(version, announcement.policy_version)
+        comp.reporter.inc("alert/weight_fetch_failures")
+        if isinstance(exc, WeightsTimeout):
+            comp.reporter.inc("alert/weight_fetch_timeouts")
+        log.error("producer %s: keeping policy v%d: %s", comp.component_id, loaded, exc)
+        return None
+    fetch_s = time.monotonic() - t0
+    comp.reporter.update({"producer/weight_fetch_s": fetch_s,
+                          "producer/weight_fetch_mb_per_s": announcement.size / 2**20 / max(fetch_s, 1e-9)})
+    if announcement.kind == "lora":  # the bytes are a LoRA adapter for the loaded base model
+        source = dataclasses.replace(source, adapter_config=announcement.adapter_config)
+    return source
+
+
+class WeightsFollower:
+    """Receives each new version while batches generate, and stages it for the next boundary.
+
+    One pass (:meth:`follow`) per write to the run state: when ``policy.version`` is past the
+    newest version settled, read ``weights.latest``, receive it (every digest checked), and have
+    the backend copy it into its second buffer (``stage_weights``). A newer announcement
+    supersedes a staged version not swapped in yet: its staging takes the buffer over. A
+    version that is refused, fails its digest or does not fit the model is skipped as
+    :func:`receive_or_skip` says, and the weights loaded stay as they are.
+
+    At a batch boundary the loop waits (:meth:`settled`) until the version it sees is settled,
+    which costs nothing when the fetch finished during the last batch, then, under its
+    generation gate, :meth:`swap_in`: the backend's load of the staged buffer, a copy into the
+    model's parameters. ``producer/weight_reload_s`` is that swap alone (the pause);
+    ``producer/weight_fetch_s`` and ``producer/weight_stage_s`` are the background receipt.
+
+    The buffer is one: staging and swapping hold :attr:`_buffer` in turn, so a swap never
+    reads a buffer half overwritten by the next version.
+    """
+
+    def __init__(self, comp, backend, stats, poll_s: float):
+        self.comp, self.backend, self.stats, self.poll_s = comp, backend, stats, poll_s
+        self.staged: WeightsSource | None = None
+        """The version in the second buffer, not swapped in yet."""
+        self.settled_version = max(stats.policy_version, stats.skipped_version)
+        """The newest policy version staged, loaded or skipped: nothing older is fetched."""
+        self._buffer = asyncio.Lock()
+        self._moved = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self, name: str) -> None:
+        self._task = asyncio.create_task(self._run(), name=name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        comp = self.comp
+        while not comp.stop.is_set():
+            seen = comp.state.writes
+            try:
+                await self.follow()
+            except BrokerUnavailable as exc:
+                log.warning("producer %s: %s; following weights again at the next write", comp.component_id, exc)
+            await comp.state.written_since(seen, self.poll_s, comp.stop)
+
+    async def follow(self) -> None:
+        """Stage the newest announced version if it is past the newest settled one."""
+        version = await self.comp.state.policy_version()
+        if version <= self.settled_version or not self.backend.can_reload:
+            return
+        loaded = self.stats.policy_version
+        announcement = await newest_announcement(self.comp, version, max(loaded, self.settled_version))
+        source = None
+        if announcement is not None:
+            source = await receive_or_skip(self.comp, announcement, version, loaded, self.stats)
+        if source is not None:
+            await self._stage(source)
+        self._settle(max(version, announcement.policy_version if announcement is not None else 0))
+
+    async def _stage(self, source: WeightsSource) -> None:
+        t0 = time.monotonic()
+        async with self._buffer:
+            self.staged = None  # from here the buffer holds the newer version, whole or not at all
+            try:
+                self.staged = await self.backend.stage_weights(source)
+            except ProducerError as exc:  # received, but not a model this backend can take
+                self.stats.skipped_version = max(self.stats.skipped_version, source.version)
+                self.comp.reporter.inc("alert/weight_fetch_failures")
+                log.error("producer %s: keeping policy v%d: v%d cannot be staged: %s", self.comp.component_id,
+                          self.stats.policy_version, source.version, exc)
+                return
+        self.comp.reporter.update({"producer/weight_stage_s": time.monotonic() - t0,
+                                   "producer/weight_staged_version": source.version})
+
+    def _settle(self, version: int) -> None:
+        self.settled_version = max(self.settled_version, version)
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+
+    async def settled(self, version: int, timeout_s: float) -> bool:
+        """Wait until ``version`` is settled (staged or skipped); False after ``timeout_s``.
+        The follower's own failure is raised here, so a lane waiting on it fails too."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.settled_version < version:
+            if self._task is not None and self._task.done():
+                self._task.result()
+                raise ProducerError("the weights follower stopped")
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            moved = asyncio.ensure_future(self._moved.wait())
+            waits: set[Any] = {moved} | ({self._task} if self._task is not None else set())
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                moved.cancel()
+        return True
+
+    async def swap_in(self, loaded: int) -> int:
+        """The staged version into the model (call it under the generation gate, no batch
+        generating); returns the version now loaded."""
+        async with self._buffer:
+            staged, self.staged = self.staged, None
+            if staged is None or staged.version <= loaded:
+                return loaded
+            t0 = time.monotonic()
+            if not await self.backend.load_weights(staged):
+                self.comp.reporter.info.update(weights_reload=False, weights_note=self.backend.reload_note)
+                log.warning("producer %s: cannot load policy v%d: %s", self.comp.component_id, staged.version,
+                            self.backend.reload_note)
+                return loaded
+            swap_s = time.monotonic() - t0
+        self.stats.reloads += 1
+        self.comp.reporter.update({"producer/weight_reload_s": swap_s, "producer/policy_version": staged.version})
+        log.info("producer %s: swapped in policy v%d in %.3fs (received and staged while generating)",
+                 self.comp.component_id, staged.version, swap_s)
+        return staged.version

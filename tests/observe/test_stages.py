@@ -71,7 +71,7 @@ def test_phases_record_every_phase_within_the_pass():
     ph.add("publish", 0.0)
     ph.add("fetch", -1.0)  # clamped to 0
     out = ph.finish()
-    assert set(out) == {f"time/producer/{p}_s" for p in ("pacing", "fetch", "weight_reload", "generate", "publish", "loop")}
+    assert set(out) == {f"time/producer/{p}_s" for p in ("pacing", "fetch", "weight_wait", "weight_reload", "generate", "publish", "loop")}
     assert all(v >= 0 for v in out.values())
     assert out["time/producer/generate_s"] >= 0.01
     assert sum(v for k, v in out.items() if not k.endswith("loop_s")) <= out["time/producer/loop_s"]

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from rlstream.broker import Component, RunState, put_object
 from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.producers.backends import make_backend
+from rlstream.producers.backends.hf import HFBackend
 from rlstream.producers.feeder import feed
 from rlstream.producers.loop import run
 from rlstream.schemas import WeightsAnnouncement
@@ -84,13 +85,15 @@ def perturbed(model_dir, seed: int):
     return model
 
 
-async def publish_weights(js, lay, model, version: int) -> None:
-    """What the learner does (contracts): object, then weights.latest, then policy.version."""
+async def publish_weights(js, lay, model, version: int, corrupt: bool = False) -> None:
+    """What the learner does (contracts): object, then weights.latest, then policy.version.
+    ``corrupt``: the stored object has its last byte (a tensor's) changed after the digest."""
     import hashlib
 
     data = safetensors.torch.save(model.state_dict())
     name = f"policy-v{version:06d}.safetensors"
-    await put_object(js, lay.weights_bucket, name, data)
+    stored = data[:-1] + bytes([data[-1] ^ 0xFF]) if corrupt else data
+    await put_object(js, lay.weights_bucket, name, stored)
     state = await RunState.open(js, lay)
     ann = WeightsAnnouncement(id=name, policy_version=version, step=version, location=f"object://{lay.weights_bucket}/{name}",
                               size=len(data), sha256=hashlib.sha256(data).hexdigest(), run=lay.run)
@@ -411,3 +414,111 @@ async def test_in_flight_updates_stamp_each_token_and_a_failed_update_keeps_the_
                     np.testing.assert_allclose(s.logprobs[at], _teacher_forced(model, g.prompt_ids, s.completion_ids)[at], atol=1e-4)
     assert all(set(g.token_versions().tolist()) == {1} for g in groups[4:])  # after the failed v2: still v1
     assert backend.policy_version == 1
+
+
+class HeldHF(HFBackend):
+    """The hf backend, whose generations wait for ``resume`` and which records, in order, each
+    generation's start and end, each version staged and each version loaded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, int]] = []
+        self.resume = asyncio.Event()
+
+    async def generate(self, prompts, spec):
+        self.events.append(("generating", self.policy_version))
+        await self.resume.wait()
+        out = await super().generate(prompts, spec)
+        self.events.append(("generated", self.policy_version))
+        return out
+
+    async def stage_weights(self, source):
+        staged = await super().stage_weights(source)
+        self.events.append(("staged", source.version))
+        return staged
+
+    async def load_weights(self, source):
+        loaded = await super().load_weights(source)
+        self.events.append(("loaded", source.version))
+        return loaded
+
+
+def _held_config(config, dataset):
+    return config(data_source={"path": str(dataset(4))},
+                  producer={"batch_prompts": 2, "max_new_tokens": 5, "weight_update": "between_batches"})[0]
+
+
+def _same_weights(backend, state) -> bool:
+    have = backend.model.state_dict()
+    return all(torch.equal(have[k], v) for k, v in state.items())
+
+
+async def test_a_version_announced_while_a_batch_generates_is_staged_during_it_and_swapped_in_after(
+        js, nats_server, run_id, config, dataset, tiny_model_dir):
+    cfg = _held_config(config, dataset)
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = HeldHF.from_config(cfg)
+    model = perturbed(tiny_model_dir, seed=5)
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        try:
+            assert await wait_until(lambda: _has(backend.events, ("generating", 0)), 60)
+            await publish_weights(js, lay, model, 1)
+            # received, checked and staged while the first batch is still generating
+            assert await wait_until(lambda: _has(backend.events, ("staged", 1)), 30), backend.events
+        finally:
+            backend.resume.set()
+        await wait_until(lambda: _eq(rollout_count(js, lay), 4), 60)
+    ev = backend.events
+    assert ev.index(("generating", 0)) < ev.index(("staged", 1)) < ev.index(("generated", 0)) \
+        < ev.index(("loaded", 1)) < ev.index(("generating", 1)), ev
+    assert [g.policy_version for g in await read_rollouts(js, lay)] == [0, 0, 1, 1]
+    assert _same_weights(backend, model.state_dict())  # bitwise the published tensors
+    values = prod.comp.reporter.values
+    assert prod.stats.reloads == 1 and values["producer/weight_fetch_s"] > 0 and values["producer/weight_reload_s"] > 0
+
+
+async def test_a_corrupted_version_is_refused_in_the_background_and_the_producer_keeps_its_weights(
+        js, nats_server, run_id, config, dataset, tiny_model_dir):
+    cfg = _held_config(config, dataset)
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = HeldHF.from_config(cfg)
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        try:
+            assert await wait_until(lambda: _has(backend.events, ("generating", 0)), 60)
+            await publish_weights(js, lay, perturbed(tiny_model_dir, seed=5), 1, corrupt=True)
+            assert await wait_until(lambda: _ge(asyncio.sleep(0, prod.comp.reporter.values.get("alert/weight_fetch_failures", 0)), 1), 30)
+        finally:
+            backend.resume.set()
+        await wait_until(lambda: _eq(rollout_count(js, lay), 4), 60)
+    assert [g.policy_version for g in await read_rollouts(js, lay)] == [0, 0, 0, 0]
+    assert not [e for e in backend.events if e[0] in ("staged", "loaded")], backend.events
+    assert _same_weights(backend, before) and prod.stats.reloads == 0 and prod.stats.skipped_version == 1
+
+
+async def test_a_newer_announcement_supersedes_a_staged_version_not_yet_swapped_in(
+        js, nats_server, run_id, config, dataset, tiny_model_dir):
+    cfg = _held_config(config, dataset)
+    lay = await layout_for(js, run_id)
+    await feed(js, lay, cfg, progress=False)
+    backend = HeldHF.from_config(cfg)
+    v1, v2 = perturbed(tiny_model_dir, seed=5), perturbed(tiny_model_dir, seed=6)
+    async with InProcess(cfg, nats_server.url, backend, "p1") as prod:
+        try:
+            assert await wait_until(lambda: _has(backend.events, ("generating", 0)), 60)
+            await publish_weights(js, lay, v1, 1)
+            assert await wait_until(lambda: _has(backend.events, ("staged", 1)), 30), backend.events
+            await publish_weights(js, lay, v2, 2)
+            assert await wait_until(lambda: _has(backend.events, ("staged", 2)), 30), backend.events
+        finally:
+            backend.resume.set()
+        await wait_until(lambda: _eq(rollout_count(js, lay), 4), 60)
+    assert [e for e in backend.events if e[0] == "loaded"] == [("loaded", 2)], backend.events  # v1 never swapped in
+    assert [g.policy_version for g in await read_rollouts(js, lay)] == [0, 0, 2, 2]
+    assert _same_weights(backend, v2.state_dict()) and prod.stats.reloads == 1
+
+
+async def _has(events, event) -> bool:
+    return event in events

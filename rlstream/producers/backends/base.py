@@ -179,6 +179,12 @@ class GenerationBackend(Protocol):
         """True when the generator now uses ``source``; False when it cannot."""
         ...
 
+    async def stage_weights(self, source: WeightsSource) -> WeightsSource:
+        """``source`` made ready to swap in while generations run (off the event loop, not on
+        the torch thread); :meth:`load_weights` of the result is the swap. Raises
+        :class:`ProducerError` when it does not fit the model (the loaded weights untouched)."""
+        ...
+
     in_flight: bool
     """True where :meth:`update_in_flight` can swap weights under running requests."""
     policy_version: int
@@ -241,6 +247,11 @@ class Backend:
         """Load new weights; True when the generator now uses them, False when it cannot
         (``can_reload`` is then False and ``reload_note`` says why)."""
         raise NotImplementedError
+
+    async def stage_weights(self, source: WeightsSource) -> WeightsSource:
+        """Received weights as they are: the swap loads them (a backend with a second buffer
+        copies them there instead, so its swap is a copy into the model)."""
+        return source
 
     async def update_in_flight(self, source: WeightsSource) -> None:
         """Load new weights without waiting for running generations: they continue under the

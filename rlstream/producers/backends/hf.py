@@ -12,6 +12,12 @@ the base weights are never reloaded.
 Prompts are left-padded; ``generate`` derives position ids from the attention mask, so a
 padded prompt gives the same log-probs as the unpadded one fed alone.
 
+**Weights staged between batches** (:meth:`HFBackend.stage_weights`): a received version is
+copied, while a batch generates, into a second set of host tensors in the model's dtypes (pinned
+on CUDA), allocated once and reused; the swap at the batch boundary is ``load_state_dict`` from
+them, a copy into the parameters (one host-to-device DMA per tensor on CUDA). Device tensors
+(``cuda_ipc``, already a copy of this producer's) and adapters are swapped in as received.
+
 **In-flight weight updates** (``producer.weight_update: in_flight``): generation is our own
 decoding loop (the same raw log-probs and the same temperature / top-k / top-p warpers as
 ``generate``), with the KV cache carried from token to token. Every ``update_chunk_tokens``
@@ -81,6 +87,9 @@ class HFBackend(Backend):
         """After an in-flight update, recompute the KV cache under the new weights (else keep the old KV)."""
         self.update_timeout_s = 600.0
         """An update not loaded by then is withdrawn (producer.weight_update_timeout_s)."""
+        self._staging = threading.Lock()  # the second buffer is written by staging or read by a swap, never both
+        self._stage_buffer: dict = {}
+        """The second buffer: name -> host tensor of the parameter's shape and dtype (pinned on CUDA)."""
 
     @classmethod
     def from_config(cls, cfg) -> "HFBackend":
@@ -293,8 +302,34 @@ class HFBackend(Backend):
             self.policy_version = source.version
             return
         state = self._read_state(source)
-        with self._lock:
+        with self._staging, self._lock:
             self._load_state(state, source.version)
+
+    async def stage_weights(self, source: WeightsSource) -> WeightsSource:
+        if source.is_adapter or source.tensors is not None:
+            return source
+        return await asyncio.to_thread(self.stage_weights_sync, source)
+
+    def stage_weights_sync(self, source: WeightsSource) -> WeightsSource:
+        """Copy ``source`` into the second buffer (beside a running generation: only the model's
+        shapes and dtypes are read); a version that does not fit the model raises here."""
+        torch = self.torch
+        state = self._read_state(source)
+        model = self.model.state_dict()
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        missing, unexpected = sorted(set(model) - set(state) - tied), sorted(set(state) - set(model))
+        wrong = [k for k, v in state.items() if k in model and v.shape != model[k].shape]
+        if missing or unexpected or wrong:
+            raise ProducerError(f"weights v{source.version} do not fit the model: missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
+        pin = str(self.device).startswith("cuda")
+        with self._staging, torch.no_grad():
+            for k, v in state.items():
+                buf = self._stage_buffer.get(k)
+                if buf is None or buf.shape != model[k].shape or buf.dtype != model[k].dtype:
+                    buf = self._stage_buffer[k] = torch.empty(model[k].shape, dtype=model[k].dtype, pin_memory=pin)
+                buf.copy_(v)
+        return WeightsSource(source.version, tensors={k: self._stage_buffer[k] for k in state})
 
     def _load_state(self, state: dict, version: int) -> None:
         """Load a state dict (the caller holds ``_lock``): strict but for tied weights."""
