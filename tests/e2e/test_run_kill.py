@@ -75,6 +75,10 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         # learner may have trained past any step we could wait for, so wait for the process)
         assert "RLSTREAM_NATS_URL" in replacement(proc.pid, " learner ", killed).environ()
         out, _ = proc.communicate(timeout=400)
+    except AssertionError as e:  # say what the run itself printed: which component was where
+        proc.kill()
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"{e}\n--- the run printed ---\n{out[-4000:]}") from e
     finally:
         if proc.poll() is None:
             proc.kill()

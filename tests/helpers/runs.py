@@ -70,9 +70,30 @@ def child(run_pid: int, needle: str) -> psutil.Process:
     raise AssertionError(f"no child process matching {needle!r}")
 
 
+def running_child(run_pid: int, needle: str, timeout: float = 60) -> psutil.Process:
+    """The run's child matching ``needle``, waited for: between a component's exit and its
+    restart (the supervisor's backoff) there is none for a while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return child(run_pid, needle)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                shown = []
+                for p in psutil.Process(run_pid).children(recursive=True):
+                    try:
+                        shown.append(" ".join(p.cmdline())[-120:])
+                    except psutil.NoSuchProcess:
+                        continue
+                raise AssertionError(f"no child process matching {needle!r} within {timeout}s; "
+                                     f"the run's children: {shown}") from None
+        time.sleep(0.2)
+
+
 def kill_child(run_pid: int, needle: str, timeout: float = 30) -> int:
-    """SIGKILL the run's child matching ``needle`` and wait until it is gone; its pid."""
-    p = child(run_pid, needle)
+    """SIGKILL the run's child matching ``needle`` (waited for, see :func:`running_child`) and
+    wait until it is gone; its pid."""
+    p = running_child(run_pid, needle)
     p.kill()
     try:
         p.wait(timeout)  # returns once the supervisor has reaped it
