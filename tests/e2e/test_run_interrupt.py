@@ -14,7 +14,7 @@ from helpers.runs import run_cmd, wait_for_step, write_data
 def test_ctrl_c_then_resume(tiny_model_dir, tmp_path):
     data = write_data(tmp_path / "data")
     run_dir = tmp_path / "run"
-    steps = 12
+    steps = 30  # far enough past the interrupt at step 4 that the run cannot finish before it lands
     # groups the stopped learner held but had not trained come back to the resumed one after
     # nats.ack_wait_s: 10 s here instead of the example's 60 s
     cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps, ["checkpoint.interval=100", "nats.ack_wait_s=10"])

@@ -9,7 +9,17 @@ import time
 
 import psutil
 import pytest
-from helpers.runs import child, finished_summary, kill_child, read_jsonl, replacement, run_cmd, wait_for_step, write_data
+from helpers.runs import (
+    child,
+    finished_summary,
+    kill_child,
+    last_step,
+    read_jsonl,
+    replacement,
+    run_cmd,
+    wait_for_step,
+    write_data,
+)
 
 
 def narrower_threads(procs: list[psutil.Process], cores: set[int]) -> dict[str, set[int]]:
@@ -46,7 +56,9 @@ def status_cpus(run_dir, timeout: float = 30.0) -> dict[str, str]:
 def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
     data = write_data(tmp_path / "data")
     run_dir = tmp_path / "run"
-    steps = 24
+    # long enough that no kill below can come after the last step: the tiny model trains a step
+    # in a fraction of a second, and each check and kill below waits on the run's progress
+    steps = 100
     cmd = run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], steps,
                   ["checkpoint.interval=4", "nats.ack_wait_s=4", "scorer.count=1", "producer.count=1"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -67,9 +79,11 @@ def test_kill_each_component_mid_run(tiny_model_dir, tmp_path):
         assert {"learner", "producer", "scorer"} <= set(shown)
         assert set(shown.values()) == {",".join(map(str, sorted(cores)))}, shown
         kill_child(proc.pid, " producer ")
-        wait_for_step(run_dir, 7, proc)
+        wait_for_step(run_dir, last_step(run_dir) + 3, proc)  # the restarted producer feeds the run
         kill_child(proc.pid, " scorer ")
-        wait_for_step(run_dir, 10, proc)  # after the checkpoint at step 8
+        wait_for_step(run_dir, last_step(run_dir) + 3, proc)  # the same for the scorer; a checkpoint every 4 steps
+        at = last_step(run_dir)
+        assert at < steps - 30, f"the run reached step {at} of {steps} before the learner could be killed"
         killed = kill_child(proc.pid, " learner ")
         # a restart is a process of its own, started by the run after its backoff (the killed
         # learner may have trained past any step we could wait for, so wait for the process)

@@ -48,11 +48,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return rundir.read_jsonl(path).rows
 
 
+def last_step(run_dir: Path) -> int:
+    """The newest step in the run's metrics; 0 before the first."""
+    return max((r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")), default=0)
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = read_jsonl(run_dir / "metrics.jsonl")
-        if rows and max(r["step"] for r in rows) >= step:
+        if last_step(run_dir) >= step:
             return
         if proc.poll() is not None:
             raise AssertionError(f"run exited early with {proc.returncode}")
