@@ -91,8 +91,11 @@ def _secret(env_var: str | None, file: str | None, what: str) -> str | None:
             raise SystemExit(2)
     else:
         return None
-    if not value:
-        print(f"error: {what}: empty", file=sys.stderr)
+    from rlstream.config import placeholder_secret
+
+    why = placeholder_secret(value)
+    if why:
+        print(f"error: {what} is {why}; set the real secret", file=sys.stderr)
         raise SystemExit(2)
     return value
 

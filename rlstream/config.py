@@ -58,11 +58,34 @@ class SecretMaskingFormatter(logging.Formatter):
         return mask_secrets(super().format(record))
 
 
+PLACEHOLDER_SECRETS = frozenset({"replace_me", "replaceme", "changeme", "change_me", "password", "secret", "todo",
+                                  "xxx", "placeholder", "example", "none", "null"})
+"""Values that are the example in a manifest or a doc, never a secret (compared lower-case,
+with ``-`` read as ``_`` and surrounding ``<>`` dropped)."""
+
+
+def placeholder_secret(value: str) -> str | None:
+    """Why ``value`` cannot be a real secret (empty, or a known placeholder), or None."""
+    if not value.strip():
+        return "empty"
+    if value.strip().strip("<>").lower().replace("-", "_") in PLACEHOLDER_SECRETS:
+        return "a placeholder"
+    return None
+
+
+def checked_secret(value: str, field: str, error: type[Exception] = ValueError) -> str:
+    """``value``, unless it is empty or a placeholder: then ``error`` naming ``field`` (never the value)."""
+    why = placeholder_secret(value)
+    if why:
+        raise error(f"{field} is {why}; set the real secret (docs/deploy.md says how to make one)")
+    return value
+
+
 def secret_from_env(var: str, field: str) -> str:
     value = os.environ.get(var)
     if not value:
         raise ConfigError(f"{field} names the environment variable {var}, which is not set")
-    return value
+    return checked_secret(value, f"{field} (${var})", ConfigError)
 
 
 class Strict(BaseModel):

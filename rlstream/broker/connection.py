@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from nats.errors import NoServersError
 
 from rlstream.broker.errors import BrokerError
-from rlstream.config import NatsConfig, mask_secrets
+from rlstream.config import NatsConfig, checked_secret, mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def _from_env(var: str, field: str) -> str:
     value = os.environ.get(var)
     if not value:
         raise BrokerError(f"{field} names the environment variable {var}, which is not set")
-    return value
+    return checked_secret(value, f"{field} (${var})", BrokerError)
 
 
 def _where(servers: list[str]) -> str:
@@ -57,11 +57,11 @@ def connect_options(cfg: NatsConfig, url: str | None = None, name: str = "rlstre
         # prefix: deploy/nats/accounts.conf lets each role subscribe to nothing else.
         opts["inbox_prefix"] = f"_INBOX.{cfg.user}"
     if cfg.password is not None:
-        opts["password"] = cfg.password.get_secret_value()
+        opts["password"] = checked_secret(cfg.password.get_secret_value(), "nats.password", BrokerError)
     elif cfg.password_env:
         opts["password"] = _from_env(cfg.password_env, "nats.password_env")
     if cfg.token is not None:
-        opts["token"] = cfg.token.get_secret_value()
+        opts["token"] = checked_secret(cfg.token.get_secret_value(), "nats.token", BrokerError)
     elif cfg.token_env:
         opts["token"] = _from_env(cfg.token_env, "nats.token_env")
     if cfg.creds_file:

@@ -59,6 +59,7 @@ from rlstream.broker.component import signals_to
 from rlstream.broker.layout import Layout
 from rlstream.broker.server import is_loopback
 from rlstream.broker.state import RunState
+from rlstream.config import placeholder_secret
 from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.observe.stages import summary as stage_summary
 from rlstream.observe.status import live_phases
@@ -342,8 +343,9 @@ def _token(args) -> str | None:
             token = Path(path).read_text().strip()
         except OSError as exc:
             raise ObserveError(f"--token-file {path}: {exc.strerror}") from None
-        if not token:
-            raise ObserveError(f"--token-file {path} is empty")
+        why = placeholder_secret(token)
+        if why:
+            raise ObserveError(f"--token-file {path} is {why}")
         return token
     return os.environ.get(TOKEN_ENV) or None
 

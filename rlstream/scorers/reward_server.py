@@ -43,6 +43,7 @@ from aiohttp import web
 from rlstream import compute
 from rlstream.broker.component import signals_to
 from rlstream.broker.server import is_loopback
+from rlstream.config import checked_secret
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +287,7 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
 
 def read_token_file(path: str) -> str:
     """A secret from a file (e.g. a mounted Kubernetes Secret); whitespace around it is dropped."""
-    text = Path(path).read_text().strip()
-    if not text:
-        raise ValueError(f"{path} is empty")
-    return text
+    return checked_secret(Path(path).read_text().strip(), path)
 
 
 def cli(args) -> int:
