@@ -6,6 +6,7 @@ and the tests::
     RUN_DIR/
       config.resolved.json   the config with defaults filled in (run)
       broker.json            the run's broker: URL, embedded or not, store (run)
+      broker.token           the embedded broker's per-run token (mode 0600; the directory is 0700)
       metrics.jsonl          one JSON object per optimizer step (learner)
       samples.jsonl          sample completions every metrics.log_completions_steps steps (learner)
       tensorboard/, mlruns/  the report_to sinks that write into the run directory (learner)
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.resolved.json"
 BROKER_FILE = "broker.json"
+BROKER_TOKEN_FILE = "broker.token"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 LEARNER_SUMMARY_FILE = "learner_summary.json"
@@ -111,6 +113,10 @@ class RunDir:
     @property
     def nats_store(self) -> Path:
         return self.root / NATS_STORE_DIR
+
+    @property
+    def broker_token(self) -> Path:
+        return self.root / BROKER_TOKEN_FILE
 
 
 # ---- JSON files -------------------------------------------------------------------------------

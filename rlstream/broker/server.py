@@ -99,7 +99,8 @@ def is_loopback(host: str) -> bool:
 
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read (mode 0600 from the start, never briefly wider)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_NOFOLLOW: a link planted at ``path`` is refused, not written through
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, text.encode())

@@ -88,7 +88,7 @@ def main(args) -> int:
 def _run(cfg, args, preloader: Preloader | None) -> int:
     from rlstream.broker import EmbeddedServer, Layout
     from rlstream.config import SecretMaskingFormatter, dump_resolved, mask_secrets
-    from rlstream.observe.rundir import write_broker_record
+    from rlstream.observe.rundir import run_broker_token, with_token, write_broker_record
     from rlstream.run.summary import (
         eval_headline,
         read_eval,
@@ -116,7 +116,8 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
             return EXIT_USAGE
         for item in run_dir.iterdir():
             shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run_dir.chmod(0o700)  # it holds the broker's token, checkpoints and logs: its owner's alone
     rd.logs.mkdir(exist_ok=True)
     dump_resolved(cfg, rd.config)
     file_log = logging.FileHandler(rd.log("run"))
@@ -126,10 +127,15 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
     server = None
     nats_url = cfg.nats.url
     if not nats_url:
+        # a per-run token, not an anonymous broker: another user of this host can reach loopback
+        # too. The components get the URL with it in their environment; operator commands read it
+        # from RUN_DIR/broker.token (0600).
+        token = run_broker_token(run_dir)
         server = EmbeddedServer(rd.nats_store, log_file=rd.log("nats-server"), max_payload_mb=cfg.nats.max_payload_mb,
-                                port=int(os.environ["RLSTREAM_BROKER_PORT"]) if os.environ.get("RLSTREAM_BROKER_PORT") else None)
+                                port=int(os.environ["RLSTREAM_BROKER_PORT"]) if os.environ.get("RLSTREAM_BROKER_PORT") else None,
+                                authorization={"token": token})
         server.start()
-        nats_url = server.url
+        nats_url = with_token(server.url, token)
     write_broker_record(run_dir, nats_url, store=rd.nats_store if server is not None else None)
     config_path = str(Path(args.config).resolve())
     children = plan_children(cfg, config_path, args.set or [], nats_url, run_dir, args.max_steps)
