@@ -157,10 +157,32 @@ def test_payload_that_writes_empty_arrays_and_nones_still_decodes():
     assert back.encode() == g.encode()  # re-encoded in today's form
 
 
-def test_unknown_future_version_is_rejected_by_name():
+def test_a_newer_minor_version_decodes_without_the_fields_it_appended():
+    """A rolling upgrade: a newer producer's record (a later minor version, which only appends
+    fields) reaches an older scorer, which reads what it knows and drops the rest."""
+    g = make_group()
+    wire = g.to_wire()
+    wire["v"] = RolloutGroup.VERSION + 1
+    wire["a_field_of_the_next_version"] = {"nested": [1, 2, 3]}
+    wire["another_one"] = pack_array(np.arange(4), INT32)
+    back = RolloutGroup.decode(msgpack.packb(wire))
+    assert back.v == RolloutGroup.VERSION and not hasattr(back, "a_field_of_the_next_version")
+    assert back.encode() == g.encode()  # exactly the record it carried, in this version's form
+
+
+@pytest.mark.parametrize("v", [1000, 1000 + RolloutGroup.VERSION, 2003])
+def test_a_newer_major_version_is_refused_by_name(v):
     wire = make_group().to_wire()
-    wire["v"] = 99
-    with pytest.raises(RecordError, match=r"^v: version 99"):
+    wire["v"] = v
+    with pytest.raises(RecordError, match=rf"^v: version {v} of rollout_group is major version {v // 1000}"):
+        RolloutGroup.decode(msgpack.packb(wire))
+
+
+@pytest.mark.parametrize("v", [0, -1])
+def test_a_version_below_one_is_refused(v):
+    wire = make_group().to_wire()
+    wire["v"] = v
+    with pytest.raises(RecordError, match=rf"^v: version {v} of rollout_group"):
         RolloutGroup.decode(msgpack.packb(wire))
 
 

@@ -543,6 +543,10 @@ def _kind(hint: Any) -> tuple[tuple, Any]:
     return ("plain",), hint
 
 
+MAJOR_STEP = 1000
+"""A record's ``v`` counts minor versions within a major one: ``major * MAJOR_STEP + minor``."""
+
+
 class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     """A record on the wire: ``schema`` (the tag), ``v``, ``id``, ``run``, ``ts``, then its own fields.
 
@@ -552,6 +556,10 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     SCHEMA: ClassVar[str]
     VERSION: ClassVar[int]
+    MAJOR: ClassVar[int] = 0
+    """``v`` is ``MAJOR * MAJOR_STEP + minor``. A minor version only appends fields with defaults,
+    so a reader takes any minor of its major, a newer one included (it drops the fields it does
+    not know: a rolling upgrade never dead-letters). A newer major is refused by name."""
 
     v: int = 0
     id: str
@@ -609,8 +617,11 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     @classmethod
     def _check_version(cls, v: int, path: str) -> None:
-        if not 1 <= v <= cls.VERSION:
-            raise RecordError(f"{path}v", f"version {v} of {cls.SCHEMA} is not known (1..{cls.VERSION})")
+        if v < 1:
+            raise RecordError(f"{path}v", f"version {v} of {cls.SCHEMA} is not a version (1 or more)")
+        if v // MAJOR_STEP != cls.MAJOR:
+            raise RecordError(f"{path}v", f"version {v} of {cls.SCHEMA} is major version {v // MAJOR_STEP}; this "
+                                          f"rlstream reads major version {cls.MAJOR} (upgrade it to read the record)")
 
     def _check_fields(self, limits: Limits, path: str, strings: bool) -> None:
         plan = _PLANS[type(self)]

@@ -5,7 +5,10 @@ in wire order, are the whole definition. ``encode()`` gives MessagePack bytes;
 ``decode(data)`` checks every field and raises :class:`RecordError` naming the first bad
 one; ``validate()`` checks a record built in memory by the same rules; a record's own
 rules are its ``check()``. Records evolve append-only: a new version only adds fields at
-the end, with defaults, so older payloads still decode. An appended array is left off the
+the end, with defaults, so older payloads still decode, and a newer payload (a minor
+version this build does not know yet) decodes too, without the fields it appended: during a
+rolling upgrade, new producers feed old scorers. Only a newer major version (``v`` of
+``MAJOR_STEP`` or more; none exists yet) is refused. An appended array is left off the
 wire while it is empty, and a field whose default is None while it is None: a record that
 does not use a newer feature costs nothing to send or decode for it. The version history
 of each record is in its docstring.
