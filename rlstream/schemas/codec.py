@@ -21,7 +21,9 @@ its annotations once and derives from them everything the wire needs:
 - **bounds**: a payload over ``Limits.max_bytes`` is refused before parsing; every typed
   list and map has a fixed ceiling that msgspec checks from its header, before building
   it; free-form values may hold at most ``Limits.max_elements`` elements, nested at most
-  ``Limits.max_depth`` deep, counted on the raw bytes before they become Python objects.
+  ``Limits.max_depth`` deep, counted on the raw bytes before they become Python objects;
+  a whole record may decode to at most ``Limits.max_decoded_ratio`` times its size (plus
+  ``Limits.max_decoded_extra``), estimated from its bytes.
   A small MessagePack element can become a 60-120 byte Python object, so without these a
   few MB of payload could take hundreds of MB to decode.
 
@@ -66,6 +68,11 @@ class Limits:
     vocab_size: int | None = None
     max_elements: int = 1 << 17
     max_depth: int = 32
+    # a whole record of n bytes may decode to at most max_decoded_ratio * n + max_decoded_extra
+    # bytes of Python objects, estimated before any is built (an empty map is one byte on the
+    # wire and 64 in Python)
+    max_decoded_ratio: int = 16
+    max_decoded_extra: int = 1 << 20
 
 
 DEFAULT_LIMITS = Limits()
@@ -216,6 +223,33 @@ def check_size(data: Any, limits: Limits) -> None:
         raise RecordError("<payload>", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
 
 
+def check_decoded_size(data: bytes | bytearray | memoryview, limits: Limits) -> None:
+    """Refuse a record whose Python objects would take more than ``max_decoded_ratio`` times
+    its size (plus ``max_decoded_extra``), estimated on the raw bytes before any is built. A
+    byte decodes to at most ~120 bytes, so a small record is not walked."""
+    budget = limits.max_decoded_ratio * len(data) + limits.max_decoded_extra
+    if 120 * len(data) <= budget:
+        return
+    _, _, cost = measure(data, len(data), len(data), budget)
+    if cost > budget:
+        raise RecordError(_heaviest_field(data), f"would take more than {budget / 1e6:.1f} MB of objects to decode from "
+                                       f"{len(data) / 1e6:.2f} MB (the limit: {limits.max_decoded_ratio}x its size "
+                                       f"and {limits.max_decoded_extra / 1e6:.1f} MB)")
+
+
+def _heaviest_field(data: bytes | bytearray | memoryview) -> str:
+    """The top-level field of a record that would take the most memory to decode."""
+    try:
+        fields = _raw_fields.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return "<payload>"
+    costs = {name: measure(raw, len(raw), len(raw))[2] for name, raw in fields.items()}
+    return max(costs, key=costs.__getitem__, default="<payload>")
+
+
+_raw_fields = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
 # ---- value checks ----------------------------------------------------------------------
 
 def view_array(spec: Array, kind: ArrayOf, name: str, limits: Limits) -> np.ndarray:
@@ -306,11 +340,21 @@ _SIZED = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xC7: (">B", 1), 0x
           0xC9: (">I", 1), 0xD9: (">B", 0), 0xDA: (">H", 0), 0xDB: (">I", 0)}
 
 
-def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple[int, int]:  # noqa: C901
-    """(elements, depth) of one MessagePack value, each counted only up to just past its
-    limit. Malformed bytes stop the count early; msgspec reports them when it decodes."""
+# what a decoded value costs in CPython (64-bit), by what it is: the empty object, and then
+# per byte of a string or per entry of a container; every value also takes a slot of its parent
+_SLOT = 8
+_EMPTY_MAP, _PER_PAIR, _EMPTY_LIST, _PER_ITEM = 64, 40, 56, 8
+_STR, _BIN, _NUMBER = 49, 33, 32
+
+
+def measure(raw: memoryview | bytes, max_elements: int, max_depth: int,  # noqa: C901 (one loop over the wire format)
+            max_cost: float = math.inf) -> tuple[int, int, int]:
+    """(elements, depth, cost) of one MessagePack value: ``cost`` estimates the bytes of the
+    Python objects it decodes to (a one-byte empty map is 64). Each is counted only up to
+    just past its limit. Malformed bytes stop the count early; msgspec reports them when it
+    decodes."""
     data = bytes(raw)
-    pos, end, elements, depth = 0, len(data), 0, 0
+    pos, end, elements, depth, cost = 0, len(data), 0, 0, 0
     stack: list[int] = [1]  # values still to read at each open level
     unpack = struct.unpack_from
     while stack and pos < end:
@@ -319,36 +363,49 @@ def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple
             continue
         stack[-1] -= 1
         elements += 1
-        if elements > max_elements:
+        if elements > max_elements or cost > max_cost:
             break
         b = data[pos]
         pos += 1
+        cost += _SLOT
         n = -1  # entries of a container opened here
-        if b <= 0x7F or b >= 0xE0:
+        if b <= 0x7F:  # 0..127: CPython's cached ints
+            continue
+        if b >= 0xE0:
+            cost += _NUMBER
             continue
         if b <= 0x8F:
             n = 2 * (b & 0x0F)
+            cost += _EMPTY_MAP + _PER_PAIR * (b & 0x0F)
         elif b <= 0x9F:
             n = b & 0x0F
+            cost += _EMPTY_LIST + _PER_ITEM * n
         elif b <= 0xBF:
             pos += b & 0x1F
+            cost += _STR + (b & 0x1F)
         elif b in _FIXED:
             pos += _FIXED[b]
+            cost += _NUMBER if b > 0xC3 else 0
         elif b in _SIZED:
             fmt, extra = _SIZED[b]
             if pos + struct.calcsize(fmt) > end:
                 break
             size = unpack(fmt, data, pos)[0]
             pos += struct.calcsize(fmt) + extra + size
+            cost += _BIN + size
         elif b in (0xDC, 0xDE):
             if pos + 2 > end:
                 break
-            n = unpack(">H", data, pos)[0] * (2 if b == 0xDE else 1)
+            n = unpack(">H", data, pos)[0]
+            cost += _EMPTY_MAP + _PER_PAIR * n if b == 0xDE else _EMPTY_LIST + _PER_ITEM * n
+            n *= 2 if b == 0xDE else 1
             pos += 2
         elif b in (0xDD, 0xDF):
             if pos + 4 > end:
                 break
-            n = unpack(">I", data, pos)[0] * (2 if b == 0xDF else 1)
+            n = unpack(">I", data, pos)[0]
+            cost += _EMPTY_MAP + _PER_PAIR * n if b == 0xDF else _EMPTY_LIST + _PER_ITEM * n
+            n *= 2 if b == 0xDF else 1
             pos += 4
         else:  # 0xC1 is never used
             break
@@ -359,7 +416,7 @@ def measure(raw: memoryview | bytes, max_elements: int, max_depth: int) -> tuple
                 break
         elif n == 0:
             depth = max(depth, len(stack))
-    return elements, depth
+    return elements, depth, cost
 
 
 def decode_free_form(w: Any, names: list[str], limits: Limits, path: str) -> None:
@@ -397,7 +454,7 @@ def check_free_form(raws: list[tuple[str, msgspec.Raw]], limits: Limits, path: s
     if total <= budget and not walk:
         return
     for name, raw in raws:
-        elements, depth = measure(raw, budget, limits.max_depth)
+        elements, depth, _ = measure(raw, budget, limits.max_depth)
         if depth > limits.max_depth:
             raise RecordError(path + name, f"nested deeper than the limit of {limits.max_depth}")
         if elements > budget:
@@ -687,6 +744,7 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     def _decode_structure(cls, data: Any, limits: Limits) -> Record:
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > limits.max_bytes:
             check_size(data, limits)
+        check_decoded_size(data, limits)
         plan = _PLANS.get(cls) or plan_of(cls)
         try:
             w = plan.decoder.decode(data)
@@ -785,6 +843,7 @@ def decoder_for(classes: list[type[Record]]) -> msgspec.msgpack.Decoder:
 def decode_tagged(decoder: msgspec.msgpack.Decoder, by_wire: dict[type, type[Record]], data: Any,
                   limits: Limits = DEFAULT_LIMITS) -> Record:
     check_size(data, limits)
+    check_decoded_size(data, limits)
     w = _wire_decode(decoder, data)
     cls = by_wire[type(w)]
     rec = cls._from_wire(w, limits, "", len(data) > limits.max_string)

@@ -219,3 +219,60 @@ def test_records_near_the_size_limit_decode_in_bounded_memory(which, data, fille
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20, f"{which}.{field}: {peak / 1e6:.0f} MB to decode {len(payload) / 1e6:.1f} MB"
+
+
+# ---- amplification: many tiny elements in the typed lists (chat turns) --------------------
+
+_TINY = {"empty map": b"\x80", "empty list": b"\x90", "2-char string": msgpack.packb("ab"),
+         "one-entry map": msgpack.packb({"a": "b"}), "turn": msgpack.packb({"role": "user", "content": "hi"})}
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from(["episode_messages", "prompt_messages"]), st.sampled_from(sorted(_TINY)),
+       st.integers(64 << 10, 2 << 20))
+def test_a_record_of_n_bytes_decodes_in_at_most_16n_bytes_whatever_its_nesting(field, tiny, size):
+    """Tiny elements (an empty map is one byte on the wire and 64 in Python) in the chat turns
+    of a rollout: decoding refuses the record before building it, or builds it within 16 times
+    its size (a 7.4 MB record once peaked at 535 MB). Not 8: legitimate records need more
+    (test_a_large_but_reasonable_columns_map_still_decodes: 11x)."""
+    import tracemalloc
+
+    g = make_group()
+    wire = g.to_wire()
+    mark = "@big@"
+    wire[field] = mark
+    body = _TINY[tiny]
+    if field == "episode_messages":  # conversations of up to 4096 turns each, as many as fit
+        per = min(4096, max(1, size // len(body)))
+        inner = b"\xdd" + per.to_bytes(4, "big") + body * per
+        lists = max(1, size // len(inner))
+        big = b"\xdd" + lists.to_bytes(4, "big") + inner * lists
+    else:
+        count = min(4096, max(1, size // len(body)))
+        big = b"\xdd" + count.to_bytes(4, "big") + body * count
+    payload = msgpack.packb(wire, use_bin_type=True).replace(msgpack.packb(mark), big)
+    tracemalloc.start()
+    try:
+        for decode in (lambda b: RolloutGroup.decode(b, REAL), lambda b: decode_any(b, REAL),
+                       lambda b: RolloutGroup.decode_many([b], REAL)[0]):
+            try:
+                out = decode(payload)
+            except RecordError as exc:
+                out = exc
+            assert isinstance(out, (RolloutGroup, RecordError))
+            del out
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 16 * len(payload) + (1 << 20), f"{field} of {tiny}: {peak / 1e6:.1f} MB to decode {len(payload) / 1e6:.2f} MB"
+
+
+def test_a_long_conversation_of_short_turns_still_decodes():
+    """The allowance is above real chat: 2000 turns of a few words each decode whole."""
+    turns = [{"role": "user" if i % 2 else "assistant", "content": f"step {i}: add 3 to it"} for i in range(2000)]
+    g = make_group(g=1)
+    wire = g.to_wire()
+    wire["episode_messages"] = [turns]
+    payload = msgpack.packb(wire, use_bin_type=True)
+    assert 120 * len(payload) > 16 * len(payload) + Limits().max_decoded_extra  # large enough to be walked
+    assert RolloutGroup.decode(payload, REAL).episode_messages == [turns]
