@@ -11,7 +11,9 @@ What is enforced, on every run:
 | files | ``RLIMIT_FSIZE`` = ``max_file_mb``; a fresh temporary working directory, removed after the run; ``RLIMIT_CORE`` = 0 | |
 | processes | ``RLIMIT_NPROC`` = ``max_processes`` (counted per user; in a user namespace that user is the child's own mapped root) | |
 | environment | an empty environment except ``PATH``/``LANG``; ``python -I`` (no user site, no ``PYTHON*`` variables) | no secret of the parent reaches the child |
-| network | with ``unshare`` (util-linux) and user namespaces allowed: a new user + network namespace, where the only interface is a loopback that is down, so every connect fails (``ENETUNREACH``), and the child cannot raise its limits back (it lacks ``CAP_SYS_RESOURCE`` in the initial namespace). Without them: ``socket.socket`` and ``socket.create_connection`` are replaced in the child before the code runs; this stops ordinary code only (ctypes or a subprocess get around it), and a child running as root could raise its limits | ``Result.isolation`` says which: ``"namespace"`` or ``"socket-blocked"``; the second only when ``Limits.allow_weak`` says so by name, otherwise nothing runs (``reason="no-sandbox"``): the sandbox fails closed |
+| kernel confinement | the child installs it on itself before the code runs (:mod:`rlstream.envs.confine`, unprivileged, under ``no_new_privs``): Landlock lets it read only the interpreter, site-packages and the tool's own package, and write only its working directory (not ``/proc/<parent>/environ``, the run directory, checkpoints, ``$HOME`` or the venv); a seccomp filter refuses ``AF_INET``/``AF_INET6``/``AF_PACKET`` sockets, ``ptrace``, ``process_vm_*``, ``io_uring_setup``, ``setsid`` and ``setpgid``, so no descendant leaves the process group that a kill reaches | ``Result.isolation`` ends with ``landlock+seccomp`` |
+| network | also, with ``unshare`` (util-linux) and user namespaces allowed: a new user + network namespace, where the only interface is a loopback that is down, and the child cannot raise its limits back (it lacks ``CAP_SYS_RESOURCE`` in the initial namespace) | ``namespace+landlock+seccomp`` |
+| the weak mode | where the kernel refuses Landlock or seccomp: the namespaces alone (``"namespace"``: no file-system isolation), or ``socket.socket`` replaced in the child (``"socket-blocked"``: stops ordinary code only; ctypes or a subprocess get around it) | only when ``Limits.allow_weak`` says so by name; otherwise nothing runs (``reason="no-sandbox"``): the sandbox fails closed |
 
 The limits are set by a small preamble the child runs before the code (never by a
 ``preexec_fn``, which is unsafe in a threaded parent such as a producer).
@@ -22,15 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 KILL_GRACE_S = 1.0
@@ -69,7 +75,8 @@ class Result:
     truncated: bool = False
     wall_s: float = 0.0
     isolation: str = ""
-    """``namespace`` (user + network namespaces) or ``socket-blocked`` (see the module docstring)."""
+    """``namespace+landlock+seccomp`` or ``landlock+seccomp``; in the weak mode ``namespace`` or
+    ``socket-blocked``; ``none`` when nothing ran (see the module docstring)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -84,7 +91,7 @@ class Result:
             "memory": f"stopped: it asked for more than {limits.memory_mb} MB of memory",
             "output": f"stopped: its output went past {limits.max_output_bytes} bytes",
             "killed": "killed by the system (CPU or memory limit)",
-            "no-sandbox": "not run: this host refuses the sandbox's namespaces, and the weak sandbox is not allowed",
+            "no-sandbox": "not run: this host refuses the sandbox's kernel confinement, and the weak sandbox is not allowed",
         }.get(self.reason or "", f"exited with code {self.returncode}")
 
 
@@ -100,21 +107,75 @@ def namespaces_available() -> bool:
     return done.returncode == 0
 
 
-WEAK_REFUSED = ("this host refuses user and network namespaces (unshare), so the sandbox cannot cut the network or "
-                "hide the parent; allow the weak sandbox by name to run anyway (env kwargs sandbox: weak)")
+_CONFINE_SOURCE = (Path(__file__).with_name("confine.py")).read_text()
+
+
+@functools.cache
+def confinement_available() -> str:
+    """``landlock+seccomp`` when a child can confine itself on this host (tried once, on a
+    real child), else ``""``."""
+    probe = f"_ns = {{}}\nexec(compile({_CONFINE_SOURCE!r}, 'confine', 'exec'), _ns)\nprint(_ns['confine']([], []))"
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, timeout=30, env={})
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.decode().strip() if done.returncode == 0 else ""
+
+
+WEAK_REFUSED = ("this host refuses Landlock or seccomp to a child process, so the sandbox cannot confine its files, "
+                "network and parent; allow the weak sandbox by name to run anyway (env kwargs sandbox: weak)")
+
+
+def isolation(allow_weak: bool) -> str:
+    """What runs get here: ``[namespace+]landlock+seccomp``; in the weak mode, allowed by name,
+    ``namespace`` or ``socket-blocked``; ``none`` when nothing may run."""
+    confined = confinement_available()
+    if confined:
+        return f"namespace+{confined}" if namespaces_available() else confined
+    if not allow_weak:
+        return "none"
+    return "namespace" if namespaces_available() else "socket-blocked"
 
 
 def check_isolation(allow_weak: bool) -> str:
-    """The isolation runs will have: ``namespace``, or ``socket-blocked`` when the weak mode is
-    allowed; a ValueError (one line) when the host refuses namespaces and it is not."""
-    if namespaces_available():
-        return "namespace"
-    if not allow_weak:
+    """:func:`isolation`, or a ValueError (one line) when nothing may run."""
+    level = isolation(allow_weak)
+    if level == "none":
         raise ValueError(WEAK_REFUSED)
-    return "socket-blocked"
+    return level
 
 
-def _preamble(limits: Limits, block_sockets: bool) -> str:
+def _readable(module: str | None) -> list[str]:
+    """What a confined child may read: the interpreter, its libraries, rlstream, the package
+    of ``module`` (``pkg.mod:function``), and a few system files."""
+    paths = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             *sysconfig.get_paths().values(), *site.getsitepackages(), str(Path(__file__).parents[1]),
+             "/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom", "/dev/zero"}
+    if module:
+        with contextlib.suppress(ImportError, ValueError, AttributeError):
+            spec = importlib.util.find_spec(module.partition(".")[0])
+            if spec is not None:
+                paths.update(spec.submodule_search_locations or ([os.path.dirname(spec.origin)] if spec.origin else []))
+    return sorted(p for p in paths if p)
+
+
+def _top_package(module: str) -> dict[str, Any] | None:
+    """Where the top-level package of ``module`` is, for a child that cannot list its parent."""
+    with contextlib.suppress(ImportError, ValueError, AttributeError):
+        spec = importlib.util.find_spec(module.partition(".")[0])
+        search = spec.submodule_search_locations if spec is not None else None
+        if spec is not None and (spec.origin or "").endswith(".py") or search is not None and spec.origin is None:
+            return {"name": spec.name, "origin": spec.origin, "search": list(search) if search is not None else None}
+    return None
+
+
+def _confinement(module: str | None, workdir: str) -> str:
+    read, write = _readable(module), [workdir, "/dev/null"]
+    return (f"_ns = {{}}\nexec(compile({_CONFINE_SOURCE!r}, 'confine', 'exec'), _ns)\n"
+            f"_ns['confine']({read!r}, {write!r})\ndel _ns\n")
+
+
+def _preamble(limits: Limits, block_sockets: bool, confinement: str = "") -> str:
     mb = 1 << 20
     lines = [
         "import resource as _r",
@@ -134,7 +195,7 @@ def _preamble(limits: Limits, block_sockets: bool) -> str:
             "_s.socket = _refuse; _s.create_connection = _refuse; _s.socketpair = _refuse",
             "del _s",
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + confinement
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, over: asyncio.Event) -> tuple[bytes, bool]:
@@ -165,22 +226,26 @@ def _reason(returncode: int | None, stderr: bytes) -> str | None:
     return None
 
 
-async def run_python(code: str, limits: Limits = Limits(), *, stdin: bytes = b"", argv: list[str] | None = None) -> Result:
+async def run_python(code: str, limits: Limits = Limits(), *, stdin: bytes = b"", argv: list[str] | None = None,
+                     module: str | None = None) -> Result:
     """Run ``code`` as a script in a fresh sandboxed interpreter; never raises for anything
-    the code does, and always returns within ``limits.timeout_s`` (+ :data:`KILL_GRACE_S`)."""
-    isolated = namespaces_available()
-    if not isolated and not limits.allow_weak:  # fail closed
+    the code does, and always returns within ``limits.timeout_s`` (+ :data:`KILL_GRACE_S`).
+    ``module``: a module the code imports, whose package the child may then read."""
+    level = isolation(limits.allow_weak)
+    if level == "none":  # fail closed
         return Result(returncode=None, stdout="", stderr=WEAK_REFUSED, reason="no-sandbox", isolation="none")
-    script = _preamble(limits, block_sockets=not isolated) + code
-    cmd = [*(_NAMESPACE if isolated else []), sys.executable, "-I", "-c", script, *(argv or [])]
     workdir = tempfile.mkdtemp(prefix="rlstream-sandbox-")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": workdir}
+    confined = level.endswith("seccomp")
+    script = _preamble(limits, block_sockets=level == "socket-blocked",
+                       confinement=_confinement(module, workdir) if confined else "") + code
+    cmd = [*(_NAMESPACE if level.startswith("namespace") else []), sys.executable, "-I", "-c", script, *(argv or [])]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     start = time.monotonic()
     try:
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             cwd=workdir, env=env, start_new_session=True)
-        return await _supervise(proc, stdin, limits, start, "namespace" if isolated else "socket-blocked")
+        return await _supervise(proc, stdin, limits, start, level)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -238,6 +303,17 @@ class _Capped(io.TextIOBase):
         return len(s)
 _request = json.loads(sys.stdin.read())
 sys.path[:0] = _request["sys_path"]
+_top = _request.get("top")
+if _top and _top["name"] not in sys.modules:  # by its location: its parent directory is not readable here
+    import importlib.machinery, importlib.util
+    if _top["origin"]:
+        _spec = importlib.util.spec_from_file_location(_top["name"], _top["origin"], submodule_search_locations=_top["search"])
+    else:  # a namespace package
+        _spec = importlib.machinery.ModuleSpec(_top["name"], None, is_package=True)
+        _spec.submodule_search_locations = _top["search"]
+    sys.modules[_top["name"]] = importlib.util.module_from_spec(_spec)
+    if _spec.loader is not None:
+        _spec.loader.exec_module(sys.modules[_top["name"]])
 _out = json.dumps
 sys.stdout = _printed = _Capped(_request["print_cap"])
 try:
@@ -271,8 +347,8 @@ async def run_function(path: str, arguments: dict[str, Any], limits: Limits = Li
     # keeps PYTHONPATH out of the child's environment)
     sys_path = [p or os.getcwd() for p in sys.path]
     request = json.dumps({"function": path, "arguments": arguments, "print_cap": limits.max_output_bytes // 4,
-                          "sys_path": sys_path})
-    result = await run_python(_FUNCTION_RUNNER, limits, stdin=request.encode())
+                          "sys_path": sys_path, "top": _top_package(path.partition(":")[0])})
+    result = await run_python(_FUNCTION_RUNNER, limits, stdin=request.encode(), module=path.partition(":")[0])
     if result.reason is None and result.returncode == 0:
         with contextlib.suppress(json.JSONDecodeError):
             answer = json.loads(result.stdout)

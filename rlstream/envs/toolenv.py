@@ -132,11 +132,11 @@ class ToolEnvironment:
                  answer_column: str = "answer", tools_column: str = "tools", system_prompt: str | None = None,
                  max_tool_rounds: int = 4, max_calls_per_turn: int = 4, isolation: str = "process",
                  timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_output_chars: int = 4000,
-                 sandbox: Literal["namespace", "weak"] = "namespace"):
-        if sandbox not in ("namespace", "weak"):
-            raise ValueError(f"sandbox must be 'namespace' or 'weak', not {sandbox!r}")
-        # fail closed, at start: a host that refuses namespaces runs model-written code only when
-        # the config allows the weak sandbox by name
+                 sandbox: Literal["strict", "namespace", "weak"] = "strict"):
+        if sandbox not in ("strict", "namespace", "weak"):  # "namespace": the former name of "strict"
+            raise ValueError(f"sandbox must be 'strict' or 'weak', not {sandbox!r}")
+        # fail closed, at start: a host that refuses the kernel confinement runs model-written code
+        # only when the config allows the weak sandbox by name
         self.sandbox = check_isolation(allow_weak=sandbox == "weak")
         log.info("tool environment: sandbox isolation %s", self.sandbox)
         limits = Limits(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=max(4 * max_output_chars, 4096),

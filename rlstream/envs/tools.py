@@ -214,8 +214,21 @@ MAX_EXPRESSION = 512
 MAX_DIGITS = 1000
 # CPython 3.11 counts the AST builder's recursion per interpreter, not per thread: a parse on
 # one thread while another's tree is being built fails with SystemError (cpython#106905).
-# Tool calls run on threads of their own, so the calculator's parses take turns.
+# Tool calls run on threads of their own, so the calculator's parses take turns, and a parse
+# that another library's parse on another thread collided with is tried again.
 _PARSE = threading.Lock()
+_PARSE_ATTEMPTS = 5
+
+
+def _parse(expression: str) -> ast.Expression:
+    with _PARSE:
+        for _ in range(_PARSE_ATTEMPTS - 1):
+            try:
+                return ast.parse(expression, mode="eval")
+            except SystemError as exc:
+                if "recursion depth mismatch" not in str(exc):
+                    raise
+        return ast.parse(expression, mode="eval")
 
 
 def _eval(node: ast.AST) -> float | int:
@@ -249,8 +262,7 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION} characters")
     try:
-        with _PARSE:
-            tree = ast.parse(expression.strip(), mode="eval")
+        tree = _parse(expression.strip())
     except SyntaxError as exc:
         raise ValueError(f"not an arithmetic expression ({exc.msg})") from None
     value = _eval(tree)

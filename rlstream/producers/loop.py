@@ -279,6 +279,8 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
     stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
     reporter.set("producer/policy_version", stats.policy_version)
     env = _environment(cfg)
+    if getattr(env, "sandbox", None):  # the isolation its model-written code runs under, in `rlstream status`
+        reporter.info["sandbox"] = env.sandbox
     in_flight = p.weight_update == "in_flight" and backend.in_flight and backend.can_reload
     if p.weight_update == "in_flight" and not in_flight:
         log.warning("producer %s: the %s backend cannot update weights in flight; loading them between batches",

@@ -4,6 +4,7 @@ run always returns."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import subprocess
 import time
@@ -75,26 +76,127 @@ def unshare_works() -> bool:
         return False
 
 
-@pytest.mark.skipif(not unshare_works(), reason="this host refuses user namespaces (unshare): the sandbox fails closed here")
-async def test_the_network_is_refused(listener):
+def kernel_confines() -> bool:
+    """Whether this kernel offers Landlock (its ABI version, asked by syscall 444) and
+    seccomp, found out here, not by the code under test."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    landlock = libc.syscall(444, None, ctypes.c_size_t(0), 1) >= 1
+    with open("/proc/self/status") as f:
+        return landlock and "Seccomp:" in f.read()
+
+
+CONFINED = pytest.mark.skipif(not kernel_confines(), reason="this kernel offers no Landlock or seccomp: the sandbox fails closed here")
+
+
+@CONFINED
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "no-namespaces"])
+async def test_the_network_is_refused(listener, monkeypatch, namespaces):
+    """With or without namespaces (a pod's default seccomp profile refuses unshare): the
+    child's own seccomp filter refuses the socket."""
+    from rlstream.envs import sandbox
+
+    if not namespaces:
+        monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    elif not unshare_works():
+        pytest.skip("this host refuses user namespaces (unshare)")
     socket.create_connection(("127.0.0.1", listener), timeout=5).close()  # the control: this process reaches it
     code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {listener}), timeout=2)\n"
-            "except OSError as e:\n    print('refused', type(e).__name__)\nelse:\n    print('connected')")
+            "except OSError as e:\n    print('refused', e.errno)\nelse:\n    print('connected')")
     r = await run_python(code, FAST)
-    assert r.stdout.startswith("refused"), r.stdout + r.stderr
-    assert r.isolation == "namespace"
+    assert r.stdout.split() == ["refused", "13"], r.stdout + r.stderr  # EACCES, from seccomp
+    assert r.isolation == ("namespace+landlock+seccomp" if namespaces else "landlock+seccomp")
+
+
+@CONFINED
+async def test_without_namespaces_the_child_reads_no_secret_writes_nothing_outside_and_cannot_escape(monkeypatch, tmp_path):
+    """The shipped pods' case (no unshare): the parent's environment in /proc, a run
+    directory, a checkpoint and the venv are out of reach; ptrace is refused; a grandchild
+    cannot leave the process group that a kill reaches."""
+    import os
+    import sys
+
+    from rlstream.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "broker.token").write_text("t0ken")
+    venv_pth = os.path.join(sys.prefix, "planted.pth")
+    environ = f"/proc/{os.getpid()}/environ"
+    with open(environ, "rb") as f:  # the controls: this process reads them
+        assert f.read(1)
+    assert (run_dir / "broker.token").read_text() == "t0ken"
+    code = f"""
+import ctypes, os
+def attempt(what, fn):
+    try:
+        fn()
+        print(what, "done")
+    except OSError as e:
+        print(what, "refused", e.errno)
+attempt("environ", lambda: open({environ!r}, "rb").read())
+attempt("token", lambda: open({str(run_dir / "broker.token")!r}).read())
+attempt("plant", lambda: open({str(run_dir / "planted.py")!r}, "w").write("x"))
+attempt("venv", lambda: open({venv_pth!r}, "w").write("import os"))
+attempt("own", lambda: open("scratch.txt", "w").write("mine"))
+libc = ctypes.CDLL(None, use_errno=True)
+print("ptrace", libc.ptrace(0, 0, 0, 0), ctypes.get_errno())  # PTRACE_TRACEME
+attempt("setsid", lambda: os.setsid())
+"""
+    r = await run_python(code, FAST)
+    assert r.isolation == "landlock+seccomp", r.stderr
+    assert r.stdout.splitlines() == ["environ refused 13", "token refused 13", "plant refused 13", "venv refused 13",
+                                     "own done", "ptrace -1 1", "setsid refused 1"], r.stdout + r.stderr
+    assert not (run_dir / "planted.py").exists() and not os.path.exists(venv_pth)
+
+
+def test_the_seccomp_program_gives_each_syscall_its_verdict():
+    """The BPF filter, run by a small interpreter of its five instructions: verdicts worked
+    out by hand from the syscall tables of x86_64 and aarch64."""
+    import struct
+
+    from rlstream.envs.confine import _ARCH, seccomp_program
+
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, eacces = 0x00050000 | 1, 0x00050000 | 13
+
+    def verdict(machine, nr, arg0=0, arch=None):
+        data = struct.pack("=iIQ6Q", nr, arch if arch is not None else _ARCH[machine][0], 0, arg0, 0, 0, 0, 0, 0)
+        prog, pc, acc = seccomp_program(machine), 0, 0
+        while True:
+            code, jt, jf, k = prog[pc]
+            if code == 0x20:
+                acc = struct.unpack_from("=I", data, k)[0]
+            elif code == 0x06:
+                return k
+            elif code in (0x15, 0x35):
+                pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+            pc += 1
+
+    # x86_64: read 0, socket 41, ptrace 101, setsid 112, process_vm_readv 310, io_uring_setup 425
+    assert verdict("x86_64", 0) == allow
+    assert verdict("x86_64", 41, 2) == eacces and verdict("x86_64", 41, 10) == eacces and verdict("x86_64", 41, 17) == eacces
+    assert verdict("x86_64", 41, 1) == allow  # AF_UNIX
+    for nr in (101, 112, 109, 310, 311, 425):
+        assert verdict("x86_64", nr) == eperm
+    assert verdict("x86_64", 0x40000000 + 41) == eperm  # x32
+    assert verdict("x86_64", 0, arch=0x40000003) == kill  # i386
+    # aarch64: socket 198, ptrace 117, setsid 157
+    assert verdict("aarch64", 198, 2) == eacces and verdict("aarch64", 198, 1) == allow
+    assert verdict("aarch64", 117) == eperm and verdict("aarch64", 157) == eperm and verdict("aarch64", 63) == allow
 
 
 async def test_without_namespaces_the_weak_sandbox_runs_only_when_allowed_by_name(monkeypatch, tmp_path):
-    """A host that refuses namespaces (a pod's default seccomp profile refuses unshare): the
-    sandbox fails closed, and runs the code with the weak in-process socket block only when
-    the caller allows that mode by name."""
-    import dataclasses
-
+    """A host that refuses namespaces and kernel confinement: the sandbox fails closed, and
+    runs the code with the weak in-process socket block only when the caller allows that mode
+    by name."""
     from rlstream.envs import sandbox
     from rlstream.envs.toolenv import ToolEnvironment
 
     monkeypatch.setattr(sandbox, "namespaces_available", lambda: False)
+    monkeypatch.setattr(sandbox, "confinement_available", lambda: "")
     marker = tmp_path / "ran"
     r = await run_python(f"open({str(marker)!r}, 'w').write('x')", FAST)
     assert r.reason == "no-sandbox" and r.isolation == "none" and not marker.exists()
@@ -109,13 +211,17 @@ async def test_without_namespaces_the_weak_sandbox_runs_only_when_allowed_by_nam
 
 
 @pytest.mark.skipif(not namespaces_available(), reason="unshare cannot create user namespaces here")
-async def test_in_a_namespace_the_child_cannot_raise_its_limits_or_reach_any_address():
+async def test_in_a_namespace_the_child_cannot_raise_its_limits_or_reach_any_address(monkeypatch):
+    from rlstream.envs import sandbox
+
+    monkeypatch.setattr(sandbox, "confinement_available", lambda: "")  # the namespace alone (the weak mode)
     code = ("import resource, socket\n"
             "try:\n    resource.setrlimit(resource.RLIMIT_CPU, (100, 100)); print('raised')\n"
             "except ValueError: print('kept')\n"
             "s = socket.socket()\n"
             "try:\n    s.connect(('1.1.1.1', 80))\nexcept OSError as e: print(e.errno)\n")
-    r = await run_python(code, FAST)
+    r = await run_python(code, dataclasses.replace(FAST, allow_weak=True))
+    assert r.isolation == "namespace"
     assert r.stdout.split() == ["kept", "101"], r.stdout + r.stderr  # 101: ENETUNREACH
 
 
