@@ -298,6 +298,61 @@ def _dockerfile_instructions(path: Path) -> dict[str, list[str]]:
     return out
 
 
+def _egress_to(objs, labels: dict) -> list[dict]:
+    """The egress rules of every policy that selects pods with ``labels``."""
+    return [rule for o in objs if o["kind"] == "NetworkPolicy" and "Egress" in o["spec"].get("policyTypes", [])
+            and _selects(o["spec"]["podSelector"], labels) for rule in o["spec"].get("egress", [])]
+
+
+def _reaches(rules: list[dict], labels: dict, port: int) -> bool:
+    """Whether one of ``rules`` lets a pod reach pods with ``labels`` on ``port`` (in the namespace)."""
+    for rule in rules:
+        ports = rule.get("ports")
+        if ports and not any(p.get("port") == port for p in ports):
+            continue
+        for peer in rule.get("to", [{}]):
+            if "ipBlock" in peer or "namespaceSelector" in peer:
+                continue
+            if _selects(peer.get("podSelector", {}), labels):
+                return True
+    return False
+
+
+def test_egress_is_denied_by_default_and_allowed_only_where_a_component_must_go(render):
+    """What runs in a pod (a reward function, tool calls) cannot send data out of the cluster:
+    egress is denied by default, every allowing rule names where, and each component reaches
+    only what it talks to."""
+    _, objs = render
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("policyTypes") == ["Egress"] and not p["spec"].get("egress")
+               for p in policies), "no default-deny egress policy"
+    pods = {where: labels for where, labels, _ in _pods(objs)}
+    nats = pods["StatefulSet/nats"]
+    for where, labels in pods.items():
+        rules = _egress_to(objs, labels)
+        for rule in rules:
+            assert rule.get("to"), f"{where}: an egress rule without `to` lets it reach anything"
+            for peer in rule["to"]:
+                if "ipBlock" in peer:  # out of the cluster: only the backup pod, to S3's ports
+                    assert labels.get("app.kubernetes.io/name") == "backup", f"{where}: egress to {peer}"
+                    assert {p["port"] for p in rule["ports"]} <= {443, 9000}
+                    assert "10.0.0.0/8" in peer["ipBlock"]["except"]
+        dns = [r for r in rules if any(p.get("namespaceSelector") for p in r["to"])]
+        assert all({p["port"] for p in r["ports"]} == {53} for r in dns), f"{where}: out of the namespace other than DNS"
+        talks_to_nats = labels.get("app.kubernetes.io/name") not in ("reward-server", "backup")
+        assert _reaches(rules, nats, 4222) == (talks_to_nats and where != "StatefulSet/nats"), where
+        assert _reaches(rules, pods["Deployment/reward-server"], 8000) == (where == "Deployment/scorers"), where
+    assert _reaches(_egress_to(objs, nats), nats, 6222)
+    assert not _egress_to(objs, pods["Deployment/reward-server"]) or \
+        all(any(p.get("namespaceSelector") for p in r["to"]) for r in _egress_to(objs, pods["Deployment/reward-server"]))
+
+
+def test_no_pod_mounts_a_service_account_token(render):
+    _, objs = render
+    for where, _labels, spec in _pods(objs):
+        assert spec.get("automountServiceAccountToken") is False, f"{where}: mounts a Kubernetes API token"
+
+
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfile_entrypoint_is_the_cli(name):
     path = ROOT / name
