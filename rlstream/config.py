@@ -1041,13 +1041,20 @@ class ChunkedWeights(_KeptVersions, _Chunked):
     transport: Literal["chunked"] = "chunked"
 
 
+def private_shm() -> str:
+    """This user's folder in shared memory: one per uid, so no other user can plant versions."""
+    return f"/dev/shm/rlstream-{os.getuid()}"
+
+
 class LocalWeights(_KeptVersions, _Chunked):
     """``transport: local``: one file in shared memory on the learner's machine, read in place
     by producers on that machine only (others refuse it by host)."""
 
     transport: Literal["local"] = "local"
-    path: str = "/dev/shm/rlstream"
-    """The folder (on the learner's machine) that holds the versions."""
+    path: str = Field(default_factory=lambda: private_shm())
+    """The folder (on the learner's machine) that holds the versions: this user's own,
+    ``/dev/shm/rlstream-<uid>`` by default, 0700; a folder that is not (a link, another
+    user's, open to others) is refused."""
 
 
 class SharedPathWeights(_KeptVersions, _Chunked):
@@ -1089,7 +1096,7 @@ class CudaIpcWeights(Strict):
     hf backend (it loads device tensors); without CUDA use ``local``."""
 
     transport: Literal["cuda_ipc"] = "cuda_ipc"
-    path: str = "/dev/shm/rlstream"
+    path: str = Field(default_factory=lambda: private_shm())
     """The folder (on the learner's machine, shared memory) where each version's record of its
     IPC handle is written; the two newest are kept, one per buffer."""
 

@@ -4,6 +4,7 @@ of before still load, moved, and the log names the new spelling."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_each_transport_has_only_its_own_settings():
     assert learner().weights.transport == "object_store"
     w = learner(weights={"transport": "broadcast", "port": 5, "receivers": 3}).weights
     assert (w.transport, w.port, w.receivers, w.chunk_mb) == ("broadcast", 5, 3, 16)
-    assert learner(weights={"transport": "local"}).weights.path == "/dev/shm/rlstream"
+    assert learner(weights={"transport": "local"}).weights.path == f"/dev/shm/rlstream-{os.getuid()}"  # this user's own
     with pytest.raises(ConfigError, match=r"learner\.weights\.path: not a setting of transport 'chunked' .*it belongs to 'local' or 'shared_path'"):
         learner(weights={"transport": "chunked", "path": "/x"})
     with pytest.raises(ConfigError, match=r"learner\.weights\.path: required, missing"):

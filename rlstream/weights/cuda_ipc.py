@@ -32,6 +32,7 @@ from rlstream.broker.layout import Layout
 from rlstream.broker.weights import host_id
 from rlstream.schemas import RecordError, WeightsAnnouncement
 from rlstream.weights.base import Transport, Version, WeightsRefused, WeightsSource, WeightsUnavailable, where
+from rlstream.weights.folders import private_root
 from rlstream.weights.layout import parse_header
 
 SCHEME = "cuda-ipc://"
@@ -128,6 +129,7 @@ class CudaIpcTransport(Transport):
         await asyncio.to_thread(data.wait)
         digest = await asyncio.to_thread(fingerprint, data.layout.header, data.flat)
         record = {"header": base64.b64encode(data.layout.header).decode(), "sha256": digest, **share(data.flat)}
+        private_root(self.settings.path, create=True)
         path = record_path(self.settings.path, version.run, version.version)
         await asyncio.to_thread(write_record, path, record)
         return {"location": SCHEME + str(path), "sha256": digest, "host": host_id()}
@@ -137,6 +139,7 @@ class CudaIpcTransport(Transport):
         root = Path(self.settings.path, layout.run).resolve() if self.settings is not None else None
         if path.parent != root:
             raise WeightsRefused(f"{where(ann)}: not a record in the run's learner.weights.path ({root})")
+        private_root(self.settings.path, create=False)
         if ann.host != host_id():
             raise WeightsRefused(f"{where(ann)}: CUDA buffers of the learner's machine {ann.host.split('/')[0]!r}, and "
                                  f"this producer runs on {host_id().split('/')[0]!r} (use transport chunked or shared_path)")

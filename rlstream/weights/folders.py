@@ -15,6 +15,7 @@ import hashlib
 import mmap
 import os
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,30 @@ WEIGHTS_FILE = "model.safetensors"
 
 def version_dir(root: str | Path, run: str, version: int) -> Path:
     return Path(root) / run / f"policy-v{version:06d}"
+
+
+def private_root(root: str | Path, create: bool) -> Path:
+    """``root`` as this user's private folder: made 0700 when ``create`` and missing; refused
+    (:class:`WeightsRefused`, one line) when it is a link, not a directory, another user's, or
+    open to others (checked with lstat, so a planted link is not followed)."""
+    root = Path(root)
+    if create:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise WeightsRefused(f"{root}: does not exist (the learner makes it when it publishes)") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise WeightsRefused(f"{root}: not a directory of its own (a link or a file); refusing shared-memory weights there")
+    if st.st_uid != os.getuid():
+        raise WeightsRefused(f"{root}: owned by uid {st.st_uid}, not this user ({os.getuid()}); refusing shared-memory weights there")
+    if st.st_mode & 0o077:
+        raise WeightsRefused(f"{root}: mode {stat.S_IMODE(st.st_mode):o}, open to other users; it must be 0700")
+    return root
 
 
 class StagedFile:
@@ -54,7 +79,8 @@ class StagedFile:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True, mode=0o777 if self.durable else 0o700)
-        self._fd = os.open(self.tmp / WEIGHTS_FILE, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666 if self.durable else 0o600)
+        self._fd = os.open(self.tmp / WEIGHTS_FILE, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                           0o666 if self.durable else 0o600)
         os.ftruncate(self._fd, size)
         self._mm = mmap.mmap(self._fd, size)
         self.size = size
@@ -110,6 +136,8 @@ class FolderTransport(Transport):
         return ann.location.startswith(SCHEME) and bool(ann.host) == (cls.name == "local")
 
     def staged(self, run: str, version: int) -> StagedFile:
+        if not self.durable:  # shared memory: this user's private folder
+            private_root(self.settings.path, create=True)
         return StagedFile(version_dir(self.settings.path, run, version), durable=self.durable)
 
     def place(self, data, version: Version) -> list[str]:
@@ -137,6 +165,8 @@ class FolderTransport(Transport):
         if path.parent != root:
             raise WeightsRefused(f"{where(ann)}: not a folder of the run's learner.weights.path "
                                  f"({root if root is not None else f'learner.weights.transport is not {self.name}'})")
+        if not self.durable:
+            private_root(self.settings.path, create=False)
 
     async def receive(self, comp, ann: WeightsAnnouncement, deadline: float | None) -> WeightsSource:
         folder = Path(ann.location[len(SCHEME):])
@@ -180,7 +210,7 @@ def check_file(path: Path, ann: WeightsAnnouncement, limit: int, threads: int) -
                                             f"{ann.sha256[:12]}...")
     if ann.chunk_size <= 0:
         return
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
             check_chunks(view, ann, str(path), threads)

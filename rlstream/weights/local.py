@@ -1,5 +1,5 @@
 """``transport: local``: one file per version in shared memory (``path``, default
-``/dev/shm/rlstream``) on the learner's machine, read in place by producers on that machine.
+``/dev/shm/rlstream-<uid>``, this user's own, 0700) on the learner's machine, read in place by producers on that machine.
 The announcement names the machine (``host``); a producer elsewhere refuses it at once. The
 learner's snapshot is serialised straight into the file (no copy in memory first), and the
 run's versions are removed at the learner's clean exit, since they would hold RAM until the
