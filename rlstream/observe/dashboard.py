@@ -23,10 +23,12 @@ An aiohttp server with three routes:
   ``rlstream status``, see :mod:`rlstream.observe.stages`); the page polls it.
 
 At most ``--max-viewers`` connections to ``/events`` are open at once (503 beyond); a viewer
-too slow to take its events is dropped (its browser reconnects and resumes). Bound to
-anything but loopback, every route needs the token (``$RLSTREAM_DASHBOARD_TOKEN`` or
-``--token-file``): ``Authorization: Bearer <token>``, or open ``/?token=<token>`` once and
-the page's cookie carries it.
+too slow to take its events is dropped (its browser reconnects and resumes). Every route
+needs the token, on loopback too (another user of the machine reaches loopback as well):
+``$RLSTREAM_DASHBOARD_TOKEN`` or ``--token-file``, else a random one made at start, which the
+printed URL carries. ``Authorization: Bearer <token>``, or open ``/?token=<token>`` once and
+the page's cookie carries it. Bound to anything but loopback, a token of the operator's own is
+required.
 
 The page draws every chart against wall time or the learner step (``?x=step``, or the
 selector in the header), and shows the samples: prompt, completion, reward and each reward
@@ -43,6 +45,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from collections import deque
@@ -355,6 +358,9 @@ async def serve(args) -> int:
     if not is_loopback(args.host) and not token:
         raise ObserveError(f"refusing to serve the dashboard on {args.host} without a token: set ${TOKEN_ENV} or pass "
                            "--token-file (or bind 127.0.0.1)")
+    made = token is None
+    if made:  # loopback without a token of the operator's: one for this process, in the printed URL
+        token = secrets.token_urlsafe(24)
     nc = await open_connection(nats_url(args), "rlstream-dashboard", args)
     stop = asyncio.Event()
     runner = hub = None
@@ -374,7 +380,8 @@ async def serve(args) -> int:
             site = web.TCPSite(runner, args.host, args.port)
             await site.start()
             port = runner.addresses[0][1]
-            print(f"dashboard for run {args.run} on http://{args.host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+            link = f"http://{args.host}:{port}/" + (f"?token={token}" if made else "")
+            print(f"dashboard for run {args.run} on {link} (Ctrl-C stops)", file=sys.stderr, flush=True)
             await stop.wait()
     finally:
         if hub is not None:

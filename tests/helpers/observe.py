@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -111,3 +112,11 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_to
                           samples=samples, policy_version=0)
         groups.append(ScoredGroup(rollout=ro, rewards=rewards))
     return groups
+
+
+def dashboard_link(line: str) -> tuple[str, str | None]:
+    """(base URL, token) from the dashboard's "dashboard for run ... on URL" line: the URL
+    carries the token the dashboard made (``/?token=...``), or none when the operator gave one."""
+    m = re.search(r"(http://\S+/)(?:\?token=(\S+))?", line)
+    assert m, line
+    return m.group(1), m.group(2)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import re
 import signal
 import subprocess
 
 import aiohttp
 import pytest
 from helpers.chromium import CHROMIUM, DevTools, devtools_port, emit_steps
-from helpers.observe import start_cli, wait_stderr_line
+from helpers.observe import dashboard_link, start_cli, wait_stderr_line
 
 from rlstream.broker import Reporter, RunState, connect, ensure_layout
 
@@ -39,9 +38,13 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
     chrome = None
     try:
         line = await wait_stderr_line(dash, "dashboard for run")
-        url = re.search(r"http://\S+/", line).group(0)
+        url, token = dashboard_link(line)
+        assert token, line  # on loopback too: a token made at start, in the printed link
         async with aiohttp.ClientSession() as http:
             async with http.get(url) as r:
+                assert r.status == 401  # the link without its token
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+            async with http.get(f"{url}?token={token}") as r:  # sets the cookie, as the browser's first visit does
                 assert r.status == 200 and "uPlot.iife.min.js" in await r.text()
             async with http.get(url + "static/uPlot.iife.min.js") as r:
                 assert r.status == 200 and len(await r.read()) > 40_000  # the vendored library, served locally
@@ -58,7 +61,7 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
             async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=64 * 2**20) as ws:
                 cdp = DevTools(ws)
                 await cdp.call("Page.enable")
-                await cdp.call("Page.navigate", url=url)
+                await cdp.call("Page.navigate", url=f"{url}?token={token}")
                 # backfill: the five learner steps and the producer event already in the stream
                 await cdp.wait_for("window.rlstream && window.rlstream.points.reward >= 5 && window.rlstream.points.throughput >= 1")
                 before = json.loads(await cdp.eval("JSON.stringify(window.rlstream)"))

@@ -4,7 +4,6 @@ latest/worst/best), and in headless Chromium, the table and the step x-axis."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 
@@ -12,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from helpers.chromium import CHROMIUM, DevTools, devtools_port, emit_steps
-from helpers.observe import start_cli, wait_stderr_line
+from helpers.observe import dashboard_link, start_cli, wait_stderr_line
 
 from rlstream.broker import Reporter, connect, ensure_layout
 from rlstream.broker.layout import Layout
@@ -65,7 +64,7 @@ async def test_page_shows_samples_and_plots_against_the_step(nats_server, run_id
     dash = await start_cli("dashboard", str(tmp_path), "--run", run_id, "--nats", nats_server.url, "--port", "0")
     chrome = None
     try:
-        url = re.search(r"http://\S+/", await wait_stderr_line(dash, "dashboard for run")).group(0)
+        url, token = dashboard_link(await wait_stderr_line(dash, "dashboard for run"))
         profile = tmp_path / "chromium-profile"
         chrome = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -79,7 +78,7 @@ async def test_page_shows_samples_and_plots_against_the_step(nats_server, run_id
             async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=64 * 2**20) as ws:
                 cdp = DevTools(ws)
                 await cdp.call("Page.enable")
-                await cdp.call("Page.navigate", url=url + "?x=step")
+                await cdp.call("Page.navigate", url=f"{url}?token={token}&x=step")
                 await cdp.wait_for("window.rlstream && window.rlstream.points.reward >= 5 && window.rlstream.samples.rows.length === 4")
                 # the table: a header with each reward term, one row per sample, the conversation as turns
                 head = await cdp.eval("[...document.querySelectorAll('#samples-head th')].map(th => th.textContent)")

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 
 import aiohttp
 import pytest
-from helpers.observe import start_cli, wait_stderr_line
+from helpers.observe import dashboard_link, start_cli, wait_stderr_line
 
 from rlstream.broker import Reporter, connect, ensure_layout
 
@@ -52,7 +51,14 @@ async def _dashboard(url: str, run: str, *extra: str, env: dict | None = None):
     line = await wait_stderr_line(dash, "dashboard for run")
     # keep reading its output: a full pipe would stall the process, and asyncio's wait() with it
     dash.drain = asyncio.ensure_future(_drain(dash))  # type: ignore[attr-defined]
-    return dash, re.search(r"http://\S+/", line).group(0).replace("0.0.0.0", "127.0.0.1")
+    url, token = dashboard_link(line)
+    dash.token = token  # type: ignore[attr-defined]
+    return dash, url.replace("0.0.0.0", "127.0.0.1")
+
+
+def _session(dash) -> aiohttp.ClientSession:
+    """A client with the token the dashboard made, as a bearer header."""
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {dash.token}"})
 
 
 async def _drain(proc) -> bytes:
@@ -86,7 +92,7 @@ async def test_forty_viewers_share_one_broker_consumer(nats_server, run_id):
     await _emit(learner, nc, range(1, 6))
     dash, url = await _dashboard(nats_server.url, run_id)
     try:
-        async with aiohttp.ClientSession() as http:
+        async with _session(dash) as http:
             viewers = [Events(await http.get(url + "events")) for _ in range(40)]
             assert all(v.resp.status == 200 for v in viewers)
             await asyncio.gather(*(v.until(5) for v in viewers))  # every viewer got the history
@@ -112,7 +118,7 @@ async def test_connections_are_capped(nats_server, run_id):
     await _emit(Reporter(nc, layout, "learner", "learner"), nc, range(1, 3))
     dash, url = await _dashboard(nats_server.url, run_id, "--max-viewers", "3")
     try:
-        async with aiohttp.ClientSession() as http:
+        async with _session(dash) as http:
             viewers = [Events(await http.get(url + "events")) for _ in range(3)]
             await asyncio.gather(*(v.until(2) for v in viewers))
             async with http.get(url + "events") as r:
