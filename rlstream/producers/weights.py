@@ -49,7 +49,7 @@ def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
     from KV ``weights.latest``, which only the learner may write (deploy/nats/accounts.conf);
     the digests then tie the bytes to it."""
     limit = cfg.producer.max_weights_mb * 1024 * 1024
-    where = f"weights v{ann.policy_version} at {ann.location!r}"
+    where = f"weights v{ann.policy_version} at {weights.shown(ann.location)!r}"
     if ann.run and ann.run != layout.run:
         raise WeightsRefused(f"{where}: announced for run {ann.run!r}, this is {layout.run!r}")
     if not _is_sha256(ann.sha256) or not all(_is_sha256(d) for d in ann.chunk_sha256):

@@ -28,6 +28,7 @@ from rlstream.weights.base import (
     WeightsUnavailable,
     object_name,
     safetensors_files,
+    shown,
 )
 from rlstream.weights.broadcast import BroadcastTransport, LateJoin
 from rlstream.weights.chunked import ChunkedTransport
@@ -55,8 +56,8 @@ def receiver_for(settings, ann: WeightsAnnouncement) -> WeightsTransport:
         if cls.claims(ann):
             own = settings if settings.transport == cls.name else None
             return cls(own if own is not None else (cls.default_settings() if cls.default_settings else None))
-    raise WeightsRefused(f"weights v{ann.policy_version} at {ann.location!r}: unknown location")
+    raise WeightsRefused(f"weights v{ann.policy_version} at {shown(ann.location)!r}: unknown location")
 
 
 __all__ = ["LateJoin", "Published", "StagedFile", "TRANSPORTS", "Version", "WeightsError", "WeightsRefused", "WeightsSource",
-           "WeightsTransport", "WeightsUnavailable", "object_name", "receiver_for", "safetensors_files", "transport_for"]
+           "WeightsTransport", "WeightsUnavailable", "object_name", "receiver_for", "safetensors_files", "shown", "transport_for"]

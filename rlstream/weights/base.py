@@ -11,6 +11,7 @@ publishes with; its own config only names the folders it trusts.
 from __future__ import annotations
 
 import hashlib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,8 +193,16 @@ class Transport:
         return None
 
 
+_KEY = re.compile(r"([?&]key=)[^&]*")
+
+
+def shown(location: str) -> str:
+    """A location as logs and errors show it: without a secret it carries (``key=``)."""
+    return _KEY.sub(r"\1...", location)
+
+
 def where(ann: WeightsAnnouncement) -> str:
-    return f"weights v{ann.policy_version} at {ann.location!r}"
+    return f"weights v{ann.policy_version} at {shown(ann.location)!r}"
 
 
 def sha256_hex(data) -> str:
@@ -203,10 +212,10 @@ def sha256_hex(data) -> str:
 def check_digest(data, ann: WeightsAnnouncement) -> None:
     """The whole file's size and SHA-256 against the announcement's."""
     if len(data) != ann.size:
-        raise RecordError("weights.size", f"{ann.location}: {len(data)} bytes, announced {ann.size}")
+        raise RecordError("weights.size", f"{shown(ann.location)}: {len(data)} bytes, announced {ann.size}")
     digest = sha256_hex(data)
     if digest != ann.sha256:
-        raise RecordError("weights.sha256", f"{ann.location}: digest {digest[:12]}... differs from the announced "
+        raise RecordError("weights.sha256", f"{shown(ann.location)}: digest {digest[:12]}... differs from the announced "
                                             f"{ann.sha256[:12]}...")
 
 

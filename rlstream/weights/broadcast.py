@@ -5,8 +5,12 @@ CUDA, gloo on CPUs (``backend``, named in the location so producers build the sa
 at start-up would break when a producer joins or leaves mid-run, so each version forms its own:
 
 1. The learner keeps one ``TCPStore`` server (``dist://host:port``) for the run. It announces
-   version ``v`` at ``dist://host:port/v<v>`` with the size and chunk digests, as usual.
-2. A producer that wants ``v`` joins: ``add("v<v>/joined", 1)`` gives it its rank (1, 2, ...).
+   version ``v`` at ``dist://host:port/v<v>?key=<secret>`` with the size and chunk digests, as
+   usual. The secret is new for each version: the group's keys in the store are under
+   ``v<v>.<secret>/``, so only a reader of the announcement (a producer) can join it or take a
+   rank in it; a stranger who reaches the store's port joins nothing. Logs show the location
+   without it (:func:`rlstream.weights.base.shown`).
+2. A producer that wants ``v`` joins: ``add("v<v>.<secret>/joined", 1)`` gives it its rank (1, 2, ...).
 3. The learner waits until ``receivers`` producers joined or ``join_s`` passed, then closes the
    group: ``set("v<v>/world", k + 1)``. A producer whose rank is beyond it came too late and is
    told so at once (it keeps its weights and joins the next version).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import secrets
 import socket
 import time
 import weakref
@@ -40,6 +45,7 @@ from rlstream.weights.base import (
     WeightsUnavailable,
     announce,
     check_chunks,
+    shown,
     where,
 )
 
@@ -54,24 +60,30 @@ class LateJoin(WeightsError):
 BACKENDS = ("gloo", "nccl")
 
 
-def location(host: str, port: int, version: int, backend: str = "gloo") -> str:
-    return f"{SCHEME}{host}:{port}/v{version}" + ("" if backend == "gloo" else f"?backend={backend}")
+def location(host: str, port: int, version: int, backend: str = "gloo", key: str = "") -> str:
+    query = "&".join([*([f"backend={backend}"] if backend != "gloo" else []), *([f"key={key}"] if key else [])])
+    return f"{SCHEME}{host}:{port}/v{version}" + (f"?{query}" if query else "")
+
+
+def _query(loc: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in urlsplit(loc).query.split("&") if "=" in p)
 
 
 def parse(loc: str) -> tuple[str, int, str]:
-    """``dist://host:port/v<v>`` -> (host, port, prefix ``v<v>``)."""
+    """``dist://host:port/v<v>?key=<secret>`` -> (host, port, the group's prefix ``v<v>.<secret>``)."""
     parts = urlsplit(loc)
     prefix = parts.path.strip("/")
     if parts.scheme != "dist" or not parts.hostname or not parts.port or not prefix.startswith("v"):
-        raise WeightsError(f"{loc!r} is not a dist://host:port/v<version> location")
-    return parts.hostname, parts.port, prefix
+        raise WeightsError(f"{shown(loc)!r} is not a dist://host:port/v<version> location")
+    key = _query(loc).get("key")
+    return parts.hostname, parts.port, f"{prefix}.{key}" if key else prefix
 
 
 def backend_of(loc: str) -> str:
     """The collective a location's group uses (``?backend=nccl``; gloo without one)."""
-    backend = dict(p.split("=", 1) for p in urlsplit(loc).query.split("&") if "=" in p).get("backend", "gloo")
+    backend = _query(loc).get("backend", "gloo")
     if backend not in BACKENDS:
-        raise WeightsRefused(f"{loc!r}: backend {backend!r} is not one of {BACKENDS}")
+        raise WeightsRefused(f"{shown(loc)!r}: backend {backend!r} is not one of {BACKENDS}")
     return backend
 
 
@@ -108,12 +120,14 @@ class BroadcastServer:
         self.host, self.port, self.backend = host, self.store.port, backend
 
     def location(self, version: int) -> str:
-        return location(self.host, self.port, version, self.backend)
+        """Where version ``version`` goes out, with a secret of its own."""
+        return location(self.host, self.port, version, self.backend, secrets.token_hex(16))
 
-    def send(self, version: int, data, expected: int, join_s: float) -> int:
-        """Wait for up to ``expected`` producers for at most ``join_s``, close the group, and
-        broadcast ``data``; returns how many producers received it."""
-        prefix = f"v{version}"
+    def send(self, loc: str, data, expected: int, join_s: float) -> int:
+        """Wait for up to ``expected`` producers of the group at ``loc`` (:meth:`location`) for
+        at most ``join_s``, close the group, and broadcast ``data``; returns how many producers
+        received it."""
+        prefix = parse(loc)[2]
         deadline = time.monotonic() + join_s
         while (joined := self.store.add(f"{prefix}/joined", 0)) < expected and time.monotonic() < deadline:
             time.sleep(JOIN_POLL_S)
@@ -139,7 +153,7 @@ def receive(loc: str, size: int, timeout_s: float):
     rank = store.add(f"{prefix}/joined", 1)
     world = int(store.get(f"{prefix}/world"))
     if rank >= world:
-        raise LateJoin(f"{loc}: joined as producer {rank} after the learner closed the group of {world - 1}; "
+        raise LateJoin(f"{shown(loc)}: joined as producer {rank} after the learner closed the group of {world - 1}; "
                        "the next version will include this producer")
     group = make_group(backend, store, prefix, rank, world, timeout)
     buf = bytearray(size)
@@ -177,7 +191,7 @@ class BroadcastTransport(Transport):
         ann = version.announcement(location=server.location(version.version), size=len(data),
                                    sha256=root_digest(digests), chunk_size=chunk, chunk_sha256=digests)
         await announce(comp, ann)
-        sent = await asyncio.to_thread(server.send, version.version, data, self.settings.receivers, self.settings.join_s)
+        sent = await asyncio.to_thread(server.send, ann.location, data, self.settings.receivers, self.settings.join_s)
         comp.reporter.set("publish/broadcast_receivers", float(sent))
         return ann
 
@@ -190,5 +204,5 @@ class BroadcastTransport(Transport):
         p = comp.cfg.producer
         left = p.weights_timeout_s if deadline is None else max(0.1, deadline - asyncio.get_running_loop().time())
         data = await asyncio.to_thread(receive, ann.location, ann.size, left)
-        await asyncio.to_thread(check_chunks, memoryview(data), ann, ann.location, p.weights_parallel)
+        await asyncio.to_thread(check_chunks, memoryview(data), ann, shown(ann.location), p.weights_parallel)
         return WeightsSource(ann.policy_version, data=data)

@@ -308,7 +308,7 @@ def _reaches(rules: list[dict], labels: dict, port: int) -> bool:
     """Whether one of ``rules`` lets a pod reach pods with ``labels`` on ``port`` (in the namespace)."""
     for rule in rules:
         ports = rule.get("ports")
-        if ports and not any(p.get("port") == port for p in ports):
+        if ports and not any(p.get("port", port) == port for p in ports):  # no port: every port
             continue
         for peer in rule.get("to", [{}]):
             if "ipBlock" in peer or "namespaceSelector" in peer:
@@ -345,6 +345,28 @@ def test_egress_is_denied_by_default_and_allowed_only_where_a_component_must_go(
     assert _reaches(_egress_to(objs, nats), nats, 6222)
     assert not _egress_to(objs, pods["Deployment/reward-server"]) or \
         all(any(p.get("namespaceSelector") for p in r["to"]) for r in _egress_to(objs, pods["Deployment/reward-server"]))
+
+
+def test_the_broadcast_component_admits_learner_and_producers_to_each_other_only(tmp_path):
+    """With ``components/broadcast`` the learner and the producers reach each other (the
+    store's port and the collective's own, both ways) and no one else reaches either."""
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "base", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "broadcast", tmp_path)]}))
+    objs = build(tmp_path)
+    for p in (o for o in objs if o["kind"] == "NetworkPolicy"):
+        kubernetes_validate.validate(p, KUBE_VERSION, strict=True)
+    pods = {where: labels for where, labels, _ in _pods(objs)}
+    learner, producers = pods["PyTorchJob/learner/Master"], pods["Deployment/producers"]
+    assert _reaches(_egress_to(objs, producers), learner, 29600) and _reaches(_egress_to(objs, learner), producers, 40123)
+    for target, peer in ((learner, "Deployment/producers"), (producers, "PyTorchJob/learner/Master")):
+        peers = _allowed_from(objs, target, 29600)
+        assert peers is not None and any(_selects(p.get("podSelector", {}), pods[peer]) for p in peers)
+        assert not any(_selects(p.get("podSelector", {}), pods["Deployment/scorers"]) for p in peers if "podSelector" in p)
+    assert not _reaches(_egress_to(objs, pods["Deployment/scorers"]), learner, 29600)
+    without = build(TARGETS["base"])
+    assert not _reaches(_egress_to(without, producers), learner, 29600)  # the base alone: not admitted
 
 
 def test_no_pod_mounts_a_service_account_token(render):
@@ -457,7 +479,7 @@ def _allowed_from(objs, labels: dict, port: int, port_name: str | None = None) -
     for pol in policies:
         for rule in pol["spec"].get("ingress", []):
             ports = rule.get("ports")
-            if ports and not any(p.get("port") in (port, port_name) for p in ports):
+            if ports and not any(p.get("port", port) in (port, port_name) for p in ports):  # no port: every port
                 continue
             if not rule.get("from"):
                 return None

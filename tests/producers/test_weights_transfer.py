@@ -334,6 +334,31 @@ async def test_a_broadcast_to_a_producer_that_joined_and_vanished_fails_within_i
     assert time.monotonic() - t0 < 2 + 13  # the bound plus slack (a hang is 30 s)
 
 
+async def test_a_stranger_at_the_broadcast_port_takes_no_rank_and_the_secret_stays_out_of_errors(comp_for):
+    """Each version's group is keyed by a secret carried in the announcement: a client that
+    reaches the learner's store but has not read the announcement (the version number alone)
+    takes no place in the group, and the producer that read it gets the weights."""
+    import torch.distributed as dist
+
+    from rlstream.weights import shown
+    from rlstream.weights.broadcast import parse
+
+    comp = await comp_for("broadcast", {"receivers": 1, "join_s": 30, "timeout_s": 20})
+    sender = asyncio.create_task(publish(comp, 1))
+    ann = await announced(comp, 1)
+    host, port, prefix = parse(ann.location)
+    key = ann.location.split("key=", 1)[1]
+    assert len(key) == 32 and prefix == f"v1.{key}"
+    stranger = dist.TCPStore(host, port, is_master=False)
+    assert stranger.add("v1/joined", 1) == 1  # the version's group without its secret: somewhere else
+    backend = Loader()
+    assert await asyncio.wait_for(sync_weights(comp, backend, 0, ProducerStats()), 60) == 1
+    await asyncio.wait_for(sender, 60)
+    assert comp.reporter.values["publish/broadcast_receivers"] == 1
+    assert_same(backend.loaded[0], tensors())
+    assert key not in shown(ann.location) and "key=..." in shown(ann.location)
+
+
 async def test_a_local_snapshot_is_the_version_s_file_itself(comp_for, tmp_path):
     """Serialised straight into the file in shared memory (no copy in memory first), under the
     folder's .tmp name until the publish puts it in place; its bytes are the safetensors file of
@@ -420,6 +445,7 @@ def test_the_broadcast_location_names_its_backend_and_nccl_is_refused_without_it
 
     assert backend_of(location("h", 5, 3)) == "gloo" and backend_of(location("h", 5, 3, "nccl")) == "nccl"
     assert location("h", 5, 3) == "dist://h:5/v3"  # a gloo location reads as before
+    assert location("h", 5, 3, "nccl", key="k1") == "dist://h:5/v3?backend=nccl&key=k1"
     with pytest.raises(WeightsRefused, match="backend 'mpi' is not one of"):
         backend_of("dist://h:5/v3?backend=mpi")
     if dist.is_nccl_available():
