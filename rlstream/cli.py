@@ -299,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True, help="Hugging Face model directory")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8000, help="HTTP port")
-    sp.add_argument("--token", help="bearer token (required when not bound to loopback); prefer $RLSTREAM_REWARD_TOKEN "
-                    "or --token-file, which keep it off the command line")
-    sp.add_argument("--token-file", help="read the bearer token from this file (e.g. a mounted Secret)")
+    sp.add_argument("--token", help=argparse.SUPPRESS)  # refused with a one-line error: a secret on argv
+    sp.add_argument("--token-file", help="read the bearer token (required when not bound to loopback) from this file, "
+                    "e.g. a mounted Secret; or set $RLSTREAM_REWARD_TOKEN")
     sp.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass")
     sp.add_argument("--max-texts", type=int, default=4096, help="texts one request may hold (413 beyond)")
     sp.add_argument("--max-body-mb", type=int, default=16, help="largest request body (413 beyond)")

@@ -291,7 +291,11 @@ def read_token_file(path: str) -> str:
 
 
 def cli(args) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if getattr(args, "token", None):
+        print(f"error: --token puts the secret on the command line, where every user of the machine reads it "
+              f"(ps, /proc); set ${TOKEN_ENV} or pass --token-file", file=sys.stderr)
+        return 2
+    token = os.environ.get(TOKEN_ENV) or None
     if getattr(args, "token_file", None):
         try:
             token = read_token_file(args.token_file)
@@ -299,7 +303,7 @@ def cli(args) -> int:
             print(f"error: --token-file: {exc}", file=sys.stderr)
             return 2
     if not is_loopback(args.host) and not token:
-        print(f"error: refusing to serve on {args.host} without a token: pass --token or set ${TOKEN_ENV} "
+        print(f"error: refusing to serve on {args.host} without a token: set ${TOKEN_ENV} or pass --token-file "
               "(or bind 127.0.0.1)", file=sys.stderr)
         return 2
     if not Path(args.model).is_dir():

@@ -96,3 +96,14 @@ def test_broker_on_loopback_needs_no_credentials(tmp_path):
         _wait_listening(proc, port)
     finally:
         _stop(proc)
+
+
+def test_the_reward_server_refuses_a_token_on_its_command_line(tmp_path):
+    """Every user of the machine reads a command line (ps, /proc/<pid>/cmdline): the token
+    comes from the environment or a file, and ``--token`` is refused before anything starts."""
+    secret = "reward-token-on-argv-1234"
+    done = subprocess.run([sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(tmp_path),
+                           "--token", secret], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--token puts the secret on the command line" in done.stderr and "--token-file" in done.stderr
+    assert secret not in done.stderr + done.stdout
