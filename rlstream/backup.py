@@ -3,12 +3,15 @@
 ``rlstream backup RUN_DIR --to s3://BUCKET/PREFIX`` copies
 
 - the run's config: the files given with ``--config`` (stored as ``config/<name>``) and the
-  run directory's ``config.resolved.json`` when there is one;
+  run directory's ``config.resolved.json`` when there is one, each with its secrets masked
+  (every value of a key that names a password, token, secret, API key or credential is
+  ``***``; the ``*_env`` and ``*_file`` keys that say where a secret is are kept);
 - the newest ``--keep`` complete checkpoints (``checkpoints/step_N/``; the ``.tmp`` leftovers
   of a crash are never copied);
 - the run directory's records: ``metrics.jsonl``, summaries, ``logs/``, timelines, plots;
   not the embedded broker's store (``nats/``) unless ``--broker-store`` is given, and only
-  copy that once the run has stopped (a live JetStream store is not a consistent snapshot).
+  copy that once the run has stopped (a live JetStream store is not a consistent snapshot);
+  never the embedded broker's token (``broker.token``: a resume makes a new one).
 
 Each backup is one folder, ``PREFIX/<UTC time>-step<N>/``, holding ``files/...`` and, written
 last, ``MANIFEST.json``: the sha256 and size of every file. A folder without a manifest is
@@ -33,10 +36,14 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from rlstream.config import mask_secrets
+from rlstream.rundir import BROKER_TOKEN_FILE
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,34 @@ FORMAT = "rlstream-backup/1"
 MANIFEST = "MANIFEST.json"
 BROKER_STORE = "nats"
 CHUNK = 1 << 20
+NEVER_COPIED = {BROKER_TOKEN_FILE}
+"""Files of the run directory that hold a secret: never sent to the backup."""
+_SECRET_KEY = re.compile(r"(?i)(^|_)(password|passwd|token|secret|api_?key|credentials?)($|_)")
+_WHERE_KEY = re.compile(r"(?i)_(env|file|path)$")
+"""Keys that say where a secret is (``token_env``, ``password_file``), not what it is."""
+
+
+def mask_config(value: Any) -> Any:
+    """``value`` (a parsed config) with the value of every secret-naming key replaced by ``***``,
+    and the userinfo of every URL masked."""
+    if isinstance(value, dict):
+        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) and not _WHERE_KEY.search(k)
+                and isinstance(v, (str, int)) and v != "" else mask_config(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_config(v) for v in value]
+    return mask_secrets(value) if isinstance(value, str) else value
+
+
+def masked_config(path: Path, data: bytes) -> bytes:
+    """A config file's bytes with its secrets masked (JSON stays JSON, YAML becomes YAML)."""
+    import yaml
+
+    try:
+        if path.suffix == ".json":
+            return json.dumps(mask_config(json.loads(data)), indent=2).encode()
+        return yaml.safe_dump(mask_config(yaml.safe_load(data)), sort_keys=False).encode()
+    except (ValueError, yaml.YAMLError) as exc:
+        raise BackupError(f"config {path} does not parse, so its secrets cannot be masked: {' '.join(str(exc).split())[:200]}") from None
 
 
 class BackupError(RuntimeError):
@@ -88,7 +123,7 @@ def record_files(run_dir: Path, broker_store: bool = False) -> list[Path]:
         rel = path.relative_to(run_dir)
         if rel.parts[0] == "checkpoints" or (rel.parts[0] == BROKER_STORE and not broker_store):
             continue
-        if path.is_file() and not path.is_symlink():
+        if path.is_file() and not path.is_symlink() and rel.as_posix() not in NEVER_COPIED:
             out.append(path)
     return out
 
@@ -121,13 +156,14 @@ def backup(run_dir: str | Path, url: str, *, keep: int = 2, configs: list[str | 
     for cfg_path in map(Path, configs):
         if not cfg_path.is_file():
             raise BackupError(f"config {cfg_path} does not exist")
-        put_bytes(f"config/{cfg_path.name}", cfg_path.read_bytes())
+        put_bytes(f"config/{cfg_path.name}", masked_config(cfg_path, cfg_path.read_bytes()))
     for path in record_files(run_dir, broker_store):
         try:
             data = path.read_bytes()
         except FileNotFoundError:  # a log rotated away while we listed: nothing to keep
             continue
-        put_bytes(path.relative_to(run_dir).as_posix(), data)
+        rel = path.relative_to(run_dir).as_posix()
+        put_bytes(rel, masked_config(path, data) if rel == "config.resolved.json" else data)
     # a complete checkpoint is never written again, only deleted (pruned) as a whole
     kept = []
     for ckpt in checkpoints:

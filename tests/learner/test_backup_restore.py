@@ -179,3 +179,36 @@ def test_backups_are_listed_kept_and_an_unfinished_one_is_never_restored(tmp_pat
     # --keep-backups 1: only the newest complete one stays
     newest = backup(run, target, keep=1, client=s3_env, now=t0 + dt.timedelta(hours=5), keep_backups=1)["id"]
     assert list_backups(s3_env, bucket, prefix) == [newest]
+
+
+def test_a_backup_masks_the_configs_secrets_and_never_copies_the_broker_token(tmp_path, s3_env):
+    """A backup leaves the machine: the passwords and tokens written in a config, a URL's
+    userinfo, and the embedded broker's token stay behind; where a secret comes from
+    (``*_env``, ``*_file``) and everything else is kept."""
+    from rlstream.backup import backup
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "broker.token").write_text("embedded-broker-token-1")
+    (run / "config.resolved.json").write_text(json.dumps({"nats": {"url": "nats://alice:pw-in-url@h:4222", "password": "nats-pw-2"},
+                                                          "learner": {"learning_rate": 1e-5}}))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("model_checkpoint_path: m\nmax_new_tokens: 8\nreward_function:\n  token: reward-token-3\n"
+                   "  token_env: RLSTREAM_REWARD_TOKEN\n  api_key: key-4\nnats:\n  password_file: /run/secrets/pw\n")
+    target = f"s3://{BUCKET}/masked/{tmp_path.name}"
+    manifest = backup(run, target, keep=1, configs=[cfg], client=s3_env)
+    paths = {f["path"] for f in manifest["files"]}
+    assert "broker.token" not in paths and {"config/config.yaml", "config.resolved.json"} <= paths
+    sent = {}
+    for key in (o["Key"] for o in s3_env.list_objects_v2(Bucket=BUCKET, Prefix=f"masked/{tmp_path.name}/")["Contents"]):
+        sent[key.rsplit("/files/", 1)[-1]] = s3_env.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+    everything = "".join(sent.values())
+    for secret in ("embedded-broker-token-1", "pw-in-url", "nats-pw-2", "reward-token-3", "key-4"):
+        assert secret not in everything, secret
+    import yaml
+
+    assert yaml.safe_load(sent["config/config.yaml"]) == {
+        "model_checkpoint_path": "m", "max_new_tokens": 8, "nats": {"password_file": "/run/secrets/pw"},
+        "reward_function": {"token": "***", "token_env": "RLSTREAM_REWARD_TOKEN", "api_key": "***"}}
+    assert json.loads(sent["config.resolved.json"]) == {"nats": {"url": "nats://***@h:4222", "password": "***"},
+                                                        "learner": {"learning_rate": 1e-5}}
