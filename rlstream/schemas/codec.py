@@ -225,25 +225,31 @@ def check_size(data: Any, limits: Limits) -> None:
 
 def check_decoded_size(data: bytes | bytearray | memoryview, limits: Limits) -> None:
     """Refuse a record whose Python objects would take more than ``max_decoded_ratio`` times
-    its size (plus ``max_decoded_extra``), estimated on the raw bytes before any is built. A
-    byte decodes to at most ~120 bytes, so a small record is not walked."""
+    its size (plus ``max_decoded_extra``), or that holds more than ``max_elements`` values and
+    one more per 256 bytes, estimated on the raw bytes before any is built. A byte decodes to at
+    most ~120 bytes, so a small record is not walked; the walk stops at either limit, so it
+    is short whatever the record holds."""
     budget = limits.max_decoded_ratio * len(data) + limits.max_decoded_extra
     if 120 * len(data) <= budget:
         return
-    _, _, cost = measure(data, len(data), len(data), budget)
+    most = limits.max_elements + len(data) // 256
+    elements, _, cost = measure(data, most, len(data), budget)
+    if elements > most:
+        raise RecordError(_heaviest_field(data), f"holds more than {most} elements in {len(data) / 1e6:.2f} MB (the limit: "
+                                                 f"{limits.max_elements} and one per 256 bytes)")
     if cost > budget:
         raise RecordError(_heaviest_field(data), f"would take more than {budget / 1e6:.1f} MB of objects to decode from "
-                                       f"{len(data) / 1e6:.2f} MB (the limit: {limits.max_decoded_ratio}x its size "
-                                       f"and {limits.max_decoded_extra / 1e6:.1f} MB)")
+                                                 f"{len(data) / 1e6:.2f} MB (the limit: {limits.max_decoded_ratio}x its size "
+                                                 f"and {limits.max_decoded_extra / 1e6:.1f} MB)")
 
 
 def _heaviest_field(data: bytes | bytearray | memoryview) -> str:
-    """The top-level field of a record that would take the most memory to decode."""
+    """The top-level field of a record that holds the most values (a short look at each), then the most memory."""
     try:
         fields = _raw_fields.decode(data)
     except (msgspec.DecodeError, RecursionError):
         return "<payload>"
-    costs = {name: measure(raw, len(raw), len(raw))[2] for name, raw in fields.items()}
+    costs = {name: measure(raw, 1 << 15, len(raw))[:3:2] for name, raw in fields.items()}  # a short look at each
     return max(costs, key=costs.__getitem__, default="<payload>")
 
 

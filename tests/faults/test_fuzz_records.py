@@ -190,7 +190,7 @@ _FIELDS = {"rollout": ["columns", "sampling", "texts", "finish_reasons"], "promp
            "scored": ["columns", "sampling", "texts", "components"]}
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.sampled_from(sorted(_FIELDS)), st.data(), st.sampled_from([None, [], {}, 0, "a", -1.5, b"", {"role": "a", "content": "b"}]),
        st.integers(4 << 20, (16 << 20) - 65536), st.integers(0, 40))
 def test_records_near_the_size_limit_decode_in_bounded_memory(which, data, filler, size, nest):
