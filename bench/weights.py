@@ -20,6 +20,11 @@ Also printed: how long the learner's step is held by an inline publish against a
 one (``learner.publish_in_background``: only the snapshot). Goal: the local path >= 2x the old
 one at the largest size (the issue asks 500 MB to 4 local producers in <= 2 s).
 
+``--delta``: bytes sent and seconds per version, whole against ``learner.weights.delta``, over
+the consecutive versions of a real training run (the tiny model, or a wider one with
+``--hidden``/``--layers``, trained by plain AdamW on its language-modelling loss), for
+float32 and bfloat16 producers; every received file is compared with the learner's bitwise.
+
 And, for one version of ``--inline-mb`` (1 GB; ``--quick`` 32 MB), what a version costs the two
 sides that should never stop for one: the learner's inline seconds (the copy into its reused
 snapshot buffers, which is all its step waits for under background publishing) and a
@@ -267,6 +272,148 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
     return rows
 
 
+# ---- full against delta, over a training run's consecutive versions (--delta) -----------------------
+
+
+def training_versions(tmp: Path, steps: int, lr: float, hidden: int, layers: int, dtypes: tuple[str, ...]):
+    """The tiny model trained by plain AdamW on its own language-modelling loss (next token, the
+    arithmetic corpus it was built on), one batch of 8 lines a step: yields ``(version, loss,
+    {dtype: safetensors file})`` for the untrained weights (version 1) and after each of
+    ``steps`` optimizer steps (the files as the learner serialises them for producers of that dtype)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlstream.tiny import build_tiny_model, default_corpus
+    from rlstream.weights.layout import write_file
+
+    d = build_tiny_model(tmp / "delta-model", hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden,
+                         num_heads=max(2, hidden // 64))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    lines = default_corpus(8 * (steps + 1))
+
+    def files() -> dict[str, bytes]:
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        return {name: bytes(write_file(sd, wire=getattr(torch, name))) for name in dtypes}
+
+    yield 1, float("nan"), files()
+    for step in range(1, steps + 1):
+        batch = tok(lines[8 * step:8 * (step + 1)], return_tensors="pt", padding=True)
+        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        yield step + 1, loss.item(), files()
+
+
+def delta_config(run: str, url: str, transport: str, delta: bool, full_every: int):
+    from rlstream.config import parse_config
+
+    weights = {"transport": transport, "keep_versions": 2, **({"delta": True, "full_every": full_every} if delta else {})}
+    return parse_config({
+        "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused", "nats": {"url": url},
+        "metrics": {"prometheus_port": None, "interval_s": 3600}, "algorithm_params": {"group_size": 2},
+        "producer": {"max_weights_mb": 8192, "weights_timeout_s": 600}, "learner": {"weights": weights},
+    })
+
+
+async def delta_run(url: str, tmp: Path, steps: int, lr: float, hidden: int, layers: int, transport: str,
+                    full_every: int, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[dict]:
+    """Each version of the training run published through ``transport`` twice per dtype, whole
+    and with ``delta: true`` (runs of their own, interleaved version by version), each received
+    by a producer of its own (the product's ``receive_weights``: fetched, every digest checked,
+    a delta applied) and compared with the learner's file bitwise."""
+    import numpy as np
+
+    from rlstream.broker import Component
+    from rlstream.learner.publish import publish_bytes
+    from rlstream.producers.weights import receive_weights
+
+    sides, opened = {}, []
+    for dtype in dtypes:
+        for mode in ("full", "delta"):
+            cfg = delta_config(f"delta{dtype[:4]}{mode}", url, transport, mode == "delta", full_every)
+            pair = [Component(cfg, url, kind, f"{kind}-{dtype}-{mode}", handle_signals=False) for kind in ("learner", "producer")]
+            for comp in pair:
+                await comp.__aenter__()
+                opened.append(comp)
+            sides[dtype, mode] = (*pair, cfg.learner)
+    rows, previous = [], {}
+    try:
+        for version, loss, files in training_versions(tmp, steps, lr, hidden, layers, dtypes):
+            for (dtype, mode), (learner, producer, lcfg) in sides.items():
+                data = files[dtype]
+                t0 = time.perf_counter()
+                pub = await publish_bytes(learner, lcfg, data, version=version, step=version, config_json="{}")
+                t1 = time.perf_counter()
+                source = await receive_weights(producer, pub.announcement)
+                t2 = time.perf_counter()
+                if bytes(source.data) != data:
+                    raise RuntimeError(f"{dtype} {mode} v{version}: the producer's file differs from the learner's")
+                prev = previous.get(dtype)
+                changed = (np.count_nonzero(np.frombuffer(data, np.uint8) != np.frombuffer(prev, np.uint8)) / len(data)
+                           if prev is not None and len(prev) == len(data) else float("nan"))
+                rows.append({"version": version, "loss": loss, "dtype": dtype, "mode": mode, "size": len(data),
+                             "sent": pub.sent, "is_delta": pub.announcement.is_delta, "publish_s": t1 - t0,
+                             "receive_s": t2 - t1, "changed": changed})
+            previous = files
+    finally:
+        for comp in opened:
+            await comp.__aexit__(None, None, None)
+    return rows
+
+
+def delta_summary(rows: list[dict], dtype: str) -> dict:
+    """Means over every version after the first (a full version every ``full_every``
+    included, as a producer that follows the run pays them)."""
+    import statistics
+
+    def mean(mode: str, key, only_deltas: bool = False) -> float:
+        rs = [r for r in rows if r["dtype"] == dtype and r["mode"] == mode and r["version"] > 1
+              and (r["is_delta"] or not only_deltas)]
+        return statistics.fmean(key(r) for r in rs) if rs else float("nan")
+
+    def total_s(r):
+        return r["publish_s"] + r["receive_s"]
+
+    return {"dtype": dtype, "size_mb": mean("full", lambda r: r["size"]) / 2**20,
+            "full_sent_mb": mean("full", lambda r: r["sent"]) / 2**20, "full_s": mean("full", total_s),
+            "delta_sent_mb": mean("delta", lambda r: r["sent"]) / 2**20, "delta_s": mean("delta", total_s),
+            "delta_only_mb": mean("delta", lambda r: r["sent"], True) / 2**20,
+            "changed": mean("full", lambda r: r["changed"])}
+
+
+def delta_main(args) -> None:
+    from rlstream.broker import EmbeddedServer
+
+    steps = args.steps or (6 if args.quick else 20)
+    with tempfile.TemporaryDirectory(prefix="rlstream-bench-delta-") as store, EmbeddedServer(Path(store) / "nats") as server:
+        rows = asyncio.run(delta_run(server.url, Path(store), steps, args.lr, args.hidden, args.layers, args.transport,
+                                     args.full_every))
+    by = {(r["version"], r["dtype"], r["mode"]): r for r in rows}
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    versions = sorted({r["version"] for r in rows})
+    for dtype in dtypes:
+        table(f"{dtype}: bytes sent and seconds (publish + receive) per version, full against delta "
+              f"({args.transport}, full_every {args.full_every}, AdamW lr {args.lr:g})",
+              [(v, f"{by[v, dtype, 'full']['loss']:.3f}", f"{100 * by[v, dtype, 'full']['changed']:.1f}",
+                by[v, dtype, "full"]["sent"], by[v, dtype, "full"]["publish_s"] + by[v, dtype, "full"]["receive_s"],
+                by[v, dtype, "delta"]["sent"], "delta" if by[v, dtype, "delta"]["is_delta"] else "full",
+                by[v, dtype, "delta"]["publish_s"] + by[v, dtype, "delta"]["receive_s"],
+                by[v, dtype, "full"]["sent"] / by[v, dtype, "delta"]["sent"]) for v in versions],
+              ("version", "loss", "bytes changed %", "full bytes", "full s", "delta bytes", "sent as", "delta s", "x fewer bytes"))
+    sums = [delta_summary(rows, d) for d in dtypes]
+    table("mean per version after the first (full versions every full_every included)",
+          [(s["dtype"], s["size_mb"], f"{100 * s['changed']:.1f}", s["full_s"], s["delta_sent_mb"], s["delta_only_mb"],
+            s["delta_s"], s["full_sent_mb"] / s["delta_sent_mb"]) for s in sums],
+          ("dtype", "full MB", "bytes changed per step %", "full s", "delta MB", "MB of a delta alone", "delta s",
+           "x fewer bytes"))
+    verdict("weights_delta", transport=args.transport, steps=steps, lr=f"{args.lr:g}", full_every=args.full_every,
+            hidden=args.hidden, layers=args.layers,
+            **{f"{s['dtype']}_{k}": v for s in sums for k, v in s.items() if k != "dtype"},
+            **{f"{s['dtype']}_ratio": s["full_sent_mb"] / s["delta_sent_mb"] for s in sums})
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--receiver":
         url, run, tmp, ident = sys.argv[2:6]
@@ -278,7 +425,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="rounds per transport, best kept (default 2; --quick 1)")
     p.add_argument("--inline-mb", type=int, default=None, help="MiB of the version whose inline and pause seconds are "
                    "set beside a memcpy (default 1024; --quick 32)")
+    p.add_argument("--delta", action="store_true", help="instead: bytes sent and seconds per version, full against "
+                   "learner.weights.delta, over the consecutive versions of a real (tiny) training run")
+    p.add_argument("--steps", type=int, default=None, help="--delta: optimizer steps (default 20; --quick 6)")
+    p.add_argument("--lr", type=float, default=1e-5, help="--delta: AdamW's learning rate (default 1e-5, an RL fine-tune's)")
+    p.add_argument("--hidden", type=int, default=128, help="--delta: the model's hidden size (default 128: the tiny model)")
+    p.add_argument("--layers", type=int, default=2, help="--delta: its layers (default 2)")
+    p.add_argument("--full-every", type=int, default=10, help="--delta: learner.weights.full_every (default 10)")
+    p.add_argument("--transport", default="object_store", choices=("object_store", "chunked"), help="--delta: the transport")
     args = p.parse_args()
+    if args.delta:
+        delta_main(args)
+        return
     sizes = [int(s) for s in (args.sizes or ("4,32" if args.quick else "8,64,512")).split(",")]
     counts = [int(s) for s in (args.producers or ("1,2" if args.quick else "1,4")).split(",")]
     repeats = args.repeats or (1 if args.quick else 2)

@@ -1026,17 +1026,29 @@ class _Chunked(Strict):
     """Bytes per checked chunk (MiB): each chunk has its own SHA-256, checked in parallel."""
 
 
-class ObjectStoreWeights(_KeptVersions):
+class _Delta(Strict):
+    delta: bool = False
+    """Send only what changed (rlstream.weights.delta): a version is the zstd-compressed XOR of
+    its file with the last full version's, chunk by chunk, each chunk and the reconstructed file
+    checked by SHA-256; producers keep the full version's bytes and apply the delta to them. A
+    version whose tensors differ in name, dtype or shape from the full one goes out whole."""
+    full_every: int = Field(10, ge=2, le=1_000_000)
+    """With ``delta``: a full version every this many versions (a producer that is new, lagged
+    or lost its base fetches that one and applies the newest delta to it). Unused without
+    ``delta`` (a resolved config lists it at its default either way)."""
+
+
+class ObjectStoreWeights(_KeptVersions, _Delta):
     """``transport: object_store``: one object in the run's bucket, checked by the SHA-256 of
-    the whole file (small models)."""
+    the whole file (small models); with ``delta``, a delta is one object of compressed chunks."""
 
     transport: Literal["object_store"] = "object_store"
 
 
-class ChunkedWeights(_KeptVersions, _Chunked):
+class ChunkedWeights(_KeptVersions, _Chunked, _Delta):
     """``transport: chunked``: ``chunk_mb`` parts in the run's bucket, fetched
     ``producer.weights_parallel`` at once, each checked against its own SHA-256 (remote
-    producers, larger models)."""
+    producers, larger models); with ``delta``, one part per compressed ``chunk_mb`` chunk."""
 
     transport: Literal["chunked"] = "chunked"
 

@@ -80,3 +80,20 @@ def test_a_config_resolved_before_the_union_still_loads():
            "weights_chunk_mb": 16, "broadcast_host": None, "broadcast_port": 0, "broadcast_receivers": 1,
            "broadcast_join_s": 2.0, "broadcast_timeout_s": 120.0}
     assert learner(**old).weights == learner().weights
+
+
+def test_delta_is_a_setting_of_the_object_store_transports_alone():
+    for transport in ("object_store", "chunked"):
+        w = learner(weights={"transport": transport, "delta": True}).weights
+        assert (w.delta, w.full_every) == (True, 10)
+        assert learner(weights={"transport": transport, "delta": True, "full_every": 4}).weights.full_every == 4
+        assert learner(weights={"transport": transport}).weights.delta is False
+    for transport in ("local", "shared_path", "broadcast", "cuda_ipc"):
+        with pytest.raises(ConfigError, match=rf"^invalid config:\n  learner\.weights\.delta: not a setting of transport "
+                                              rf"'{transport}' \(value True\); it belongs to 'object_store' or 'chunked'$"):
+            path = {"path": "/x"} if transport in ("local", "shared_path", "cuda_ipc") else {}
+            learner(device="cuda", weights={"transport": transport, **path, "delta": True})
+    resolved = learner(weights={"transport": "chunked"}).weights.model_dump()  # as config.resolved.json lists it
+    assert resolved["full_every"] == 10 and learner(weights=resolved).weights.delta is False
+    with pytest.raises(ConfigError, match=r"learner\.weights\.full_every: 1 is not allowed"):
+        learner(weights={"transport": "object_store", "delta": True, "full_every": 1})

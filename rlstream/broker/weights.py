@@ -236,17 +236,25 @@ async def put_chunked(js: JetStreamContext, bucket: str, name: str, data, chunk_
     at once; each part is hashed in a thread while others upload. Returns the chunk digests (hex)."""
     view = memoryview(data).cast("B")
     n = -(-len(view) // chunk_size)
+    return await put_parts(js, bucket, [(part_name(name, i), view[i * chunk_size:(i + 1) * chunk_size]) for i in range(n)],
+                           parallel, label=name)
+
+
+async def put_parts(js: JetStreamContext, bucket: str, parts: list[tuple[str, object]], parallel: int = 4, *,
+                    label: str = "parts") -> list[str]:
+    """Store each ``(name, bytes)`` of ``parts`` as its own object, ``parallel`` at once; each is
+    hashed in a thread while others upload. Returns their digests (hex), in order."""
     gate = asyncio.Semaphore(parallel)
-    digests = [""] * n
+    digests = [""] * len(parts)
 
     async def one(i: int) -> None:
-        part = view[i * chunk_size:(i + 1) * chunk_size]
+        name, part = parts[i]
         async with gate:
             raw = await asyncio.to_thread(lambda: hashlib.sha256(part).digest())
             digests[i] = raw.hex()
-            await put_part(js, bucket, part_name(name, i), part, raw)
+            await put_part(js, bucket, name, part, raw)
 
-    await _all(n, one, f"weights-put-{name}")
+    await _all(len(parts), one, f"weights-put-{label}")
     return digests
 
 
@@ -270,14 +278,31 @@ async def get_chunked(js: JetStreamContext, bucket: str, name: str, size: int, c
     n = -(-size // chunk_size) if chunk_size > 0 else 0
     if len(chunk_sha256) != n:
         raise BrokerError(f"object {bucket}/{name}: {len(chunk_sha256)} chunk digests for {n} chunks")
+    parts = [(part_name(name, i), min(size, (i + 1) * chunk_size) - i * chunk_size) for i in range(n)]
+    buf, _ = await get_parts(js, bucket, name, parts, chunk_sha256, parallel=parallel, timeout=timeout, batch=batch)
+    return buf
+
+
+async def get_parts(js: JetStreamContext, bucket: str, name: str, parts: list[tuple[str, int]], sha256: list[str] | None,
+                    parallel: int = 4, timeout: float = 5.0, batch: int = 64) -> tuple[bytearray, list[str]]:
+    """The objects ``parts`` (each ``(object name, size)``) one after the other in one buffer,
+    read ``parallel`` at once, and each one's SHA-256 (hex), checked against ``sha256`` when
+    given (hashing runs in a thread while other parts arrive). A part that is missing, has
+    another size or digest is refused with a :class:`BrokerError` naming it (``name``: what
+    the parts make up); ``timeout`` bounds the wait for any one message."""
+    n = len(parts)
+    offsets = [0]
+    for _, size in parts:
+        offsets.append(offsets[-1] + size)
     store = await js.object_store(bucket)
-    buf = bytearray(size)
+    buf = bytearray(offsets[-1])
     out = memoryview(buf)
     gate = asyncio.Semaphore(parallel)
+    digests = [""] * n
 
     async def one(i: int) -> None:
-        part = part_name(name, i)
-        lo, hi = i * chunk_size, min(size, (i + 1) * chunk_size)
+        part = parts[i][0]
+        lo, hi = offsets[i], offsets[i + 1]
         async with gate:
             try:
                 info = await asyncio.wait_for(store.get_info(part), timeout)
@@ -288,10 +313,10 @@ async def get_chunked(js: JetStreamContext, bucket: str, name: str, size: int, c
             if not info.nuid or info.size != hi - lo:
                 raise BrokerError(f"object {bucket}/{name}: chunk {i} of {n} ({part}) holds {info.size} bytes, expected {hi - lo}")
             await _read_chunks(js, bucket, part, info, out[lo:hi], batch, timeout)
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(out[lo:hi]).hexdigest())
-        if digest != chunk_sha256[i]:
+        digests[i] = digest = await asyncio.to_thread(lambda: hashlib.sha256(out[lo:hi]).hexdigest())
+        if sha256 is not None and digest != sha256[i]:
             raise BrokerError(f"object {bucket}/{name}: chunk {i} of {n} ({part}) fails its SHA-256 check "
-                              f"(got {digest[:12]}..., announced {chunk_sha256[i][:12]}...)")
+                              f"(got {digest[:12]}..., announced {sha256[i][:12]}...)")
 
     await _all(n, one, f"weights-get-{name}")  # the first failure ends the others
-    return buf
+    return buf, digests

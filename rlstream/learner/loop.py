@@ -196,7 +196,8 @@ async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: s
     pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step,
                                 config_json=config_json, adapter_config=adapter_config, wire=wire_dtype(cfg))
     await source.published()
-    return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9)}
+    return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9),
+            "publish/sent_mb": pub.sent / 2**20}
 
 
 async def _weights_out(runner: StepRunner, publisher, stop: asyncio.Event) -> None:

@@ -101,7 +101,7 @@ async def publish_bytes(comp, lcfg, data: bytes | bytearray | StagedFile, *, ver
     ann = await transport.publish(comp, data, Version(comp.layout.run, version, step, config_json, _kind(adapter_config)))
     seconds = time.perf_counter() - t0
     await transport.prune(comp, version)
-    return Published(ann, seconds, len(data))
+    return Published(ann, seconds, len(data), sum(ann.delta_sizes) if ann.is_delta else len(data))
 
 
 async def prune_versions(comp, lcfg, newest: int) -> list[str]:
@@ -174,6 +174,7 @@ class BackgroundPublisher:
         if self.last is not None:
             m["publish/seconds"] = self.last.seconds
             m["publish/mb_per_s"] = self.last.bytes / 2**20 / max(self.last.seconds, 1e-9)
+            m["publish/sent_mb"] = self.last.sent / 2**20  # a delta's compressed bytes (learner.weights.delta)
         return m
 
     async def _run(self) -> None:

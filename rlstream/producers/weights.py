@@ -56,6 +56,12 @@ def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
         raise WeightsRefused(f"{where}: no SHA-256 digest (got {ann.sha256[:16]!r})")
     if not 0 < ann.size <= limit:
         raise WeightsRefused(f"{where}: size {ann.size} is not within 1..{limit} bytes (producer.max_weights_mb)")
+    if ann.is_delta:
+        if not _is_sha256(ann.base_sha256 or "") or not all(_is_sha256(d) for d in ann.delta_sha256):
+            raise WeightsRefused(f"{where}: a delta without SHA-256 digests for its base and its chunks")
+        bound = limit + limit // 128 + 1024 * ann.delta_chunks()  # zstd's worst case: a little over the bytes it was given
+        if sum(ann.delta_sizes) > bound:
+            raise WeightsRefused(f"{where}: {sum(ann.delta_sizes)} bytes of delta is over {bound} (producer.max_weights_mb)")
     try:
         weights.receiver_for(cfg.learner.weights, ann).check(cfg, layout, ann)
     except weights.WeightsRefused as exc:

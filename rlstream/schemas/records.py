@@ -511,10 +511,21 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     ``adapter_config.json`` text, for ``lora``). v3 also accepts ``cuda-ipc://<record>``: the
     learner's device buffer shared by a CUDA IPC handle (:mod:`rlstream.weights.cuda_ipc`),
     checked by a fingerprint computed on the device.
+    v4: + ``base_version``, ``base_sha256``, ``delta_chunk_size``, ``delta_sizes`` and
+    ``delta_sha256`` (``learner.weights.delta``, :mod:`rlstream.weights.delta`), all absent
+    (None) without deltas. ``base_version == policy_version``: a full version that later
+    deltas will refer to (a producer keeps its bytes). ``base_version < policy_version``: a
+    delta, the bytes at ``location`` being zstd frames of ``delta_chunk_size`` bytes each of
+    the XOR of this version's file with version ``base_version``'s (whose ``sha256`` was
+    ``base_sha256``), each chunk's bytes grouped by their place in 4-byte words
+    (:func:`rlstream.weights.delta.planes`); ``delta_sizes[i]`` and ``delta_sha256[i]`` are frame ``i``'s length and
+    SHA-256. ``size``, ``sha256`` (and ``chunk_size``/``chunk_sha256``) then describe the
+    reconstructed file, so a producer checks the result bitwise, and a build before v4 (which
+    reads them as a full version's) refuses the delta's bytes by size or digest.
     """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
 
     v: int = VERSION
     id: str
@@ -531,10 +542,29 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     host: str = ""  # v2
     kind: str = "full"  # v3
     adapter_config: capped(str, 1 << 16) = ""  # v3
+    base_version: int | None = None  # v4
+    base_sha256: str | None = None  # v4
+    delta_chunk_size: int | None = None  # v4
+    delta_sizes: capped(list[int]) | None = None  # v4
+    delta_sha256: capped(list[str]) | None = None  # v4
 
     def chunks(self) -> int:
         """How many chunks ``size`` bytes make (0 without chunking)."""
         return -(-self.size // self.chunk_size) if self.chunk_size > 0 else 0
+
+    @property
+    def is_delta(self) -> bool:
+        """The bytes at ``location`` are a delta against version ``base_version``."""
+        return self.base_version is not None and self.base_version < self.policy_version
+
+    @property
+    def is_base(self) -> bool:
+        """A full version that deltas will refer to: a producer keeps its bytes."""
+        return self.base_version is not None and self.base_version == self.policy_version
+
+    def delta_chunks(self) -> int:
+        """How many zstd frames a delta of ``size`` bytes is (0: not a delta)."""
+        return -(-self.size // self.delta_chunk_size) if self.is_delta and self.delta_chunk_size else 0
 
     def check(self, limits: Limits, path: str) -> None:
         _min(self.chunk_size, 0, f"{path}chunk_size")
@@ -552,6 +582,27 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
         _min(self.policy_version, 0, f"{path}policy_version")
         _min(self.step, 0, f"{path}step")
         _min(self.size, 0, f"{path}size")
+        if self.base_version is not None:
+            self._check_delta(path)
+
+    def _check_delta(self, path: str) -> None:
+        if not 0 <= self.base_version <= self.policy_version:
+            raise RecordError(f"{path}base_version", f"{self.base_version} is not within 0..policy_version "
+                                                     f"{self.policy_version}")
+        if not self.is_delta:
+            return
+        if not self.base_sha256:
+            raise RecordError(f"{path}base_sha256", "a delta needs its base version's digest")
+        if not self.delta_chunk_size or self.delta_chunk_size < 1:
+            raise RecordError(f"{path}delta_chunk_size", f"{self.delta_chunk_size}; a delta needs a chunk size of 1 or more")
+        n = self.delta_chunks()
+        for name in ("delta_sizes", "delta_sha256"):
+            got = getattr(self, name)
+            if got is None or len(got) != n:
+                raise RecordError(f"{path}{name}", f"{0 if got is None else len(got)} entries for the {n} chunks of "
+                                                   f"{self.delta_chunk_size} bytes in {self.size}")
+        if any(s < 0 for s in self.delta_sizes):
+            raise RecordError(f"{path}delta_sizes", "a chunk's size is below 0")
 
 
 class MetricEvent(Record, tag="metric", kw_only=True):

@@ -9,6 +9,10 @@
 | ``broadcast`` | :mod:`.broadcast` | nowhere: a broadcast (NCCL between GPUs, gloo between CPUs) to the producers that joined the version's group | SHA-256 per chunk | clusters |
 | ``cuda_ipc`` | :mod:`.cuda_ipc` | one of two device buffers of the learner, shared by a CUDA IPC handle | a fingerprint computed on the device | producers on the learner's GPU host |
 
+With ``delta: true`` the two object-store transports send a version as the zstd-compressed XOR
+of its file with the last full version's (:mod:`.delta`, :class:`DeltaTransport`), checked
+chunk by chunk and as a whole; producers apply it to the full version they keep.
+
 ``learner.weights`` (a discriminated union on ``transport``, rlstream.config) picks one;
 :func:`transport_for` maps the settings to its implementation, and :func:`receiver_for` maps
 an announcement to the transport that published it. A new transport is a new settings class,
@@ -33,6 +37,7 @@ from rlstream.weights.base import (
 from rlstream.weights.broadcast import BroadcastTransport, LateJoin
 from rlstream.weights.chunked import ChunkedTransport
 from rlstream.weights.cuda_ipc import CudaIpcTransport
+from rlstream.weights.delta import DeltaTransport
 from rlstream.weights.folders import StagedFile
 from rlstream.weights.local import LocalTransport
 from rlstream.weights.object_store import ObjectStoreTransport
@@ -59,5 +64,6 @@ def receiver_for(settings, ann: WeightsAnnouncement) -> WeightsTransport:
     raise WeightsRefused(f"weights v{ann.policy_version} at {shown(ann.location)!r}: unknown location")
 
 
-__all__ = ["LateJoin", "Published", "StagedFile", "TRANSPORTS", "Version", "WeightsError", "WeightsRefused", "WeightsSource",
-           "WeightsTransport", "WeightsUnavailable", "object_name", "receiver_for", "safetensors_files", "shown", "transport_for"]
+__all__ = ["DeltaTransport", "LateJoin", "Published", "StagedFile", "TRANSPORTS", "Version", "WeightsError", "WeightsRefused",
+           "WeightsSource", "WeightsTransport", "WeightsUnavailable", "object_name", "receiver_for", "safetensors_files", "shown",
+           "transport_for"]

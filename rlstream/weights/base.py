@@ -81,6 +81,9 @@ class Published:
     announcement: WeightsAnnouncement
     seconds: float
     bytes: int
+    """The version's size."""
+    sent: int = -1
+    """Bytes put where producers fetch them: the size, or a delta's compressed bytes (-1: not counted)."""
 
 
 @dataclass(frozen=True, slots=True)
