@@ -11,6 +11,7 @@ row number and the column name, so a bad dataset fails with a clear message.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -142,3 +143,20 @@ def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[
         columns = {k: _plain(v) for k, v in row.items() if k not in (pc, mc)}
         base.append((text, messages, columns))
     return base
+
+
+def dataset_key(path: str | Path, split: str) -> str:
+    """A short stable hash of the dataset's location: the ``dataset`` part of a prompt id."""
+    return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]
+
+
+def prompt_rows(cfg) -> tuple[list[Row], str]:
+    """The checked rows of an on-policy ``data_source`` (a dataset file, directory, Hub id or
+    reasoning-gym task) and the dataset's key; the whole dataset is checked before any use."""
+    from rlstream.envs.gym import is_gym_source, rows_for
+
+    ds = cfg.data_source
+    if not ds.path:
+        raise DatasetError("data_source.path is not set: nothing to feed")
+    rows = rows_for(ds) if is_gym_source(ds.path) else read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+    return check_rows(rows, cfg, where=str(ds.path)), dataset_key(ds.path, ds.split)

@@ -1,0 +1,167 @@
+"""Difficulty curriculum: prompts drawn by what their last groups taught (``data_source.curriculum``).
+
+DAPO's dynamic sampling drops a group whose rewards are all equal (every sample solved, or
+none) after paying to generate it. A curriculum spends less on such prompts: each prompt
+``i`` of the dataset has a draw weight
+
+    w_i = max(min_weight, settled_weight ** streak_i)   if streak_i > 0 and draws - settled_at_i < comes_back_after
+    w_i = 1                                             otherwise
+
+where ``streak_i`` counts the all-equal groups of prompt ``i`` in a row (a group with
+different rewards sets it back to 0) and ``settled_at_i`` is the number of prompts drawn when
+the last of them was consumed. A settled prompt comes back (weighs 1 again) once
+``comes_back_after`` more prompts have been drawn; one more all-equal group then settles it
+one step deeper. Draw ``n`` takes the ``n``-th uniform ``u_n`` of the curriculum's seed
+(:func:`uniforms`) and picks by inverse CDF (:func:`pick`): the first ``i`` with
+``cumsum(w)_i > u_n * sum(w)``.
+
+Differences from prime-rl's buffer (easy/normal/hard pools by pass-rate thresholds): one
+continuous weight per prompt instead of pools, and the state is the learner's: it updates from
+the scored groups it consumes (trained or dropped), in stream order, and is saved in
+``learner_state.json`` with the checkpoint that holds their effect, so a resumed learner has the
+state of the groups it consumed, each once.
+
+The learner draws the prompts itself and keeps ``lead`` of them published ahead of the groups
+it consumed (dead letters past the feeder count as consumed). Prompt ids are
+``p<dataset key>-c<draw>-<row>``: unique per draw, so a prompt drawn twice is two prompts, and
+the rest of the pipeline (message-id de-duplication, the learner's trained ids) is unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlstream.config import Curriculum
+from rlstream.learner.advantages import dynamic_sampling_mask
+from rlstream.schemas import Prompt
+
+
+@dataclass
+class CurriculumState:
+    """The per-prompt state, JSON round-trip exact (kept in ``learner_state.json``)."""
+
+    draws: int = 0
+    """Prompts drawn (published) so far."""
+    observed: int = 0
+    """Groups of drawn prompts the learner consumed."""
+    settled_groups: int = 0
+    """Of those, the groups whose rewards were all equal."""
+    streak: dict[str, int] = field(default_factory=dict)
+    """Row -> all-equal groups in a row (rows at 0 are left out)."""
+    settled_at: dict[str, int] = field(default_factory=dict)
+    """Row -> ``draws`` when its last all-equal group was consumed."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CurriculumState":
+        return cls(**data) if data else cls()
+
+
+# ---- the math (pure) ---------------------------------------------------------------------------
+
+
+def all_equal(rewards) -> bool:
+    """The group's rewards are all equal: dynamic sampling would drop it (same test, same eps)."""
+    return not bool(dynamic_sampling_mask(torch.as_tensor(np.asarray(rewards, np.float32)).reshape(1, -1))[0])
+
+
+def prompt_weights(n_rows: int, state: CurriculumState, ccfg: Curriculum) -> np.ndarray:
+    """float64 ``[n_rows]``: each prompt's draw weight after ``state.draws`` draws."""
+    w = np.ones(n_rows, np.float64)
+    for row, streak in state.streak.items():
+        i = int(row)
+        if i < n_rows and state.draws - state.settled_at[row] < ccfg.comes_back_after:
+            w[i] = max(ccfg.min_weight, ccfg.settled_weight ** streak)
+    return w
+
+
+def uniforms(seed: int, start: int, k: int) -> np.ndarray:
+    """The uniforms of draws ``start .. start + k - 1``: draw ``n``'s is the first double of
+    ``default_rng([seed, n])``, whatever the draws were grouped into."""
+    return np.array([np.random.default_rng([seed, n]).random() for n in range(start, start + k)], np.float64)
+
+
+def pick(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """int64 ``[len(u)]``: for each uniform, the first row whose cumulative weight exceeds
+    ``u * sum(weights)`` (inverse CDF sampling)."""
+    cdf = np.cumsum(weights)
+    return np.minimum(np.searchsorted(cdf, np.asarray(u) * cdf[-1], side="right"), len(weights) - 1)
+
+
+def observe(state: CurriculumState, row: int, rewards) -> bool:
+    """One consumed group of prompt ``row``: update its streak; True when it was all equal."""
+    state.observed += 1
+    key = str(row)
+    if all_equal(rewards):
+        state.settled_groups += 1
+        state.streak[key] = state.streak.get(key, 0) + 1
+        state.settled_at[key] = state.draws
+        return True
+    state.streak.pop(key, None)
+    state.settled_at.pop(key, None)
+    return False
+
+
+# ---- the learner's prompt source -----------------------------------------------------------------
+
+
+class PromptCurriculum:
+    """The dataset's rows, the state, and the drawing of the next prompts."""
+
+    def __init__(self, cfg, rows: list, key: str, state: CurriculumState, run: str = ""):
+        if not rows:
+            raise ValueError("data_source.curriculum: the dataset has no rows")
+        self.ccfg: Curriculum = cfg.data_source.curriculum
+        self.rows = rows
+        self.key = key
+        self.state = state
+        self.run = run
+        self._id = re.compile(rf"p{re.escape(key)}-c(\d+)-(\d+)")
+
+    def prompt_id(self, draw: int, row: int) -> str:
+        return f"p{self.key}-c{draw}-{row}"
+
+    def row_of(self, group_id: str) -> int | None:
+        """The dataset row of one of our prompts' groups (None: not drawn by this curriculum)."""
+        m = self._id.fullmatch(group_id)
+        return int(m.group(2)) if m and int(m.group(2)) < len(self.rows) else None
+
+    def observe(self, group) -> None:
+        """A scored group the learner consumed (trained or dropped, never a duplicate)."""
+        row = self.row_of(group.id)
+        if row is not None:
+            observe(self.state, row, group.rewards)
+
+    def wanted(self, released: int = 0) -> int:
+        """Prompts to draw now to keep ``lead`` in flight; ``released``: dead letters past the
+        feeder, which the learner will never consume."""
+        in_flight = self.state.draws - self.state.observed - released
+        return max(0, self.ccfg.lead - in_flight)
+
+    def draw(self, k: int) -> list[Prompt]:
+        """The next ``k`` prompts (``state.draws`` advances by ``k``)."""
+        if k <= 0:
+            return []
+        start = self.state.draws
+        chosen = pick(prompt_weights(len(self.rows), self.state, self.ccfg), uniforms(self.ccfg.seed, start, k))
+        self.state.draws += k
+        out = []
+        for n, i in enumerate(chosen.tolist(), start):
+            text, messages, columns = self.rows[i]
+            out.append(Prompt(id=self.prompt_id(n, i), text=text, columns=columns, epoch=0, index=i, run=self.run,
+                              messages=messages))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        s = self.state
+        w = prompt_weights(len(self.rows), s, self.ccfg)
+        return {"curriculum/draws": float(s.draws), "curriculum/settled_groups": float(s.settled_groups),
+                "curriculum/settled_share": s.settled_groups / s.observed if s.observed else 0.0,
+                "curriculum/prompts_down_weighted": float(int((w < 1.0).sum()))}
