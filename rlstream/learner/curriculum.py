@@ -69,7 +69,7 @@ class CurriculumState:
 
 def all_equal(rewards) -> bool:
     """The group's rewards are all equal: dynamic sampling would drop it (same test, same eps)."""
-    return not bool(dynamic_sampling_mask(torch.as_tensor(np.asarray(rewards, np.float32)).reshape(1, -1))[0])
+    return not bool(dynamic_sampling_mask(torch.tensor(np.asarray(rewards, np.float32)).reshape(1, -1))[0])
 
 
 def prompt_weights(n_rows: int, state: CurriculumState, ccfg: Curriculum) -> np.ndarray:

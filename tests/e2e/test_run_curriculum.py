@@ -1,0 +1,54 @@
+"""`rlstream run` with a difficulty curriculum on the real broker: the learner draws the prompts
+(no feeder), keeps ``lead`` of them ahead, nothing is lost or trained twice, and the per-prompt
+state in the checkpoint survives a restart (``--resume`` continues the same counts)."""
+
+import json
+import re
+import subprocess
+
+import pytest
+from helpers.runs import finished_summary, read_jsonl, run_cmd, write_data
+
+LEAD = 24
+BATCH = 8  # grpo.yaml's learner.batch_groups
+
+
+def _state(run_dir, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{step}" / "learner_state.json").read_text())
+
+
+@pytest.mark.e2e
+def test_curriculum_run_draws_prompts_and_its_state_survives_a_restart(tiny_model_dir, tmp_path):
+    data = write_data(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    sets = ["data_source.epochs=1", "data_source.curriculum.enabled=true", f"data_source.curriculum.lead={LEAD}",
+            "checkpoint.interval=1", "eval.path=null", "nats.ack_wait_s=10"]
+
+    r = subprocess.run(run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], 2, sets), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    finished_summary(run_dir, 2)
+    assert not (run_dir / "logs" / "feeder.log").exists()  # the learner draws the prompts
+    first = _state(run_dir, 2)
+    cur = first["curriculum"]
+    handled = len(first["trained_ids"]) + len(first["dropped_ids"])
+    assert cur["observed"] == handled == 2 * BATCH  # GRPO drops nothing: every group consumed was trained
+    assert cur["draws"] == handled + LEAD  # the lead is kept: one prompt drawn per group consumed
+    # the untrained model rarely answers: most groups are all 0, and their prompts are drawn less
+    assert cur["settled_groups"] >= 1 and set(cur["streak"]) == set(cur["settled_at"])
+
+    r = subprocess.run(run_cmd("grpo.yaml", run_dir, tiny_model_dir, data["rl"], 4, sets) + ["--resume"],
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = finished_summary(run_dir, 4)  # nothing lost, nothing trained twice
+    assert "resumed from" in (run_dir / "logs" / "learner.log").read_text()
+    final = _state(run_dir, 4)["curriculum"]
+    # the resumed learner went on from the checkpoint's state: a fresh state would have
+    # observed only the groups consumed after the restart
+    assert final["observed"] == len(_state(run_dir, 4)["trained_ids"]) == 4 * BATCH
+    assert final["draws"] >= cur["draws"] + 2 * BATCH
+    assert final["settled_groups"] >= cur["settled_groups"]
+    ids = [g for row in read_jsonl(run_dir / "metrics.jsonl") for g in row["group_ids"]]
+    assert len(ids) == len(set(ids)) == 4 * BATCH == summary["groups_trained"]
+    assert all(re.fullmatch(r"p[0-9a-f]{10}-c\d+-\d+", g) for g in ids)  # every prompt was a curriculum draw
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    assert learner["curriculum"]["draws"] == final["draws"]
