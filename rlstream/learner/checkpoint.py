@@ -85,6 +85,10 @@ class LearnerState:
     rng: dict[str, Any] = field(default_factory=dict)
     data_cursor: dict[str, Any] = field(default_factory=dict)
     """WebDataset sources: the reader's position (epoch, shard, sample, shuffle buffer)."""
+    samples_generated: int = 0
+    """Samples of every group consumed (trained, too stale or filtered)."""
+    reward_generated: float = 0.0
+    """The sum of their rewards: ``reward_generated / samples_generated`` is the reward per sample generated."""
     curriculum: dict[str, Any] = field(default_factory=dict)
     """``data_source.curriculum``: the prompts drawn and each prompt's streak of all-equal
     groups (:class:`rlstream.learner.curriculum.CurriculumState`)."""

@@ -278,28 +278,33 @@ class StreamSource:
         await consumer.sub.unsubscribe()
 
     async def take(self, stop: asyncio.Event) -> Taken | None:
-        consumed = self.consumed if self.curriculum is not None else None
         try:
-            taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.dropped, on_consumed=consumed)
+            taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.dropped, on_consumed=self.consumed)
         finally:
             self._taking = 0
         if taken is None:
-            return None  # the groups kept so far went back to the buffer: they are observed when taken again
+            return None  # the groups kept so far went back to the buffer: they count when taken again
         records = [d.record for d in taken.deliveries]
-        if self.curriculum is not None:
-            for g in records:
-                self.curriculum.observe(g)
+        for g in records:
+            self._count(g)
         return Taken(records, taken.deliveries)
 
     async def consumed(self, g: ScoredGroup, verdict: str | None) -> None:
-        """The curriculum's side of a consumed group: a dropped one updates its prompt's state
-        now (it is handled at once); a kept one when its batch is taken. Either way a prompt
-        is drawn to replace it."""
+        """A consumed group: a dropped one counts now (it is handled at once), a kept one when
+        its batch is taken. With a curriculum, a prompt is drawn to replace it either way."""
         if verdict is None:
             self._taking += 1
         else:
-            self.curriculum.observe(g)
+            self._count(g)
         await self.top_up()
+
+    def _count(self, g: ScoredGroup) -> None:
+        """Every sample generated that reached the learner (trained or dropped), and its reward."""
+        state = self.learner.state
+        state.samples_generated += len(g.rewards)
+        state.reward_generated += float(np.nansum(np.asarray(g.rewards, np.float64)))
+        if self.curriculum is not None:
+            self.curriculum.observe(g)
 
     async def top_up(self) -> None:
         """Curriculum: publish prompts until ``lead`` are in flight (drawn, not consumed)."""
@@ -407,12 +412,18 @@ class StreamSource:
                                        "buffer/dropped_filtered": float(state.dropped_filtered)})
 
     def metrics(self) -> dict[str, float]:
-        return {"buffer/depth": float(self.buf.depth), **(self.curriculum.metrics() if self.curriculum is not None else {})}
+        state = self.learner.state
+        per_sample = state.reward_generated / state.samples_generated if state.samples_generated else 0.0
+        return {"buffer/depth": float(self.buf.depth), "reward/per_sample_generated": per_sample,
+                **(self.curriculum.metrics() if self.curriculum is not None else {})}
 
     def summary(self) -> dict[str, Any]:
-        if self.curriculum is None:
-            return {}
-        return {"curriculum": {k.split("/", 1)[1]: v for k, v in self.curriculum.metrics().items()}}
+        state = self.learner.state
+        out: dict[str, Any] = {"samples_generated": state.samples_generated,
+                               "reward_per_sample_generated": self.metrics()["reward/per_sample_generated"]}
+        if self.curriculum is not None:
+            out["curriculum"] = {k.split("/", 1)[1]: v for k, v in self.curriculum.metrics().items()}
+        return out
 
 
 async def open_curriculum(learner: Learner, run: str) -> PromptCurriculum:
