@@ -52,3 +52,20 @@ def test_curriculum_run_draws_prompts_and_its_state_survives_a_restart(tiny_mode
     assert all(re.fullmatch(r"p[0-9a-f]{10}-c\d+-\d+", g) for g in ids)  # every prompt was a curriculum draw
     learner = json.loads((run_dir / "learner_summary.json").read_text())
     assert learner["curriculum"]["draws"] == final["draws"]
+
+
+@pytest.mark.e2e
+def test_a_curriculum_learner_without_its_dataset_exits_2_naming_it(nats_server, tiny_model_dir, tmp_path, run_id):
+    import yaml
+    from helpers.groups import make_cfg
+    from helpers.learner_runs import learner_cmd, learner_env
+
+    cfg = make_cfg(tiny_model_dir, run=run_id)
+    data = cfg.model_dump(mode="json")
+    data["data_source"].update(path=str(tmp_path / "missing.jsonl"), curriculum={"enabled": True})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = subprocess.run(learner_cmd(path, nats_server.url, tmp_path / "run"), env=learner_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]  # a usage error: not restarted
+    assert f"error: dataset {tmp_path / 'missing.jsonl'} does not exist" in r.stderr
