@@ -1,27 +1,36 @@
 """Difficulty curriculum against none: the arithmetic demo's DAPO, same seed, same steps.
 
 The demo's tiny model after a short SFT warm-up (``--sft-steps``; none in ``--quick``), the
-demo's ``dapo.yaml`` (dynamic sampling drops groups whose rewards are all equal), and two arms
-that differ only in where prompts come from:
+demo's ``dapo.yaml`` (dynamic sampling drops groups whose rewards are all equal), and three arms
+that differ only in where prompts come from, run with the same seed (``producer.seed``,
+``shuffle_seed``, ``curriculum.seed``) and the same steps, once per seed (``--seeds``):
 
-- ``baseline``: the feeder publishes every epoch up front (``shuffle_seed`` 0);
-- ``curriculum``: ``data_source.curriculum.enabled`` (seed 0, ``--lead`` prompts ahead,
-  ``--comes-back-after``): the learner draws prompts, a prompt with an all-equal group less.
+- ``baseline``: the feeder publishes every epoch up front, shuffled;
+- ``uniform``: the learner draws the prompts with the curriculum's mechanism (``--lead``
+  prompts ahead) but every weight 1: the control for the bounded lead, which alone changes how
+  far producers run ahead (and so how many groups go stale);
+- ``curriculum``: the same with ``settled_weight`` ``--settled-weight`` and
+  ``comes_back_after`` ``--comes-back-after``: a prompt with an all-equal group is drawn less.
 
 For each arm, over the groups the learner consumed (every group generated, trained or
-dropped): the share dynamic sampling filtered out (all rewards equal), the reward per sample
-generated, the samples generated for the same number of steps, the trained reward of the last
-10% of steps, and greedy pass@1 on the held-out problems after the last step. ``ratio`` is the
-baseline's filtered share over the curriculum's (goal 1: fewer filtered); ``reward_per_sample_gain``
-the curriculum's reward per sample generated minus the baseline's (a difference: DAPO's overlong
-shaping makes rewards negative). Writes ``bench/results/curriculum.md``.
+dropped): the groups dropped as too stale; the share dynamic sampling filtered out (all rewards
+equal) of the groups it judged (a stale group is dropped before it is judged); the samples
+generated for the same number of steps and the reward per sample generated; the trained reward of
+the last 10% of steps; greedy pass@1 on the 20 held-out problems after the last step.
 
-``--quick`` runs the untrained model for a few steps (a smoke test of the script, not figures).
+``ratio`` is the baseline's filtered share over the curriculum's (goal 1: fewer filtered),
+``ratio_vs_uniform`` the uniform arm's over the curriculum's, ``reward_per_sample_gain`` the
+curriculum's reward per sample generated minus the baseline's (a difference: DAPO's overlong
+shaping can make rewards negative); means over the seeds. Writes ``bench/results/curriculum.md``.
+
+``--quick`` runs the untrained model for a few steps, without the uniform arm (a smoke test of
+the script, not figures).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -38,8 +47,9 @@ from rlstream.rundir import read_jsonl  # noqa: E402
 WORK = ROOT / "bench" / ".curriculum"
 RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples" / "arithmetic"
-COLUMNS = ("arm", "groups", "filtered", "filtered share", "samples generated", "reward/sample generated",
+COLUMNS = ("arm", "groups", "stale", "filtered", "filtered share", "samples generated", "reward/sample generated",
            "reward last 10%", "eval pass@1", "s")
+KEYS = ("groups", "stale", "filtered", "filtered_share", "samples_generated", "reward_per_sample", "reward_last", "eval_pass1", "wall")
 
 
 def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
@@ -63,11 +73,12 @@ def finite(v: float) -> float | None:
 
 def arm_figures(run_dir: Path, summary: dict) -> dict:
     learner = json.loads((run_dir / "learner_summary.json").read_text())
-    consumed = learner["groups_consumed"]
+    consumed, stale, filtered = learner["groups_consumed"], learner["dropped_stale"], learner["dropped_filtered"]
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if "eval/pass@1" in r]
     return {
-        "groups": consumed, "filtered": learner["dropped_filtered"],
-        "filtered_share": learner["dropped_filtered"] / consumed if consumed else float("nan"),
+        "groups": consumed, "stale": stale, "filtered": filtered,
+        # of the groups the filter judged (a group too stale is dropped before it is judged)
+        "filtered_share": filtered / (consumed - stale) if consumed > stale else float("nan"),
         "samples_generated": learner["samples_generated"],
         "reward_per_sample": learner["reward_per_sample_generated"],
         "reward_last": summary["reward_last"],
@@ -76,62 +87,90 @@ def arm_figures(run_dir: Path, summary: dict) -> dict:
     }
 
 
-def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="DAPO steps per arm")
-    p.add_argument("--sft-steps", type=int, default=40, help="SFT warm-up steps (0: the untrained model)")
-    p.add_argument("--lead", type=int, default=16, help="data_source.curriculum.lead")
-    p.add_argument("--comes-back-after", type=int, default=256, help="data_source.curriculum.comes_back_after")
-    args = p.parse_args()
-    steps, sft_steps = (3, 0) if args.quick else (args.steps, args.sft_steps)
-    WORK.mkdir(parents=True, exist_ok=True)
-
+def warm_model(sft_steps: int, data: dict) -> Path:
+    """The demo's tiny model, after ``sft_steps`` of SFT (built once, kept in WORK)."""
     model_dir = WORK / "base_model"
     if not (model_dir / "config.json").exists():
         from rlstream.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
-    data = task.write_datasets(WORK / "data")
-    model = model_dir
-    if sft_steps:
-        sft_dir = WORK / f"sft_{sft_steps}"
-        if not (sft_dir / "summary.json").exists():
-            run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
-                sft_steps, WORK / "sft.log")
-        model = (sft_dir / "checkpoints" / "latest").resolve()
+    if not sft_steps:
+        return model_dir
+    sft_dir = WORK / f"sft_{sft_steps}"
+    if not (sft_dir / "summary.json").exists():
+        run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
+            sft_steps, WORK / "sft.log")
+    return (sft_dir / "checkpoints" / "latest").resolve()
 
-    common = [f"model_checkpoint_path={model}", f"data_source.path={data['rl']}", "producer.seed=0", "checkpoint.interval=100000"]
+
+def mean(results: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in results)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="DAPO steps per arm")
+    p.add_argument("--sft-steps", type=int, default=40, help="SFT warm-up steps (0: the untrained model)")
+    p.add_argument("--seeds", type=int, default=3, help="repeats, seed 0..N-1 (the same seed in every arm of a repeat)")
+    p.add_argument("--lead", type=int, default=16, help="data_source.curriculum.lead")
+    p.add_argument("--comes-back-after", type=int, default=256, help="data_source.curriculum.comes_back_after")
+    p.add_argument("--settled-weight", type=float, default=0.1, help="data_source.curriculum.settled_weight")
+    args = p.parse_args()
+    steps, sft_steps, seeds = (3, 0, 1) if args.quick else (args.steps, args.sft_steps, args.seeds)
+    WORK.mkdir(parents=True, exist_ok=True)
+    data = task.write_datasets(WORK / "data")
+    model = warm_model(sft_steps, data)
+
+    common = [f"model_checkpoint_path={model}", f"data_source.path={data['rl']}", "checkpoint.interval=100000"]
     if not args.quick:  # held-out greedy accuracy before the first step and after the last
         common += [f"eval.path={data['eval']}", "eval.samples=1", "eval.temperature=0.0", "eval.pass_k=[1]",
                    f"eval.every={10 * steps}"]
+    drawn = ["data_source.epochs=1", "data_source.curriculum.enabled=true", f"data_source.curriculum.lead={args.lead}",
+             f"data_source.curriculum.comes_back_after={args.comes_back_after}"]
     arms = {
         "baseline": [],
-        "curriculum": ["data_source.epochs=1", "data_source.curriculum.enabled=true", f"data_source.curriculum.lead={args.lead}",
-                       f"data_source.curriculum.comes_back_after={args.comes_back_after}"],
+        "uniform": [*drawn, "data_source.curriculum.settled_weight=1.0", "data_source.curriculum.min_weight=1.0"],
+        "curriculum": [*drawn, f"data_source.curriculum.settled_weight={args.settled_weight}"],
     }
-    rows, results = [], {}
-    for name, sets in arms.items():
-        run_dir = WORK / f"dapo_{name}"
-        summary = run(EXAMPLES / "dapo.yaml", run_dir, [*common, *sets, f"run=bench-cur-{name}"], steps, WORK / f"dapo_{name}.log")
-        r = results[name] = arm_figures(run_dir, summary)
-        rows.append((name, r["groups"], r["filtered"], r["filtered_share"], r["samples_generated"], r["reward_per_sample"],
-                     r["reward_last"], r["eval_pass1"], r["wall"]))
-    title = f"DAPO on arithmetic, {steps} steps, SFT warm-up {sft_steps} steps, lead {args.lead}"
+    if args.quick:
+        del arms["uniform"]  # under 60 s: the two arms the verdict compares
+    rows: list[tuple] = []
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    for seed in range(seeds):
+        seeded = [f"producer.seed={seed}", f"data_source.shuffle_seed={seed}", f"data_source.curriculum.seed={seed}"]
+        for name, sets in arms.items():
+            run_dir = WORK / f"dapo_{name}"
+            summary = run(EXAMPLES / "dapo.yaml", run_dir, [*common, *seeded, *sets, f"run=bench-cur-{name}-{seed}"], steps,
+                          WORK / f"dapo_{name}_{seed}.log")
+            r = arm_figures(run_dir, summary)
+            results[name].append(r)
+            rows.append((f"{name} seed {seed}", *(r[k] for k in KEYS)))
+    if seeds > 1:
+        rows += [(f"{name} mean", *(mean(rs, k) for k in KEYS)) for name, rs in results.items()]
+    title = (f"DAPO on arithmetic, {steps} steps, SFT warm-up {sft_steps} steps, lead {args.lead}, "
+             f"settled_weight {args.settled_weight}, comes_back_after {args.comes_back_after}, {seeds} seed(s)")
     table(title, rows, COLUMNS)
 
-    base, cur = results["baseline"], results["curriculum"]
-    ratio = base["filtered_share"] / cur["filtered_share"] if cur["filtered_share"] > 0 else float("inf")
-    reward_gain = cur["reward_per_sample"] - base["reward_per_sample"]  # a difference: DAPO's overlong shaping can make it negative
+    share = {name: mean(rs, "filtered_share") for name, rs in results.items()}
+    per_sample = {name: mean(rs, "reward_per_sample") for name, rs in results.items()}
+
+    def fewer(name: str) -> float | None:
+        if name not in share:
+            return None
+        return share[name] / share["curriculum"] if share["curriculum"] > 0 else float("inf")
+
     if not args.quick:
         RESULTS.mkdir(parents=True, exist_ok=True)
         lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
         lines += ["| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row) + " |" for row in rows]
-        cmd = f"python bench/curriculum.py --steps {steps} --sft-steps {sft_steps} --lead {args.lead}"
+        cmd = (f"python bench/curriculum.py --steps {steps} --sft-steps {sft_steps} --seeds {seeds} --lead {args.lead} "
+               f"--settled-weight {args.settled_weight} --comes-back-after {args.comes_back_after}")
         (RESULTS / "curriculum.md").write_text(f"# {title}\n\n`{cmd}`\n\n" + "\n".join(lines) + "\n")
-    verdict("curriculum", steps=steps, **{f"filtered_share_{n}": r["filtered_share"] for n, r in results.items()},
-            **{f"reward_per_sample_{n}": r["reward_per_sample"] for n, r in results.items()},
-            **{f"eval_pass1_{n}": finite(r["eval_pass1"]) for n, r in results.items()},
-            reward_per_sample_gain=reward_gain, ratio=ratio, goal=1.0)
+    verdict("curriculum", steps=steps, seeds=seeds, **{f"filtered_share_{n}": v for n, v in share.items()},
+            **{f"reward_per_sample_{n}": v for n, v in per_sample.items()},
+            **{f"eval_pass1_{n}": finite(mean(rs, "eval_pass1")) for n, rs in results.items()},
+            reward_per_sample_gain=per_sample["curriculum"] - per_sample["baseline"],  # a difference: overlong shaping can make rewards negative
+            ratio_vs_uniform=fewer("uniform"), ratio=fewer("baseline"), goal=1.0)
 
 
 if __name__ == "__main__":
