@@ -148,15 +148,3 @@ def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[
 def dataset_key(path: str | Path, split: str) -> str:
     """A short stable hash of the dataset's location: the ``dataset`` part of a prompt id."""
     return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]
-
-
-def prompt_rows(cfg) -> tuple[list[Row], str]:
-    """The checked rows of an on-policy ``data_source`` (a dataset file, directory, Hub id or
-    reasoning-gym task) and the dataset's key; the whole dataset is checked before any use."""
-    from rlstream.envs.gym import is_gym_source, rows_for
-
-    ds = cfg.data_source
-    if not ds.path:
-        raise DatasetError("data_source.path is not set: nothing to feed")
-    rows = rows_for(ds) if is_gym_source(ds.path) else read_rows(ds.path, ds.split, ds.limit, name=ds.name)
-    return check_rows(rows, cfg, where=str(ds.path)), dataset_key(ds.path, ds.split)

@@ -30,7 +30,7 @@ import torch
 
 from rlstream.broker import Outgoing
 from rlstream.broker.layout import Layout
-from rlstream.data import prompt_rows
+from rlstream.envs.gym import prompt_rows
 from rlstream.learner import advantages as adv
 from rlstream.learner.curriculum import CurriculumState, PromptCurriculum
 from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch

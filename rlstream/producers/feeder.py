@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.broker import Component, Layout, Outgoing, Publisher
-from rlstream.data import DatasetError, Row, check_rows, prompt_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
+from rlstream.data import DatasetError, Row, check_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
+from rlstream.envs.gym import prompt_rows
 from rlstream.schemas import Prompt
 
 log = logging.getLogger(__name__)
