@@ -245,6 +245,7 @@ class StreamSource:
         self.lost_prompts = 0  # the curriculum's: dead letters past the feeder (producers' too)
         self._taking = 0  # groups the take under way keeps (observed once the batch is taken)
         self._drawing = asyncio.Lock()  # a checkpoint never holds a draw whose publish is not acked
+        self._unpublished: list = []  # drawn prompts whose publish failed: sent again first
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -311,10 +312,13 @@ class StreamSource:
         if self.curriculum is None:
             return
         async with self._drawing:
-            prompts = self.curriculum.draw(self.curriculum.wanted(self.lost_prompts + self._taking))
-            if prompts:
+            # a publish that failed (the broker away past the publisher's retries) is sent again
+            # here first: the draws are counted, so dropping them would shrink the lead for good
+            self._unpublished += self.curriculum.draw(self.curriculum.wanted(self.lost_prompts + self._taking))
+            if self._unpublished:
                 lay = self.comp.layout
-                await self.comp.publisher.publish_many([Outgoing(lay.prompts, p.encode(), p.id) for p in prompts])
+                await self.comp.publisher.publish_many([Outgoing(lay.prompts, p.encode(), p.id) for p in self._unpublished])
+                self._unpublished = []
 
     async def upcoming(self, stop: asyncio.Event, training: Taken, version: int) -> list | None:
         """The groups the next :meth:`take` will most likely return, judged by
