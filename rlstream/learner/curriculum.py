@@ -30,7 +30,7 @@ the rest of the pipeline (message-id de-duplication, the learner's trained ids) 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,25 +43,39 @@ from rlstream.schemas import Prompt
 
 @dataclass
 class CurriculumState:
-    """The per-prompt state, JSON round-trip exact (kept in ``learner_state.json``)."""
+    """The per-prompt state. Arrays in memory (the weights of a large dataset are one numpy
+    expression); in ``learner_state.json`` only the settled rows, as ``{row: value}``, JSON
+    round-trip exact."""
 
+    streak: np.ndarray
+    """int64 ``[n_rows]``: all-equal groups in a row per prompt (0: its last group was mixed, or none yet)."""
+    settled_at: np.ndarray
+    """int64 ``[n_rows]``: ``draws`` when its last all-equal group was consumed (where ``streak > 0``)."""
     draws: int = 0
     """Prompts drawn (published) so far."""
     observed: int = 0
     """Groups of drawn prompts the learner consumed."""
     settled_groups: int = 0
     """Of those, the groups whose rewards were all equal."""
-    streak: dict[str, int] = field(default_factory=dict)
-    """Row -> all-equal groups in a row (rows at 0 are left out)."""
-    settled_at: dict[str, int] = field(default_factory=dict)
-    """Row -> ``draws`` when its last all-equal group was consumed."""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "CurriculumState":
-        return cls(**data) if data else cls()
+    def empty(cls, n_rows: int) -> "CurriculumState":
+        return cls(streak=np.zeros(n_rows, np.int64), settled_at=np.zeros(n_rows, np.int64))
+
+    def to_json(self) -> dict[str, Any]:
+        rows = np.flatnonzero(self.streak).tolist()
+        return {"draws": self.draws, "observed": self.observed, "settled_groups": self.settled_groups,
+                "streak": {str(r): int(self.streak[r]) for r in rows}, "settled_at": {str(r): int(self.settled_at[r]) for r in rows}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], n_rows: int) -> "CurriculumState":
+        """The saved state over a dataset of ``n_rows`` (rows past its end are left out)."""
+        state = cls.empty(n_rows)
+        state.draws, state.observed, state.settled_groups = (int(data.get(k, 0)) for k in ("draws", "observed", "settled_groups"))
+        for row, streak in (data.get("streak") or {}).items():
+            if int(row) < n_rows:
+                state.streak[int(row)], state.settled_at[int(row)] = streak, data["settled_at"][row]
+        return state
 
 
 # ---- the math (pure) ---------------------------------------------------------------------------
@@ -72,13 +86,11 @@ def all_equal(rewards) -> bool:
     return not bool(dynamic_sampling_mask(torch.tensor(np.asarray(rewards, np.float32)).reshape(1, -1))[0])
 
 
-def prompt_weights(n_rows: int, state: CurriculumState, ccfg: Curriculum) -> np.ndarray:
+def prompt_weights(state: CurriculumState, ccfg: Curriculum) -> np.ndarray:
     """float64 ``[n_rows]``: each prompt's draw weight after ``state.draws`` draws."""
-    w = np.ones(n_rows, np.float64)
-    for row, streak in state.streak.items():
-        i = int(row)
-        if i < n_rows and state.draws - state.settled_at[row] < ccfg.comes_back_after:
-            w[i] = max(ccfg.min_weight, ccfg.settled_weight ** streak)
+    settled = (state.streak > 0) & (state.draws - state.settled_at < ccfg.comes_back_after)
+    w = np.ones(len(state.streak), np.float64)
+    w[settled] = np.maximum(ccfg.min_weight, ccfg.settled_weight ** state.streak[settled].astype(np.float64))
     return w
 
 
@@ -98,14 +110,13 @@ def pick(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
 def observe(state: CurriculumState, row: int, rewards) -> bool:
     """One consumed group of prompt ``row``: update its streak; True when it was all equal."""
     state.observed += 1
-    key = str(row)
     if all_equal(rewards):
         state.settled_groups += 1
-        state.streak[key] = state.streak.get(key, 0) + 1
-        state.settled_at[key] = state.draws
+        state.streak[row] += 1
+        state.settled_at[row] = state.draws
         return True
-    state.streak.pop(key, None)
-    state.settled_at.pop(key, None)
+    state.streak[row] = 0
+    state.settled_at[row] = 0
     return False
 
 
@@ -118,6 +129,8 @@ class PromptCurriculum:
     def __init__(self, cfg, rows: list, key: str, state: CurriculumState, run: str = ""):
         if not rows:
             raise ValueError("data_source.curriculum: the dataset has no rows")
+        if len(state.streak) != len(rows):
+            raise ValueError(f"curriculum state of {len(state.streak)} prompts for a dataset of {len(rows)} rows")
         self.ccfg: Curriculum = cfg.data_source.curriculum
         self.rows = rows
         self.key = key
@@ -150,7 +163,7 @@ class PromptCurriculum:
         if k <= 0:
             return []
         start = self.state.draws
-        chosen = pick(prompt_weights(len(self.rows), self.state, self.ccfg), uniforms(self.ccfg.seed, start, k))
+        chosen = pick(prompt_weights(self.state, self.ccfg), uniforms(self.ccfg.seed, start, k))
         self.state.draws += k
         out = []
         for n, i in enumerate(chosen.tolist(), start):
@@ -161,7 +174,7 @@ class PromptCurriculum:
 
     def metrics(self) -> dict[str, float]:
         s = self.state
-        w = prompt_weights(len(self.rows), s, self.ccfg)
+        w = prompt_weights(s, self.ccfg)
         return {"curriculum/draws": float(s.draws), "curriculum/settled_groups": float(s.settled_groups),
                 "curriculum/settled_share": s.settled_groups / s.observed if s.observed else 0.0,
                 "curriculum/prompts_down_weighted": float(int((w < 1.0).sum()))}

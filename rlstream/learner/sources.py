@@ -433,7 +433,7 @@ class StreamSource:
 async def open_curriculum(learner: Learner, run: str) -> PromptCurriculum:
     """The dataset's rows (read in a thread) and the curriculum state of the resumed checkpoint."""
     base, key = await asyncio.to_thread(prompt_rows, learner.cfg)
-    return PromptCurriculum(learner.cfg, base, key, CurriculumState.from_json(learner.state.curriculum), run=run)
+    return PromptCurriculum(learner.cfg, base, key, CurriculumState.from_json(learner.state.curriculum, len(base)), run=run)
 
 
 async def dead_letters_past_producers(js, lay: Layout) -> int:

@@ -20,24 +20,30 @@ from rlstream.learner.curriculum import (
 )
 
 
+def _state(n_rows: int, **saved) -> CurriculumState:
+    return CurriculumState.from_json(saved, n_rows)
+
+
 def test_weights_by_streak_floor_and_coming_back():
     # 10 prompts drawn; row 1 settled once at draw 5, row 2 twice (last at 8), row 3 once at 0
-    state = CurriculumState(draws=10, streak={"1": 1, "2": 2, "3": 1}, settled_at={"1": 5, "2": 8, "3": 0})
+    state = _state(5, draws=10, streak={"1": 1, "2": 2, "3": 1}, settled_at={"1": 5, "2": 8, "3": 0})
     ccfg = Curriculum(enabled=True, settled_weight=0.1, min_weight=0.005, comes_back_after=10)
     # row 0: never settled -> 1
     # row 1: 10 - 5 = 5 < 10 draws since it settled -> 0.1 ** 1 = 0.1
     # row 2: 10 - 8 = 2 < 10 -> max(0.005, 0.1 ** 2) = 0.01
     # row 3: 10 - 0 = 10, not < 10: it has come back -> 1
     # row 4: never settled -> 1
-    assert prompt_weights(5, state, ccfg) == pytest.approx([1.0, 0.1, 0.01, 1.0, 1.0])
+    assert prompt_weights(state, ccfg) == pytest.approx([1.0, 0.1, 0.01, 1.0, 1.0])
     # the floor: max(0.05, 0.01) = 0.05 for row 2
     floored = Curriculum(enabled=True, settled_weight=0.1, min_weight=0.05, comes_back_after=10)
-    assert prompt_weights(5, state, floored) == pytest.approx([1.0, 0.1, 0.05, 1.0, 1.0])
+    assert prompt_weights(state, floored) == pytest.approx([1.0, 0.1, 0.05, 1.0, 1.0])
     # settled_weight 0: a settled prompt is drawn only at the floor's weight
     zero = Curriculum(enabled=True, settled_weight=0.0, min_weight=0.02, comes_back_after=10)
-    assert prompt_weights(5, state, zero) == pytest.approx([1.0, 0.02, 0.02, 1.0, 1.0])
-    # a row past the dataset's end (a smaller dataset on resume) is ignored
-    assert prompt_weights(2, state, ccfg) == pytest.approx([1.0, 0.1])
+    assert prompt_weights(state, zero) == pytest.approx([1.0, 0.02, 0.02, 1.0, 1.0])
+    # a row past the dataset's end (a smaller dataset on resume) is left out
+    smaller = _state(2, **state.to_json())
+    assert prompt_weights(smaller, ccfg) == pytest.approx([1.0, 0.1])
+    assert smaller.to_json()["streak"] == {"1": 1}
 
 
 def test_pick_is_the_inverse_cdf():
@@ -50,14 +56,14 @@ def test_pick_is_the_inverse_cdf():
 
 
 def test_observe_counts_streaks_and_a_mixed_group_resets_them():
-    s = CurriculumState(draws=7)
+    s = _state(5, draws=7)
     assert observe(s, 3, [1.0, 1.0, 1.0, 1.0])  # all solved
-    assert (s.streak, s.settled_at, s.observed, s.settled_groups) == ({"3": 1}, {"3": 7}, 1, 1)
+    assert s.to_json() == {"draws": 7, "observed": 1, "settled_groups": 1, "streak": {"3": 1}, "settled_at": {"3": 7}}
     s.draws = 12
     assert observe(s, 3, [0.0, 0.0, 0.0, 0.0])  # all failed: settled one deeper, at draw 12
-    assert (s.streak, s.settled_at) == ({"3": 2}, {"3": 12})
+    assert (s.to_json()["streak"], s.to_json()["settled_at"]) == ({"3": 2}, {"3": 12})
     assert not observe(s, 3, [0.0, 1.0, 0.0, 0.0])  # a mixed group: it weighs 1 again
-    assert (s.streak, s.settled_at, s.observed, s.settled_groups) == ({}, {}, 3, 2)
+    assert s.to_json() == {"draws": 12, "observed": 3, "settled_groups": 2, "streak": {}, "settled_at": {}}
     # the same test as dynamic sampling's: a spread above 1e-8 keeps the group
     assert all_equal([0.5, 0.5]) and not all_equal([0.0, 1e-3])
 
@@ -73,7 +79,7 @@ def _curriculum(n_rows: int, **ccfg) -> PromptCurriculum:
     cfg = parse_config({"model_checkpoint_path": "m", "training_mode": "RL_DAPO",
                         "data_source": {"path": "d.jsonl", "curriculum": {"enabled": True, **ccfg}}})
     rows = [(f"{i}+1=", None, {"answer": str(i + 1)}) for i in range(n_rows)]
-    return PromptCurriculum(cfg, rows, "abc", CurriculumState(), run="r")
+    return PromptCurriculum(cfg, rows, "abc", CurriculumState.empty(n_rows), run="r")
 
 
 def test_settled_prompts_are_drawn_less_in_proportion_to_their_weight():
@@ -106,5 +112,10 @@ def test_lead_group_ids_and_the_state_in_the_checkpoint_json():
         assert cur.row_of(foreign) is None
     state = LearnerState(step=3, curriculum=cur.state.to_json())
     back = LearnerState.from_json(json.loads(json.dumps(state.to_json())))
-    assert CurriculumState.from_json(back.curriculum) == cur.state
-    assert CurriculumState.from_json(LearnerState.from_json({"step": 1}).curriculum) == CurriculumState()  # older checkpoints
+    assert CurriculumState.from_json(back.curriculum, 4).to_json() == cur.state.to_json() == {
+        "draws": 3, "observed": 1, "settled_groups": 1, "streak": {str(drawn[0].index): 1}, "settled_at": {str(drawn[0].index): 3}}
+    older = CurriculumState.from_json(LearnerState.from_json({"step": 1}).curriculum, 4)  # a checkpoint from before the curriculum
+    assert older.to_json() == CurriculumState.empty(4).to_json() and older.streak.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="curriculum state of 4 prompts for a dataset of 5 rows"):
+        PromptCurriculum(parse_config({"model_checkpoint_path": "m", "training_mode": "RL_DAPO", "data_source": {"path": "d.jsonl"}}),
+                         [("q", None, {})] * 5, "abc", older)
