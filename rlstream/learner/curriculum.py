@@ -136,13 +136,16 @@ class PromptCurriculum:
         self.key = key
         self.state = state
         self.run = run
-        self._id = re.compile(rf"p{re.escape(key)}-c(\d+)-(\d+)")
+        # any dataset key: a run resumed with its dataset at another path (another key) still
+        # counts the groups of the prompts drawn before, or they would stay "in flight" for good
+        self._id = re.compile(r"p[0-9a-f]+-c(\d+)-(\d+)")
 
     def prompt_id(self, draw: int, row: int) -> str:
         return f"p{self.key}-c{draw}-{row}"
 
     def row_of(self, group_id: str) -> int | None:
-        """The dataset row of one of our prompts' groups (None: not drawn by this curriculum)."""
+        """The dataset row of a curriculum prompt's group (None: not a curriculum draw, e.g. an
+        evaluation prompt or one a feeder published)."""
         m = self._id.fullmatch(group_id)
         return int(m.group(2)) if m and int(m.group(2)) < len(self.rows) else None
 
@@ -153,8 +156,8 @@ class PromptCurriculum:
             observe(self.state, row, group.rewards)
 
     def wanted(self, released: int = 0) -> int:
-        """Prompts to draw now to keep ``lead`` in flight; ``released``: dead letters past the
-        feeder, which the learner will never consume."""
+        """Prompts to draw now to keep ``lead`` in flight; ``released``: groups consumed or lost
+        but not observed yet (dead letters past the feeder, the groups of a take under way)."""
         in_flight = self.state.draws - self.state.observed - released
         return max(0, self.ccfg.lead - in_flight)
 

@@ -108,8 +108,9 @@ def test_lead_group_ids_and_the_state_in_the_checkpoint_json():
     assert cur.state.observed == 1 and cur.wanted() == 1  # one consumed: one to draw
     assert cur.wanted(released=1) == 2  # a dead letter will never be consumed: replaced too
     # groups of prompts this curriculum did not draw change nothing
-    for foreign in ("pabc-0-1", "pxyz-c0-1", "pabc-c0-99", "eval-1"):
+    for foreign in ("pabc-0-1", "pabc-c0-99", "eval-1", "pabc-c0-1x"):  # a feeder's id, a row past the end, others
         assert cur.row_of(foreign) is None
+    assert cur.row_of("p0123456789-c7-2") == 2  # drawn under another dataset key (the dataset moved): still counted
     state = LearnerState(step=3, curriculum=cur.state.to_json())
     back = LearnerState.from_json(json.loads(json.dumps(state.to_json())))
     assert CurriculumState.from_json(back.curriculum, 4).to_json() == cur.state.to_json() == {
