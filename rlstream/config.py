@@ -557,8 +557,9 @@ class Curriculum(Strict):
     """Prompts drawn after a prompt settled until it weighs 1 again (it is tried again; one
     more all-equal group settles it deeper)."""
     lead: int = Field(64, ge=1, le=1_000_000)
-    """Prompts drawn ahead: published but not yet consumed by the learner. Enough to keep every
-    producer busy (a few times ``buffer.max_groups``); less lets pass rates follow training closer."""
+    """Prompts drawn ahead: published but not yet consumed by the learner. At least
+    ``producer.count * producer.batch_prompts`` so every producer has a batch; less keeps producers
+    from running far ahead (fewer stale groups) and lets the weights follow training closer."""
     seed: int = Field(0, ge=0, le=2**63 - 1)
     """Draw ``n`` uses the ``n``-th uniform of this seed: the same weights give the same prompts."""
 
