@@ -146,7 +146,13 @@ def _component(module: str, default_id: str, **fixed):
             extra["resume"] = True
         if getattr(args, "max_steps", None):
             extra["max_steps"] = args.max_steps
-        return asyncio.run(main(cfg, url, args.id or default_id, **extra)) or 0
+        from rlstream.data import DatasetError
+
+        try:
+            return asyncio.run(main(cfg, url, args.id or default_id, **extra)) or 0
+        except DatasetError as exc:  # e.g. the curriculum's dataset in the learner: the user's to fix, so exit 2 (not restarted)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     return run
 

@@ -540,6 +540,30 @@ def check_reasoning_gym(path: str, opts: ReasoningGymSource | None) -> None:
         raise ValueError(f"data_source.reasoning_gym.config {config!r} for task {task!r}: {' '.join(str(exc).split())}") from None
 
 
+class Curriculum(Strict):
+    """Difficulty curriculum (``data_source.curriculum``): prompts are drawn by how much their
+    last groups taught. A prompt whose group's rewards were all equal (all solved or all failed,
+    the groups dynamic sampling drops) is drawn less, and comes back later. With it the learner
+    draws the prompts (the feeder publishes none), keeping ``lead`` of them ahead of what it
+    consumed, until ``learner.max_steps``."""
+
+    enabled: bool = False
+    settled_weight: float = Field(0.1, ge=0.0, le=1.0)
+    """A prompt's draw weight is multiplied by this for each all-equal group in a row (0.1: a
+    tenth after one, a hundredth after two); a prompt with a mixed group last weighs 1."""
+    min_weight: float = Field(0.01, gt=0.0, le=1.0)
+    """The floor of a settled prompt's weight, so no prompt is starved for good."""
+    comes_back_after: int = Field(256, ge=1, le=1_000_000_000)
+    """Prompts drawn after a prompt settled until it weighs 1 again (it is tried again; one
+    more all-equal group settles it deeper)."""
+    lead: int = Field(64, ge=1, le=1_000_000)
+    """Prompts drawn ahead: published but not yet consumed by the learner. At least
+    ``producer.count * producer.batch_prompts`` so every producer has a batch; less keeps producers
+    from running far ahead (fewer stale groups) and lets the weights follow training closer."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Draw ``n`` uses the ``n``-th uniform of this seed: the same weights give the same prompts."""
+
+
 class DataSource(Strict):
     type: Literal["on_policy", "off_policy", "webdataset"] = "on_policy"
     """on_policy: prompts are fed, producers sample; off_policy: SFT/DPO read a dataset;
@@ -580,6 +604,8 @@ class DataSource(Strict):
 
     reasoning_gym: ReasoningGymSource | None = None
     """Settings of a ``path: reasoning_gym:<task>`` source (size, seed, the task's config, a system prompt)."""
+    curriculum: Curriculum = Field(default_factory=Curriculum)
+    """Draw prompts by their groups' pass rates instead of feeding every epoch up front (RL modes)."""
 
     @model_validator(mode="after")
     def _webdataset(self):
@@ -593,7 +619,16 @@ class DataSource(Strict):
             raise ValueError(f"data_source.urls is for type 'webdataset' (type is {self.type!r}; a file dataset goes in data_source.path)")
         if self.part_index >= self.part_count:
             raise ValueError(f"data_source.part_index {self.part_index} must be below part_count {self.part_count}")
+        if self.curriculum.enabled:
+            self._check_curriculum()
         return self
+
+    def _check_curriculum(self) -> None:
+        if self.type != "on_policy":
+            raise ValueError(f"data_source.curriculum draws prompts from a dataset file (type 'on_policy'), not type {self.type!r}")
+        if self.epochs != 1:
+            raise ValueError(f"data_source.epochs {self.epochs} does not apply with a curriculum (prompts are drawn until "
+                             "learner.max_steps); leave it at 1")
 
 
 class RewardTerm(Strict):
@@ -1552,8 +1587,8 @@ class Config(Strict):
             raise ValueError("training_mode DISTILL needs a teacher section (teacher.model_path or teacher.endpoint)")
         if self.teacher is not None and mode != "DISTILL":
             raise ValueError(f"the teacher stage is for training_mode DISTILL, not {mode}; remove the teacher section")
-        if self.reference is not None and mode not in RL_MODES:
-            raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
+        if mode not in RL_MODES:
+            self._check_not_rl(mode)
         if self.env is not None:
             self._check_env()
         if self.learner.lora is not None and self.producer.weight_update == "in_flight":
@@ -1565,6 +1600,14 @@ class Config(Strict):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def _check_not_rl(self, mode: str) -> None:
+        """Sections that only RL modes use."""
+        if self.reference is not None:
+            raise ValueError(f"the reference stage annotates streamed RL groups; training_mode {mode} computes its own reference")
+        if self.data_source.curriculum.enabled:
+            raise ValueError(f"data_source.curriculum weighs prompts by their groups' rewards: it is for RL modes "
+                             f"({', '.join(RL_MODES)}), not {mode}")
 
     def _check_env(self) -> None:
         mode = self.training_mode

@@ -11,6 +11,7 @@ row number and the column name, so a bad dataset fails with a clear message.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -142,3 +143,8 @@ def check_rows(rows: list[dict[str, Any]], cfg, where: str = "dataset") -> list[
         columns = {k: _plain(v) for k, v in row.items() if k not in (pc, mc)}
         base.append((text, messages, columns))
     return base
+
+
+def dataset_key(path: str | Path, split: str) -> str:
+    """A short stable hash of the dataset's location: the ``dataset`` part of a prompt id."""
+    return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]

@@ -368,3 +368,27 @@ def test_weight_update_defaults_to_what_the_benchmark_measures_ahead_per_backend
     assert update({"backend": "hf", "weight_update": "in_flight"}) == "in_flight"
     with pytest.raises(ConfigError, match="with learner.lora the adapters load between batches"):
         update({"backend": "vllm", "weight_update": "in_flight"}, learner=lora)
+
+
+def test_curriculum_section_defaults_bounds_and_where_it_applies():
+    rl = {"model_checkpoint_path": "m", "training_mode": "RL_DAPO", "data_source": {"path": "d.jsonl"}}
+    cur = parse_config({**rl, "data_source": {"path": "d.jsonl", "curriculum": {"enabled": True}}}).data_source.curriculum
+    assert (cur.enabled, cur.settled_weight, cur.min_weight, cur.comes_back_after, cur.lead) == (True, 0.1, 0.01, 256, 64)
+    assert not parse_config(rl).data_source.curriculum.enabled  # off unless asked for
+
+    def refused(curriculum: dict, expected: str, **data_source):
+        with pytest.raises(ConfigError, match=expected) as err:
+            parse_config({**rl, "data_source": {"path": "d.jsonl", **data_source, "curriculum": curriculum}})
+        assert len(str(err.value).strip().splitlines()) == 2  # "invalid config:" and one line naming the field
+
+    refused({"settled_weight": 1.5}, r"data_source\.curriculum\.settled_weight: 1\.5 is not allowed; input should be less than or equal to 1")
+    refused({"min_weight": 0}, r"data_source\.curriculum\.min_weight: 0 is not allowed; input should be greater than 0")
+    refused({"comes_back_after": 0}, r"data_source\.curriculum\.comes_back_after: 0 is not allowed")
+    refused({"lead": -1}, r"data_source\.curriculum\.lead: -1 is not allowed")
+    refused({"enabled": True, "decay": 0.5}, r"data_source\.curriculum\.decay: unknown key")
+    refused({"enabled": True}, r"data_source\.epochs 3 does not apply with a curriculum", epochs=3)
+    refused({"enabled": True}, r"from a dataset file \(type 'on_policy'\), not type 'webdataset'", path=None, type="webdataset", urls="s/{0..1}.tar")
+    refused({"enabled": True}, r"not type 'off_policy'", type="off_policy")
+    with pytest.raises(ConfigError, match=r"data_source\.curriculum .* is for RL modes .* not DPO"):
+        parse_config({"model_checkpoint_path": "m", "training_mode": "DPO", "algorithm_params": {"online_pairs": True},
+                      "data_source": {"path": "d.jsonl", "curriculum": {"enabled": True}}})

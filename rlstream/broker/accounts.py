@@ -13,7 +13,7 @@ its object store, and for each role its own durable consumer. Anything not liste
 | scorer    | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL_ROLLOUTS | heartbeat.scorer.* |
 | reference | reference         | -                                                                     | reference on RL_<run>_SCORED      | heartbeat.reference.* |
 | teacher   | teacher           | -                                                                     | teacher on RL_<run>_SCORED or RL_<run>_REFERENCE | heartbeat.teacher.* |
-| learner   | weights (objects), eval.prompts | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| learner   | weights (objects), eval.prompts (and prompts, rendered with ``--curriculum``) | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator  | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 The annotating stages (``reference``, ``teacher``) are optional links between the scorers and
@@ -37,6 +37,11 @@ the operator create or update streams and consumers: a stream that re-publishes 
 into the run's subjects, or a consumer that pushes its messages to another subject, is how a
 component could otherwise write what its role may not. So components only bind to what the
 learner laid out; each may pull from, ack and nak on its own durable consumer alone.
+
+A run with ``data_source.curriculum`` has the learner draw the training prompts (it sees every
+scored group, and its checkpoint holds the per-prompt state): render its accounts with
+``--curriculum`` to let the learner publish ``rl.<run>.prompts`` too. Without the flag it may
+not, so a run without a curriculum grants the learner nothing it does not use.
 
 Passwords come from the environment of the nats-server process (a Kubernetes Secret):
 nats-server reads an undefined ``$VARIABLE`` from the environment and refuses to start when
@@ -96,11 +101,14 @@ def durable_streams(run: str) -> dict[str, list[str]]:
     return out
 
 
-def permissions(role: str, run: str) -> list[str]:
-    """The subjects ``role`` may publish to in ``run``."""
+def permissions(role: str, run: str, curriculum: bool = False) -> list[str]:
+    """The subjects ``role`` may publish to in ``run`` (``curriculum``: the learner draws the
+    training prompts, so it publishes ``rl.<run>.prompts``)."""
     lay = Layout(run, ANNOTATORS)  # every stream a run may have
     kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
     allow = [f"rl.{run}.{record}" for record in RECORDS.get(role, ())]
+    if curriculum and role == "learner":
+        allow.append(lay.prompts)
     allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
     allow += [f"$JS.API.STREAM.INFO.{s}" for s in streams(lay)]
     for s in (kv, obj):
@@ -132,7 +140,7 @@ def subscriptions(role: str, run: str) -> list[str]:
     return allow
 
 
-def _user(role: str, run: str) -> str:
+def _user(role: str, run: str, curriculum: bool = False) -> str:
     subscribe = ", ".join(f'"{s}"' for s in subscriptions(role, run))
     lines = [
         "      {",
@@ -141,7 +149,7 @@ def _user(role: str, run: str) -> str:
         "        permissions: {",
         "          publish: { allow: [",
     ]
-    lines += [f'            "{s}"' for s in permissions(role, run)]
+    lines += [f'            "{s}"' for s in permissions(role, run, curriculum)]
     lines += [
         "          ] }",
         f"          subscribe: {{ allow: [{subscribe}] }}",
@@ -151,7 +159,7 @@ def _user(role: str, run: str) -> str:
     return "\n".join(lines)
 
 
-def render_accounts(run: str, limits: AccountLimits = AccountLimits()) -> str:
+def render_accounts(run: str, limits: AccountLimits = AccountLimits(), curriculum: bool = False) -> str:
     """The text of ``accounts.conf`` for ``run`` (included by ``nats-server.conf``)."""
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run):
         raise ValueError(f"run id {run!r}: letters, digits, _ and - only")
@@ -170,7 +178,7 @@ def render_accounts(run: str, limits: AccountLimits = AccountLimits()) -> str:
         "    }",
         "    users: [",
     ]
-    users = [_user(role, run) for role in ROLES]
+    users = [_user(role, run, curriculum) for role in ROLES]
     users.append("\n".join([
         "      {",
         "        user: operator",
@@ -200,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-file", default=d.max_file)
     p.add_argument("--max-streams", type=int, default=d.max_streams)
     p.add_argument("--max-consumers", type=int, default=d.max_consumers)
+    p.add_argument("--curriculum", action="store_true", help="the run has data_source.curriculum: its learner publishes the prompts")
     args = p.parse_args(argv)
     limits = AccountLimits(args.max_mem, args.max_file, args.max_streams, args.max_consumers)
-    sys.stdout.write(render_accounts(args.run, limits))
+    sys.stdout.write(render_accounts(args.run, limits, curriculum=args.curriculum))
     return 0
 
 

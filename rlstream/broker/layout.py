@@ -15,6 +15,9 @@
 | KV rl_<run>_state                | KV_rl_<run>_state  | policy.version, learner.step, pacing.admit, heartbeat.<comp>.<id> |
 | objects rl_<run>_weights         | OBJ_rl_<run>_weights | safetensors of policy version N |
 
+With ``data_source.curriculum`` the learner publishes the training prompts instead of the
+feeder (it draws them by the per-prompt state it keeps from the scored groups).
+
 Evaluation has streams of its own (one per stage, as training: a record keeps its id from
 stage to stage, and JetStream de-duplicates message ids per stream), so nothing from it
 reaches the training subjects (the learner's consumer reads the last link of the chain only) or

@@ -101,3 +101,15 @@ def reward(prompts: list[Any], completions: list[Any], reasoning_gym: list[dict[
     """TRL's reward-function signature (``reward_function.terms[].function: rlstream.envs.gym:reward``)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [score_reply(t, {"reasoning_gym": spec}) for t, spec in zip(texts, reasoning_gym, strict=True)]
+
+
+def prompt_rows(cfg) -> tuple[list, str]:
+    """The checked rows of an on-policy ``data_source`` (a dataset file, directory or Hub id, or
+    a reasoning-gym task) and the dataset's key; the whole dataset is checked before any use."""
+    from rlstream.data import DatasetError, check_rows, dataset_key, read_rows
+
+    ds = cfg.data_source
+    if not ds.path:
+        raise DatasetError("data_source.path is not set: nothing to feed")
+    rows = rows_for(ds) if is_gym_source(ds.path) else read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+    return check_rows(rows, cfg, where=str(ds.path)), dataset_key(ds.path, ds.split)

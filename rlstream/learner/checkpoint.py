@@ -17,7 +17,7 @@ A checkpoint directory holds:
   stays loadable by vLLM, which reads every top-level ``*.safetensors``);
 - ``learner_state.json``: step, policy version, the ids already trained (and dropped), the
   records pending ack when it was written, the stream position, RNG states, the offline
-  dataset's epoch position and per-epoch usage.
+  dataset's epoch position and per-epoch usage, and with a curriculum its per-prompt state.
 
 It is written to ``step_N.tmp`` (every file fsync'ed), renamed to ``step_N`` and the parent
 directory fsync'ed; only then are the records it covers acknowledged. Retention keeps the
@@ -85,6 +85,13 @@ class LearnerState:
     rng: dict[str, Any] = field(default_factory=dict)
     data_cursor: dict[str, Any] = field(default_factory=dict)
     """WebDataset sources: the reader's position (epoch, shard, sample, shuffle buffer)."""
+    samples_generated: int = 0
+    """Samples of every group consumed (trained, too stale or filtered)."""
+    reward_generated: float = 0.0
+    """The sum of their rewards: ``reward_generated / samples_generated`` is the reward per sample generated."""
+    curriculum: dict[str, Any] = field(default_factory=dict)
+    """``data_source.curriculum``: the prompts drawn and each prompt's streak of all-equal
+    groups (:class:`rlstream.learner.curriculum.CurriculumState`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}

@@ -28,8 +28,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 import numpy as np
 import torch
 
+from rlstream.broker import Outgoing
 from rlstream.broker.layout import Layout
+from rlstream.envs.gym import prompt_rows
 from rlstream.learner import advantages as adv
+from rlstream.learner.curriculum import CurriculumState, PromptCurriculum
 from rlstream.learner.offline import ShardBatches, epoch_summary, load_dpo, load_sft, next_offline_batch
 from rlstream.learner.steps import Learner
 from rlstream.pacing import admit_bound
@@ -180,7 +183,7 @@ def group_verdict(learner: Learner, g: ScoredGroup, version: int, batch_ids: set
     return None
 
 
-async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None) -> StreamBatch | None:
+async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None, on_consumed=None) -> StreamBatch | None:
     """The next ``batch_groups`` trainable groups in stream order. Already-trained ids,
     too-stale groups and (with a group filter) all-equal-reward groups are dropped, counted
     and held for ack (:func:`group_verdict`, at the learner's policy version now). None when
@@ -188,7 +191,9 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
 
     ``on_drop`` (async, no arguments) runs after each dropped group: the stream uses it to
     admit a replacement, or producers paced on ``pacing.admit`` would wait forever for a
-    batch that dropped groups can never fill."""
+    batch that dropped groups can never fill. ``on_consumed(group, verdict)`` (async) runs
+    for every group consumed (not a duplicate) before it is kept or dropped: the curriculum
+    draws the prompts that replace it there."""
     cfg, state = learner.cfg, learner.state
     out = StreamBatch([])
     ids: set[str] = set()
@@ -205,6 +210,8 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             buf.mark_handled(d)
             continue
         state.groups_consumed += 1
+        if on_consumed is not None:
+            await on_consumed(g, verdict)
         if cfg.algorithm_params.group_filter and verdict != "stale":
             state.keep_rate = adv.update_keep_rate(state.keep_rate, verdict != "filtered", KEEP_RATE_BATCHES * cfg.learner.batch_groups)
         if verdict is not None:
@@ -228,12 +235,17 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
 class StreamSource:
     """Scored groups from the broker, through the bounded buffer, in stream order."""
 
-    def __init__(self, learner: Learner, comp, buf, consumer):
+    def __init__(self, learner: Learner, comp, buf, consumer, curriculum: PromptCurriculum | None = None):
         self.learner = learner
         self.comp = comp
         self.buf = buf
         self.consumer = consumer
         self.released = 0  # dead letters past the producers, counted as consumed for pacing
+        self.curriculum = curriculum
+        self.lost_prompts = 0  # the curriculum's: dead letters past the feeder (producers' too)
+        self._taking = 0  # groups the take under way keeps (observed once the batch is taken)
+        self._drawing = asyncio.Lock()  # a checkpoint never holds a draw whose publish is not acked
+        self._unpublished: list = []  # drawn prompts whose publish failed: sent again first
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -252,10 +264,12 @@ class StreamSource:
         tasks_stop = asyncio.Event()
         tasks = [asyncio.create_task(fill(consumer, buf, tasks_stop), name="learner-fill"),
                  asyncio.create_task(hold(buf, tasks_stop, cfg.nats.ack_wait_s), name="learner-hold")]
-        source = cls(learner, comp, buf, consumer)
+        curriculum = await open_curriculum(learner, comp.layout.run) if cfg.data_source.curriculum.enabled else None
+        source = cls(learner, comp, buf, consumer, curriculum)
         tasks.append(asyncio.create_task(source.release_dead_letters(tasks_stop), name="learner-pacing"))
         try:
             await source.published()
+            await source.top_up()
             yield source
         finally:
             # always stop the fill/hold tasks, also when a step raised: nats-py turns the
@@ -265,10 +279,46 @@ class StreamSource:
         await consumer.sub.unsubscribe()
 
     async def take(self, stop: asyncio.Event) -> Taken | None:
-        taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.dropped)
+        try:
+            taken = await take_rl_batch(self.learner, self.buf, stop, on_drop=self.dropped, on_consumed=self.consumed)
+        finally:
+            self._taking = 0
         if taken is None:
-            return None
-        return Taken([d.record for d in taken.deliveries], taken.deliveries)
+            return None  # the groups kept so far went back to the buffer: they count when taken again
+        records = [d.record for d in taken.deliveries]
+        for g in records:
+            self._count(g)
+        return Taken(records, taken.deliveries)
+
+    async def consumed(self, g: ScoredGroup, verdict: str | None) -> None:
+        """A consumed group: a dropped one counts now (it is handled at once), a kept one when
+        its batch is taken. With a curriculum, a prompt is drawn to replace it either way."""
+        if verdict is None:
+            self._taking += 1
+        else:
+            self._count(g)
+        await self.top_up()
+
+    def _count(self, g: ScoredGroup) -> None:
+        """Every sample generated that reached the learner (trained or dropped), and its reward."""
+        state = self.learner.state
+        state.samples_generated += len(g.rewards)
+        state.reward_generated += float(np.nansum(np.asarray(g.rewards, np.float64)))
+        if self.curriculum is not None:
+            self.curriculum.observe(g)
+
+    async def top_up(self) -> None:
+        """Curriculum: publish prompts until ``lead`` are in flight (drawn, not consumed)."""
+        if self.curriculum is None:
+            return
+        async with self._drawing:
+            # a publish that failed (the broker away past the publisher's retries) is sent again
+            # here first: the draws are counted, so dropping them would shrink the lead for good
+            self._unpublished += self.curriculum.draw(self.curriculum.wanted(self.lost_prompts + self._taking))
+            if self._unpublished:
+                lay = self.comp.layout
+                await self.comp.publisher.publish_many([Outgoing(lay.prompts, p.encode(), p.id) for p in self._unpublished])
+                self._unpublished = []
 
     async def upcoming(self, stop: asyncio.Event, training: Taken, version: int) -> list | None:
         """The groups the next :meth:`take` will most likely return, judged by
@@ -299,7 +349,12 @@ class StreamSource:
         state = self.learner.state
         state.next_seq = self.buf.next_seq
         state.pending_ack = self.buf.pending_ack()
-        path = await checkpoint()
+        if self.curriculum is None:
+            path = await checkpoint()
+        else:
+            async with self._drawing:
+                state.curriculum = self.curriculum.state.to_json()
+                path = await checkpoint()
         if path is not None:
             await self.buf.ack_handled()
         return path
@@ -338,6 +393,11 @@ class StreamSource:
                 if n > self.released:
                     self.released = n
                     await self.published()
+                if self.curriculum is not None:
+                    lost = await dead_letters_past_feeder(self.comp.js, self.comp.layout)
+                    if lost > self.lost_prompts:
+                        self.lost_prompts = lost
+                        await self.top_up()
             except Exception as exc:  # the broker away (a node lost): count again later
                 log.debug("pacing: dead letters not counted (%s)", type(exc).__name__)
             try:
@@ -356,10 +416,24 @@ class StreamSource:
                                        "buffer/dropped_filtered": float(state.dropped_filtered)})
 
     def metrics(self) -> dict[str, float]:
-        return {"buffer/depth": float(self.buf.depth)}
+        state = self.learner.state
+        per_sample = state.reward_generated / state.samples_generated if state.samples_generated else 0.0
+        return {"buffer/depth": float(self.buf.depth), "reward/per_sample_generated": per_sample,
+                **(self.curriculum.metrics() if self.curriculum is not None else {})}
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        state = self.learner.state
+        out: dict[str, Any] = {"samples_generated": state.samples_generated,
+                               "reward_per_sample_generated": self.metrics()["reward/per_sample_generated"]}
+        if self.curriculum is not None:
+            out["curriculum"] = {k.split("/", 1)[1]: v for k, v in self.curriculum.metrics().items()}
+        return out
+
+
+async def open_curriculum(learner: Learner, run: str) -> PromptCurriculum:
+    """The dataset's rows (read in a thread) and the curriculum state of the resumed checkpoint."""
+    base, key = await asyncio.to_thread(prompt_rows, learner.cfg)
+    return PromptCurriculum(learner.cfg, base, key, CurriculumState.from_json(learner.state.curriculum, len(base)), run=run)
 
 
 async def dead_letters_past_producers(js, lay: Layout) -> int:
@@ -371,3 +445,11 @@ async def dead_letters_past_producers(js, lay: Layout) -> int:
     info = await js.stream_info(lay.dlq_stream, subjects_filter=lay.dlq("*"))
     widening = {lay.dlq(stage) for stage in ("scorer", *lay.stages, "learner")}
     return sum(n for subject, n in (info.state.subjects or {}).items() if subject in widening)
+
+
+async def dead_letters_past_feeder(js, lay: Layout) -> int:
+    """As :func:`dead_letters_past_producers`, with the producers' own (a prompt that failed
+    generation ``max_deliver`` times): prompts the curriculum drew that will never come back."""
+    info = await js.stream_info(lay.dlq_stream, subjects_filter=lay.dlq("*"))
+    lost = {lay.dlq(stage) for stage in ("producer", "scorer", *lay.stages, "learner")}
+    return sum(n for subject, n in (info.state.subjects or {}).items() if subject in lost)

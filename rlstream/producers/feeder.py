@@ -20,7 +20,6 @@ fails the whole feed before anything is published, naming the row and the column
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import random
@@ -29,20 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.broker import Component, Layout, Outgoing, Publisher
-from rlstream.data import DatasetError, Row, check_rows, read_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
-from rlstream.envs.gym import is_gym_source
-from rlstream.envs.gym import rows_for as gym_rows
+from rlstream.data import DatasetError, Row, check_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
+from rlstream.envs.gym import prompt_rows
 from rlstream.schemas import Prompt
 
 log = logging.getLogger(__name__)
 
 CHUNK = 512
 """Prompts per pipelined publish."""
-
-
-def dataset_key(path: str | Path, split: str) -> str:
-    """A short stable hash of the dataset's location: the ``dataset`` part of a prompt id."""
-    return hashlib.sha1(f"{Path(path).resolve()}|{split}".encode()).hexdigest()[:10]
 
 
 def prompt_id(key: str, epoch: int, index: int | str) -> str:
@@ -89,13 +82,14 @@ async def feed(js, layout: Layout, cfg, *, progress: bool | None = None, publish
     if ds.type == "webdataset":
         total, rows, source = None, None, str(ds.urls)
         prompts = iter_shard_prompts(cfg, run=layout.run)
+    elif ds.curriculum.enabled:
+        log.info("data_source.curriculum: the learner draws the prompts by pass rate; nothing to feed")
+        return 0
     else:
-        if not ds.path:
-            raise DatasetError("data_source.path is not set: nothing to feed")
-        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name) if not is_gym_source(ds.path) else gym_rows(ds)
-        base = check_rows(rows, cfg, where=str(ds.path))  # the whole dataset is checked before anything is published
+        base, key = prompt_rows(cfg)  # the whole dataset is checked before anything is published
         total, source = len(base) * ds.epochs, Path(ds.path).name
-        prompts = iter_prompts(base, cfg, key=dataset_key(ds.path, ds.split), run=layout.run)
+        rows = base
+        prompts = iter_prompts(base, cfg, key=key, run=layout.run)
     publisher = publisher or Publisher(js)
     show = sys.stderr.isatty() if progress is None else progress
     bar = None

@@ -183,7 +183,8 @@ def plan_children(cfg: Config, config_path: str, overrides: list[str], nats_url:
                               preloadable=preloadable(cfg, kind) and placement is not None and placement.preload))
 
     if streaming(cfg):
-        add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
+        if not cfg.data_source.curriculum.enabled:  # with a curriculum the learner draws the prompts
+            add("feeder", "feeder", base + ["feed", config_path, "--id", "feeder"], once=True)
         for i in range(cfg.scorer.count):
             add(f"scorer-{i}", "scorer", base + ["scorer", config_path, "--id", f"scorer-{i}"])
         for stage in cfg.annotators:  # reference, teacher: between the scorers and the learner

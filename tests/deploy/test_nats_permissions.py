@@ -528,3 +528,52 @@ async def test_the_runs_account_has_jetstream_limits(secured):
         assert (info.limits.max_memory, info.limits.max_storage) == (10**9, 200 * 10**9)  # "1G", "200G" (decimal)
     finally:
         await nc.close()
+
+
+async def test_with_a_curriculum_only_the_learner_gains_publishing_prompts(tmp_path):
+    """``--curriculum`` adds one permission, the learner's publish to the run's prompts (it draws
+    them); every other line of the accounts file is the same, and without the flag the shipped
+    learner is refused that subject."""
+    from rlstream.broker.accounts import render_accounts
+
+    run = shipped_run()
+    plain, cur = render_accounts(run).splitlines(), render_accounts(run, curriculum=True).splitlines()
+    import difflib
+
+    changes = [line for line in difflib.ndiff(plain, cur) if line[:2] in ("+ ", "- ")]
+    assert [(c[:2], c[2:].strip()) for c in changes] == [("+ ", f'"rl.{run}.prompts"')]
+    learner = cur[cur.index("        user: learner"):cur.index("        user: operator")]
+    assert f'            "rl.{run}.prompts"' in learner
+
+    passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
+    mp = pytest.MonkeyPatch()
+    for role, pw in passwords.items():
+        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
+    conf = tmp_path / "accounts.conf"
+    conf.write_text("\n".join(cur) + "\n")
+    servers = {"curriculum": LocalCluster(tmp_path / "cur", size=1, accounts_file=conf),
+               "shipped": LocalCluster(tmp_path / "shipped", size=1, accounts_file=ACCOUNTS)}
+    try:
+        for server in servers.values():
+            server.start()
+    finally:
+        mp.undo()
+    try:
+        for name, server in servers.items():
+            nc, js, denials = await _client(server, passwords, "learner")
+            try:
+                lay = await ensure_layout(js, run)
+                if name == "curriculum":
+                    assert (await js.publish(lay.prompts, b"p", headers={"Nats-Msg-Id": "p1"})).seq == 1
+                else:
+                    await nc.publish(lay.prompts, b"p")
+                    await nc.flush()
+                    await asyncio.sleep(0.2)
+                    assert denials.denied(lay.prompts)
+                    assert (await js.stream_info(lay.prompts_stream)).state.messages == 0
+                assert (await js.publish(lay.eval_prompts, b"ep")).seq == 1  # what it could do before, it still can
+            finally:
+                await nc.close()
+    finally:
+        for server in servers.values():
+            server.stop()
