@@ -274,7 +274,7 @@ async def test_oversized_and_too_deep_rollouts_go_to_dlq_with_their_reason(js, r
     letters = [DeadLetter.decode(m.data) for m in await dlq.fetch(3, timeout=5)]
     assert [letter.data for letter in letters] == [rec.encode() for rec in bad]
     assert "columns: nested deeper than the limit of 32" in letters[0].reason
-    assert "columns: holds more than 131072 elements" in letters[1].reason
+    assert "columns: holds more than 131" in letters[1].reason and "(the limit: 131072 and one per 256 bytes)" in letters[1].reason
     assert "lengths: 5000 samples exceeds the limit of 4096" in letters[2].reason
     # the consumer is still alive: a record published now arrives
     await pub.publish(lay.rollouts, rollout(5).encode(), "g5")
