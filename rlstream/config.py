@@ -711,6 +711,13 @@ class NatsConfig(Strict):
     layout_wait_s: float = Field(300.0, gt=0, le=86400)
     """On a server with per-role permissions, how long a component waits at start for the
     learner (or the operator) to lay out the run's streams, KV bucket and object store."""
+    state_account: bool = False
+    """The run's KV bucket and weights object store live in an account of their own that only
+    the learner writes (``deploy/nats/accounts.conf``): the learner reaches it through a second
+    connection as ``<user>-state`` (same password), every other role reads it through the
+    read-only imports under ``$JS.state.API`` and writes only its own heartbeat. No credential
+    but the learner's can then cause a write to the learner's keys or objects, not even through
+    a reply subject (a PubAck lands in the account of the stream that sent it)."""
 
 
 class ProducerConfig(Strict):

@@ -56,6 +56,7 @@ import sys
 from dataclasses import dataclass
 from itertools import combinations
 
+from rlstream.broker.connection import STATE_API, state_user
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout
 from rlstream.broker.state import FOLLOWED_KEYS
 
@@ -101,18 +102,34 @@ def durable_streams(run: str) -> dict[str, list[str]]:
     return out
 
 
+def state_reads(run: str, api: str = "$JS.API") -> list[str]:
+    """The read-only JetStream requests on the run's KV bucket and object store (under ``api``)."""
+    lay = Layout(run)
+    out = []
+    for s in (f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+        out += [f"{api}.STREAM.INFO.{s}", f"{api}.STREAM.MSG.GET.{s}", f"{api}.DIRECT.GET.{s}", f"{api}.DIRECT.GET.{s}.>"]
+    return out
+
+
+def heartbeats(role: str, run: str) -> str:
+    return f"$KV.{Layout(run).state_bucket}.heartbeat.{role}.>"
+
+
 def permissions(role: str, run: str, curriculum: bool = False) -> list[str]:
-    """The subjects ``role`` may publish to in ``run`` (``curriculum``: the learner draws the
-    training prompts, so it publishes ``rl.<run>.prompts``)."""
+    """The subjects ``role`` may publish to in ``run``, in the run's account (``curriculum``:
+    the learner draws the training prompts, so it publishes ``rl.<run>.prompts``). The KV
+    bucket and object store are in the state account: read through its imports under
+    :data:`STATE_API`, written by the learner alone (:func:`state_permissions`)."""
     lay = Layout(run, ANNOTATORS)  # every stream a run may have
-    kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
     allow = [f"rl.{run}.{record}" for record in RECORDS.get(role, ())]
     if curriculum and role == "learner":
         allow.append(lay.prompts)
-    allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role), f"$KV.{lay.state_bucket}.heartbeat.{role}.>", "$JS.API.INFO"]
-    allow += [f"$JS.API.STREAM.INFO.{s}" for s in streams(lay)]
-    for s in (kv, obj):
-        allow += [f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
+    allow += [f"rl.{run}.metrics.{role}.>", lay.dlq(role)]
+    if role != "learner":  # the learner's own goes through its state account user
+        allow.append(heartbeats(role, run))
+    allow.append("$JS.API.INFO")
+    allow += [f"$JS.API.STREAM.INFO.{s}" for s in lay.streams()]
+    allow += state_reads(run, STATE_API)
     for durable in DURABLES.get(role, ()):
         for stream in durable_streams(run)[durable]:
             allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
@@ -120,14 +137,34 @@ def permissions(role: str, run: str, curriculum: bool = False) -> list[str]:
     if role == "learner":
         # how far an eval round has got (it holds the next weights publish until its prompts are generated)
         allow += [f"$JS.API.CONSUMER.INFO.{lay.consumers()[d][0]}.{d}" for d in (Layout.EVAL_PRODUCERS, Layout.EVAL_SCORERS)]
-        allow += [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
-        allow += [f"$O.{lay.weights_bucket}.>", f"$JS.API.STREAM.PURGE.{obj}"]
-        allow += [f"$JS.API.STREAM.{verb}.{s}" for s in streams(lay) for verb in ("CREATE", "UPDATE")]
+        allow += [f"$JS.API.STREAM.{verb}.{s}" for s in lay.streams() for verb in ("CREATE", "UPDATE")]
         for name, on in durable_streams(run).items():
             for stream in on:
                 allow += [f"$JS.API.CONSUMER.CREATE.{stream}.{name}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
                           f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"]
     return allow
+
+
+def state_permissions(run: str) -> list[str]:
+    """What the learner's user in the state account (``learner-state``) may publish: its keys
+    (and its heartbeat), the weights objects, and laying out, reading and pruning both."""
+    lay = Layout(run)
+    kv, obj = f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"
+    allow = [f"$KV.{lay.state_bucket}.{key}" for key in LEARNER_KEYS]
+    allow += [heartbeats("learner", run), f"$O.{lay.weights_bucket}.>", "$JS.API.INFO", *state_reads(run)]
+    allow += [f"$JS.API.STREAM.{verb}.{s}" for s in (kv, obj) for verb in ("CREATE", "UPDATE")]
+    allow.append(f"$JS.API.STREAM.PURGE.{obj}")
+    return allow
+
+
+def state_exports(run: str) -> list[tuple[str, str, str | None]]:
+    """(kind, subject in the state account, subject in the run's account) of each export: the
+    reads (renamed under :data:`STATE_API`, so the run's own JetStream API does not answer
+    them too), each other role's heartbeat, and the keys producers follow."""
+    out: list[tuple[str, str, str | None]] = [("service", s, STATE_API + s[len("$JS.API"):]) for s in state_reads(run)]
+    out += [("service", heartbeats(role, run), None) for role in ROLES if role != "learner"]
+    out += [("stream", f"$KV.{Layout(run).state_bucket}.{key}", None) for key in FOLLOWED_KEYS]
+    return out
 
 
 def subscriptions(role: str, run: str) -> list[str]:
@@ -179,14 +216,61 @@ def render_accounts(run: str, limits: AccountLimits = AccountLimits(), curriculu
         "    users: [",
     ]
     users = [_user(role, run, curriculum) for role in ROLES]
+    lay = Layout(run)
+    # not even the operator makes the state's streams here: they would capture its subjects
+    # in this account again, reply subjects included
+    deny = f'"$JS.API.STREAM.CREATE.KV_{lay.state_bucket}", "$JS.API.STREAM.CREATE.OBJ_{lay.weights_bucket}"'
     users.append("\n".join([
         "      {",
         "        user: operator",
         "        password: $RLSTREAM_OPERATOR_PASSWORD",
-        '        permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"] } }',
+        f'        permissions: {{ publish: {{ allow: [">"], deny: [{deny}] }}, subscribe: {{ allow: [">"] }} }}',
         "      }",
     ]))
+    bucket = Layout(run).weights_bucket
+    imports = []
+    for kind, subject, local in state_exports(run):
+        to = f', to: "{local}"' if local else ""
+        imports.append(f'      {{ {kind}: {{ account: STATE, subject: "{subject}" }}{to} }}')
+    exports = []
+    for kind, subject, _local in state_exports(run):
+        # a batched direct get answers with many messages (the object reader's chunks)
+        many = ", response_type: stream" if kind == "service" and f"DIRECT.GET.OBJ_{bucket}" in subject else ""
+        exports.append(f'      {{ {kind}: "{subject}", accounts: [RLSTREAM]{many} }}')
+    learner_state = ", ".join(f'"{s}"' for s in state_permissions(run))
     tail = [
+        "    ]",
+        "    # the run's KV bucket and weights object store are in STATE: read through these",
+        "    imports: [",
+        *imports,
+        "    ]",
+        "  }",
+        "  # Only the learner writes here (a PubAck lands in the account of the stream that sent it,",
+        "  # so no reply subject of another role reaches this account's streams).",
+        "  STATE {",
+        "    jetstream {",
+        f"      max_mem: {limits.max_mem}",
+        f"      max_file: {limits.max_file}",
+        "      max_streams: 4",
+        "      max_consumers: 16",
+        "    }",
+        "    users: [",
+        "      {",
+        f"        user: {state_user('learner')}",
+        "        password: $RLSTREAM_LEARNER_PASSWORD",
+        "        permissions: {",
+        f"          publish: {{ allow: [{learner_state}] }}",
+        f'          subscribe: {{ allow: ["_INBOX.{state_user("learner")}.>"] }}',
+        "        }",
+        "      }",
+        "      {",
+        f"        user: {state_user('operator')}",
+        "        password: $RLSTREAM_OPERATOR_PASSWORD",
+        '        permissions: { publish: { allow: [">"] }, subscribe: { allow: [">"] } }',
+        "      }",
+        "    ]",
+        "    exports: [",
+        *exports,
         "    ]",
         "  }",
         "  SYS {",

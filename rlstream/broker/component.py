@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from rlstream.broker.connection import connect
+from rlstream.broker.connection import connect, connect_state
 from rlstream.broker.io import Publisher
 from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
@@ -352,6 +352,10 @@ class Component:
         self.stop = stop or asyncio.Event()
         self.nc = None
         self.js = None
+        self.state_nc = None
+        self.state_js = None
+        """Where the KV bucket and the weights object store are: ``js`` itself, or with
+        ``nats.state_account`` the state account (:func:`~rlstream.broker.connection.connect_state`)."""
         self.layout: Layout | None = None
         self.state: RunState | None = None
         self.publisher: Publisher | None = None
@@ -363,8 +367,10 @@ class Component:
         cfg = self.cfg
         self.nc = await connect(cfg.nats, self.nats_url, name=f"{self.component}-{self.component_id}")
         self.js = self.nc.jetstream(timeout=10.0)
+        self.state_nc, self.state_js = await connect_state(cfg.nats, self.nc, self.nats_url, name=f"{self.component}-{self.component_id}",
+                                                           owner=self.component == "learner")
         self.layout = await self._layout()
-        self.state = await RunState.open(self.js, self.layout)
+        self.state = await RunState.open(self.state_js, self.layout)
         # told to stop with the broker gone (the embedded one died with a killed `rlstream
         # run`): publishes give up within SHUTDOWN_RETRY_S rather than PUBLISH_RETRY_S
         self.publisher = Publisher(self.js, stopping=self.stopping_without_broker)
@@ -393,11 +399,11 @@ class Component:
         cfg = self.cfg
         nats_cfg = cfg.nats
         stages = getattr(cfg, "annotators", ())  # reference / teacher links of the chain
-        if not (nats_cfg.user or nats_cfg.token or nats_cfg.token_env or nats_cfg.creds_file):
-            return await ensure_layout(self.js, cfg.run, nats_cfg, stages=stages)
-        if self.component == "learner":
-            return await ensure_layout(self.js, cfg.run, nats_cfg, stages=stages)
-        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component), stages=stages)
+        open_server = not (nats_cfg.user or nats_cfg.token or nats_cfg.token_env or nats_cfg.creds_file)
+        if self.component == "learner" or (open_server and not nats_cfg.state_account):
+            return await ensure_layout(self.js, cfg.run, nats_cfg, stages=stages, state_js=self.state_js)
+        return await bind_layout(self.js, cfg.run, nats_cfg, durable=ROLE_DURABLES.get(self.component), stages=stages,
+                                 state_js=self.state_js)
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self.stop.set()
@@ -418,3 +424,9 @@ class Component:
             except Exception as err:  # the broker is away: nothing more can be sent anyway
                 log.debug("flush on exit: %s", err)
             await self.nc.close()
+        if self.state_nc is not None and self.state_nc.is_connected:
+            try:
+                await self.state_nc.flush(timeout=5)
+            except Exception as err:
+                log.debug("flush on exit (state account): %s", err)
+            await self.state_nc.close()

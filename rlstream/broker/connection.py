@@ -9,6 +9,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import NoServersError
+from nats.js import JetStreamContext
 
 from rlstream.broker.errors import BrokerError
 from rlstream.config import NatsConfig, checked_secret, mask_secrets
@@ -118,3 +119,32 @@ async def connect(cfg: NatsConfig | None = None, url: str | None = None, name: s
     nc.options["max_reconnect_attempts"] = -1
     state["connected"] = True
     return nc
+
+
+STATE_API = "$JS.state.API"
+"""Where the roles of a run with ``nats.state_account`` reach the state account's JetStream
+API: the read-only imports of ``deploy/nats/accounts.conf`` (stream info, message gets)."""
+
+
+def state_user(user: str) -> str:
+    """The learner's user in the state account (``nats.state_account``)."""
+    return f"{user}-state"
+
+
+async def connect_state(cfg: NatsConfig, nc: Client, url: str | None = None, *, name: str = "rlstream",
+                        owner: bool = False, timeout: float = 10.0) -> tuple[Client | None, JetStreamContext]:
+    """The JetStream context that holds the run's KV bucket and weights object store.
+
+    Without ``nats.state_account``: ``nc``'s own. With it, for the ``owner`` (the learner) a
+    second connection as :func:`state_user`, which alone may write there; for every other role
+    ``nc`` under :data:`STATE_API`, the account's read-only exports. Returns the second
+    connection (to close with the first; None when there is none) and the context.
+    """
+    if not cfg.state_account:
+        return None, nc.jetstream(timeout=timeout)
+    if not owner:
+        return None, nc.jetstream(prefix=STATE_API, timeout=timeout)
+    if not cfg.user:
+        raise BrokerError("nats.state_account needs nats.user: the learner connects to the state account as <user>-state")
+    snc = await connect(cfg.model_copy(update={"user": state_user(cfg.user)}), url, name=f"{name}-state")
+    return snc, snc.jetstream(timeout=timeout)

@@ -277,12 +277,15 @@ async def ensure_consumer(js: JetStreamContext, lay: Layout, durable: str, nats_
 async def ensure_layout(
     js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
     ack_wait_s: float | None = None, durables: tuple[str, ...] | None = None, stages: tuple[str, ...] = (),
+    state_js: JetStreamContext | None = None,
 ) -> Layout:
     """Create (or update) the run's streams (with those of the annotating ``stages``), KV
     bucket, object store and the durable consumers ``durables`` (default: all of them).
 
     On a server with per-role permissions (deploy/nats/accounts.conf) only the learner and
-    the operator may do this.
+    the operator may do this. With ``nats.state_account`` the KV bucket and object store are
+    made in the state account, through ``state_js`` (the learner's second connection,
+    :func:`rlstream.broker.connection.connect_state`); without it they are left to the learner.
     """
     cfg = nats_cfg or NatsConfig()
     lay = Layout(run, tuple(stages))
@@ -307,6 +310,15 @@ async def ensure_layout(
         await _ensure_stream(js, StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS, max_age=retention_s, **common))
     for durable in (lay.consumers() if durables is None else durables):
         await ensure_consumer(js, lay, durable, cfg, ack_wait_s=ack_wait_s)
+    if not cfg.state_account:
+        await _ensure_state(js, lay, replicas)
+    elif state_js is not None:
+        await _ensure_state(state_js, lay, replicas)
+    return lay
+
+
+async def _ensure_state(js: JetStreamContext, lay: Layout, replicas: int) -> None:
+    """The run's KV bucket and weights object store."""
     try:
         await js.key_value(lay.state_bucket)
     except NotFoundError:
@@ -315,16 +327,17 @@ async def ensure_layout(
         await js.object_store(lay.weights_bucket)
     except NotFoundError:
         await js.create_object_store(lay.weights_bucket, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas))
-    return lay
 
 
 async def bind_layout(
     js: JetStreamContext, run: str, nats_cfg: NatsConfig | None = None, *,
     durable: str | None, wait_s: float | None = None, stages: tuple[str, ...] = (),
+    state_js: JetStreamContext | None = None,
 ) -> Layout:
     """Wait until the run's layout exists (the learner or the operator creates it),
     including this role's own durable consumer ``durable`` (None: the feeder has none).
-    Nothing is created or changed.
+    Nothing is created or changed. ``state_js``: where the KV bucket and object store are
+    (:func:`rlstream.broker.connection.connect_state`; default ``js``).
 
     Raises :class:`BrokerError` naming what is missing after ``wait_s`` (default
     ``nats.layout_wait_s``).
@@ -336,7 +349,7 @@ async def bind_layout(
     delay = 0.2
     logged = 0.0
     while True:
-        missing = await _missing(js, lay, durable)
+        missing = await _missing(js, lay, durable, state_js or js)
         if not missing:
             break
         now = time.monotonic()
@@ -351,11 +364,11 @@ async def bind_layout(
     return lay
 
 
-async def _missing(js: JetStreamContext, lay: Layout, durable: str | None) -> str | None:
+async def _missing(js: JetStreamContext, lay: Layout, durable: str | None, state_js: JetStreamContext) -> str | None:
     """The first part of the run's layout that does not exist yet, or None."""
-    for name in (*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+    for name, where in (*((n, js) for n in lay.streams()), (f"KV_{lay.state_bucket}", state_js), (f"OBJ_{lay.weights_bucket}", state_js)):
         try:
-            await js.stream_info(name)
+            await where.stream_info(name)
         except NotFoundError:
             return name
     if durable is not None:

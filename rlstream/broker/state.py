@@ -30,9 +30,10 @@ from typing import Any, TypeVar
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
+from rlstream.broker.connection import STATE_API
 from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout, heartbeat_key
 
@@ -63,9 +64,11 @@ class BrokerUnavailable(BrokerError):
 
 
 class RunState:
-    def __init__(self, kv: KeyValue, *, retry_for_s: float = 30.0, bucket: str | None = None):
+    def __init__(self, kv: KeyValue, *, retry_for_s: float = 30.0, bucket: str | None = None, js: JetStreamContext | None = None):
         self.kv = kv
         self.bucket = bucket
+        self.js = js
+        """Where the bucket is (:meth:`open`): the listing of heartbeats asks it for the bucket's subjects."""
         self.retry_for_s = retry_for_s
         self.broker_retries = 0
         """KV calls retried because the broker was away (a timeout or a lost connection)."""
@@ -85,7 +88,19 @@ class RunState:
 
     @classmethod
     async def open(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
-        return cls(await js.key_value(layout.state_bucket), retry_for_s=retry_for_s, bucket=layout.state_bucket)
+        return cls(await js.key_value(layout.state_bucket), retry_for_s=retry_for_s, bucket=layout.state_bucket, js=js)
+
+    @classmethod
+    async def find(cls, js: JetStreamContext, layout: Layout, *, retry_for_s: float = 30.0) -> "RunState":
+        """The run's state wherever it is, for a tool that has no config: behind the read-only
+        imports of a state account (``nats.state_account``; asked first, as a role may not ask
+        its own account), or in ``js``'s account. Raises
+        :class:`~nats.js.errors.NotFoundError` when neither holds the run's bucket."""
+        imported = js._nc.jetstream(prefix=STATE_API, timeout=js._timeout)  # nats-py keeps both private
+        try:
+            return await cls.open(imported, layout, retry_for_s=retry_for_s)
+        except (NotFoundError, nats.errors.NoRespondersError):
+            return await cls.open(js, layout, retry_for_s=retry_for_s)
 
     async def follow(self, nc, keys: tuple[str, ...] = FOLLOWED_KEYS) -> None:
         """Be told of every write to ``keys``, so a waiter wakes when the learner moves them
@@ -221,10 +236,16 @@ class RunState:
         out = {}
 
         async def keys() -> list[str]:
-            try:
-                return await self.kv.keys()
-            except NoKeysError:  # an empty bucket
-                return []
+            if self.js is None or self.bucket is None:  # a bucket handed in: nats-py's listing (a watcher)
+                try:
+                    return await self.kv.keys()
+                except NoKeysError:  # an empty bucket
+                    return []
+            # the bucket's subjects, from one stream info: no consumer is made, so this needs no
+            # permission beyond reading (and works through a state account's read-only imports)
+            prefix = f"$KV.{self.bucket}."
+            info = await self.js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + "heartbeat.>")
+            return [subject[len(prefix):] for subject in info.state.subjects or {}]
 
         keys = await self._retry("keys", keys)
         now = time.time()

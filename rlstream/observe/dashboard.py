@@ -272,7 +272,7 @@ async def stages(request: web.Request) -> web.Response:
     async with cache["lock"]:  # one listing at a time; the polls that wait for it share it
         if time.monotonic() - cache["at"] > cache["ttl_s"]:
             try:
-                state = await RunState.open(request.app["hub"].js, request.app["hub"].layout)
+                state = await RunState.find(request.app["hub"].js, request.app["hub"].layout)
             except NotFoundError:
                 cache["summary"] = stage_summary({})
             else:

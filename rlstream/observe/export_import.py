@@ -18,11 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from rlstream.broker.io import MSG_ID, Outgoing, Publisher
 from rlstream.broker.layout import ANNOTATORS, Layout, ensure_layout
 from rlstream.broker.state import RunState
+from rlstream.config import NatsConfig
 from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.observe.export import check_export, iter_export
 
@@ -58,18 +59,27 @@ async def import_file(js, path: str | Path, run: str, *, force: bool = False) ->
     path = Path(path)
     header, count = await asyncio.to_thread(check_export, path)
     digest = await asyncio.to_thread(_digest, path)
+    try:  # a run whose state is in a state account (nats.state_account): its learner owns the bucket
+        state: RunState | None = await RunState.find(js, Layout(run))
+    except NotFoundError:
+        state = None
+    cfg = NatsConfig(state_account=state is not None and state.js is not js)
     if header["stream"] in ANNOTATORS:
         # that link's stream, without choosing where the learner reads: the run that trains
         # lays out its own chain
-        layout = await ensure_layout(js, run, stages=(header["stream"],), durables=(Layout.PRODUCERS, Layout.SCORERS))
+        layout = await ensure_layout(js, run, cfg, stages=(header["stream"],), durables=(Layout.PRODUCERS, Layout.SCORERS))
     else:
-        layout = await ensure_layout(js, run)
-    state = await RunState.open(js, layout)
+        layout = await ensure_layout(js, run, cfg)
+    if cfg.state_account:  # read-only here: the broker's de-duplication window is what stops a second import
+        state = None
+    else:
+        state = await RunState.open(js, layout)
     marker = f"import.{digest}"
     try:
-        await state.kv.get(marker)
-        if not force:
-            return {"published": 0, "duplicates": 0, "skipped": count, "already_imported": True}
+        if state is not None:
+            await state.kv.get(marker)
+            if not force:
+                return {"published": 0, "duplicates": 0, "skipped": count, "already_imported": True}
     except KeyNotFoundError:
         pass
     publisher = Publisher(js)
@@ -94,7 +104,9 @@ async def import_file(js, path: str | Path, run: str, *, force: bool = False) ->
             await flush()
     if batch:
         await flush()
-    await state.put_json(marker, {"file": path.name, "from_run": header["run"], "stream": header["stream"], "count": count, "ts": time.time()})
+    if state is not None:
+        await state.put_json(marker, {"file": path.name, "from_run": header["run"], "stream": header["stream"], "count": count,
+                                      "ts": time.time()})
     return {"published": published, "duplicates": duplicates, "skipped": 0, "already_imported": False}
 
 

@@ -102,7 +102,7 @@ async def gather(js, run: str) -> dict[str, Any]:
     consumers = {durable: await _consumer(js, stream, durable) for durable, (stream, _subject) in layout.consumers().items()}
 
     try:
-        state = await RunState.open(js, layout)
+        state = await RunState.find(js, layout)
     except NotFoundError:
         state = None
     heartbeats = await state.heartbeats() if state else {}

@@ -204,7 +204,7 @@ async def broker_accounting(nats_cfg, url: str, layout: Layout) -> dict[str, Any
             out["accounting_in_flight"][upstream] = out[f"{stage}_ack_pending"]
             upstream = stage
         out["lost"] = sum(v for k, v in out.items() if k.startswith("lost_"))
-        out["policy_version"] = await (await RunState.open(js, layout)).policy_version()
+        out["policy_version"] = await (await RunState.find(js, layout)).policy_version()
     finally:
         await nc.close()
     return out

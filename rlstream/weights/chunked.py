@@ -34,12 +34,12 @@ class ChunkedTransport(DeltaTransport):
 
     async def put(self, comp, data, version: Version) -> dict[str, Any]:
         chunk = self.settings.chunk_mb * 1024 * 1024
-        digests = await put_chunked(comp.js, comp.layout.weights_bucket, object_name(version.version), data, chunk)
+        digests = await put_chunked(comp.state_js, comp.layout.weights_bucket, object_name(version.version), data, chunk)
         return {"location": location(comp.layout, version.version), "sha256": root_digest(digests),
                 "chunk_size": chunk, "chunk_sha256": digests}
 
     async def put_frames(self, comp, name: str, frames: list[bytes]) -> str:
-        await put_parts(comp.js, comp.layout.weights_bucket, [(part_name(name, i), f) for i, f in enumerate(frames)],
+        await put_parts(comp.state_js, comp.layout.weights_bucket, [(part_name(name, i), f) for i, f in enumerate(frames)],
                         label=name)
         return location(comp.layout, name)
 
@@ -48,21 +48,21 @@ class ChunkedTransport(DeltaTransport):
 
     async def receive_full(self, comp, ann: WeightsAnnouncement, deadline: float | None) -> WeightsSource:
         bucket, name = bucket_and_name(ann)
-        data = await get_chunked(comp.js, bucket, name, ann.size, ann.chunk_size, ann.chunk_sha256,
+        data = await get_chunked(comp.state_js, bucket, name, ann.size, ann.chunk_size, ann.chunk_sha256,
                                  parallel=comp.cfg.producer.weights_parallel)
         return WeightsSource(ann.policy_version, data=data)
 
     async def get_frames(self, comp, ann: WeightsAnnouncement) -> list:
         bucket, name = bucket_and_name(ann)
         parts = [(part_name(name, i), s) for i, s in enumerate(ann.delta_sizes)]
-        buf, _ = await get_parts(comp.js, bucket, name, parts, None, parallel=comp.cfg.producer.weights_parallel)
+        buf, _ = await get_parts(comp.state_js, bucket, name, parts, None, parallel=comp.cfg.producer.weights_parallel)
         return split(buf, ann.delta_sizes)
 
     async def get_full(self, comp, ann: WeightsAnnouncement, version: int) -> tuple[Any, str]:
         bucket, _ = bucket_and_name(ann)
         name, cs = object_name(version), ann.chunk_size
         parts = [(part_name(name, i), min(ann.size, (i + 1) * cs) - i * cs) for i in range(ann.chunks())]
-        buf, digests = await get_parts(comp.js, bucket, name, parts, None, parallel=comp.cfg.producer.weights_parallel)
+        buf, digests = await get_parts(comp.state_js, bucket, name, parts, None, parallel=comp.cfg.producer.weights_parallel)
         return buf, root_digest(digests)
 
     async def prune(self, comp, newest: int) -> list[str]:

@@ -38,12 +38,12 @@ async def prune_objects(comp, keep_from: int) -> list[str]:
     """Delete every version (whole objects, parts, deltas) older than ``keep_from``, but the
     base of a delta that is kept."""
     removed = []
-    names = await list_objects(comp.js, comp.layout.weights_bucket)
+    names = await list_objects(comp.state_js, comp.layout.weights_bucket)
     kept = kept_versions(names, keep_from)
     for name in names:
         found = versions_in(name)
         if found is not None and found[0] not in kept:
-            await delete_object(comp.js, comp.layout.weights_bucket, name)
+            await delete_object(comp.state_js, comp.layout.weights_bucket, name)
             removed.append(name)
     return removed
 
@@ -60,11 +60,11 @@ class ObjectStoreTransport(DeltaTransport):
 
     async def put(self, comp, data, version: Version) -> dict[str, Any]:
         digests = await self.digests(data)
-        await put_object(comp.js, comp.layout.weights_bucket, object_name(version.version), bytes(data))  # nats-py's put takes bytes
+        await put_object(comp.state_js, comp.layout.weights_bucket, object_name(version.version), bytes(data))  # nats-py's put takes bytes
         return {"location": location(comp.layout, version.version), **digests}
 
     async def put_frames(self, comp, name: str, frames: list[bytes]) -> str:
-        await put_object(comp.js, comp.layout.weights_bucket, name, b"".join(frames))
+        await put_object(comp.state_js, comp.layout.weights_bucket, name, b"".join(frames))
         return location(comp.layout, name)
 
     def check(self, cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
@@ -73,21 +73,21 @@ class ObjectStoreTransport(DeltaTransport):
     async def receive_full(self, comp, ann: WeightsAnnouncement, deadline: float | None) -> WeightsSource:
         bucket, name = bucket_and_name(ann)
         limit = comp.cfg.producer.max_weights_mb * 1024 * 1024
-        data = await get_object(comp.js, bucket, name, max_size=min(limit, ann.size))
+        data = await get_object(comp.state_js, bucket, name, max_size=min(limit, ann.size))
         await asyncio.to_thread(check_digest, data, ann)
         return WeightsSource(ann.policy_version, data=data)
 
     async def get_frames(self, comp, ann: WeightsAnnouncement) -> list:
         bucket, name = bucket_and_name(ann)
         total = sum(ann.delta_sizes)
-        data = await get_object(comp.js, bucket, name, max_size=total)
+        data = await get_object(comp.state_js, bucket, name, max_size=total)
         if len(data) != total:
             raise WeightsRefused(f"{where(ann)}: {len(data)} bytes of delta, announced {total}")
         return split(data, ann.delta_sizes)
 
     async def get_full(self, comp, ann: WeightsAnnouncement, version: int) -> tuple[Any, str]:
         bucket, _ = bucket_and_name(ann)
-        data = await get_object(comp.js, bucket, object_name(version), max_size=ann.size)
+        data = await get_object(comp.state_js, bucket, object_name(version), max_size=ann.size)
         return data, await asyncio.to_thread(sha256_hex, data)
 
     async def prune(self, comp, newest: int) -> list[str]:

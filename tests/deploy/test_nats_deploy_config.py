@@ -17,6 +17,7 @@ from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout
 from rlstream.broker.cluster import LocalCluster
+from rlstream.broker.connection import connect_state
 from rlstream.broker.layout import Layout, bind_layout
 from rlstream.broker.server import free_ports, nats_server_binary
 from rlstream.config import NatsConfig, NatsTLS
@@ -117,22 +118,28 @@ def deployed(tmp_path_factory):
 
 def _cfg(nodes, user, password, tls: NatsTLS | None) -> NatsConfig:
     # nats:// as in the ConfigMap: the server requires TLS and the client upgrades with the CA given
-    return NatsConfig(url=",".join(f"nats://127.0.0.1:{n.port}" for n in nodes), user=user, password=SecretStr(password), tls=tls, replicas=3)
+    return NatsConfig(url=",".join(f"nats://127.0.0.1:{n.port}" for n in nodes), user=user, password=SecretStr(password), tls=tls, replicas=3,
+                      state_account=True)
 
 
 async def test_components_connect_over_tls_and_get_replicated_streams(deployed):
     nodes, passwords, tls = deployed
     run = re.search(r'"rl\.([A-Za-z0-9_-]+)\.prompts"', (NATS / "accounts.conf").read_text()).group(1)  # the run accounts.conf is for
     ca = NatsTLS(ca_file=str(tls / "ca.crt"), hostname="nats")
-    learner = await connect(_cfg(nodes, "learner", passwords["learner"], ca))
-    await ensure_layout(learner.jetstream(timeout=10), run, _cfg(nodes, "learner", passwords["learner"], ca))
+    lcfg = _cfg(nodes, "learner", passwords["learner"], ca)
+    learner = await connect(lcfg)
+    state_nc, state_js = await connect_state(lcfg, learner, owner=True)  # the state account, over TLS too
+    await ensure_layout(learner.jetstream(timeout=10), run, lcfg, state_js=state_js)
+    assert (await state_js.stream_info(f"KV_{Layout(run).state_bucket}")).config.num_replicas == 3
+    await state_nc.close()
     await learner.close()
     cfg = _cfg(nodes, "producer", passwords["producer"], ca)
     nc = await connect(cfg)
     try:
         assert nc._server_info.get("tls_required") is True
         js = nc.jetstream(timeout=10)
-        lay = await bind_layout(js, run, cfg, durable=Layout.PRODUCERS, wait_s=10)
+        _, state_js = await connect_state(cfg, nc)
+        lay = await bind_layout(js, run, cfg, durable=Layout.PRODUCERS, wait_s=10, state_js=state_js)
         info = await js.stream_info(lay.rollouts_stream)
         assert info.config.num_replicas == 3
         assert {info.cluster.leader, *(r.name for r in info.cluster.replicas)} == {"nats-0", "nats-1", "nats-2"}

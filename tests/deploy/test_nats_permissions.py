@@ -24,6 +24,7 @@ from pydantic import SecretStr
 
 from rlstream.broker import BrokerError, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.cluster import LocalCluster
+from rlstream.broker.connection import connect_state
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
 from rlstream.broker.state import FOLLOWED_KEYS, BrokerUnavailable
 from rlstream.config import NatsConfig
@@ -95,25 +96,36 @@ async def _client(server, passwords, role):
     return nc, nc.jetstream(timeout=3), denials
 
 
+async def _state(server, passwords, role, nc):
+    """``role``'s way to the run's KV bucket and object store (``nats.state_account``): the
+    learner's and the operator's own user in the state account (a second connection, returned
+    to close), or ``nc``'s read-only imports (None)."""
+    cfg = _cfg(server, role, passwords[role], state_account=True)
+    return await connect_state(cfg, nc, owner=role in ("learner", "operator"), timeout=3)
+
+
 # ---- the server's state, as the operator sees it ---------------------------------------
 
 
-async def snapshot(js, runs: list[str]) -> dict:
+async def snapshot(js, runs: list[str], state_js=None) -> dict:
+    """``state_js``: the state account of the shipped run (``runs[0]``), as its operator sees it."""
     out: dict = {"streams": {}, "consumers": {}, "kv": {}, "objects": {}}
-    names = sorted(await js.streams_info(), key=lambda s: s.config.name)
-    for info in names:
+    accounts = [(js, sorted(await js.streams_info(), key=lambda s: s.config.name))]
+    if state_js is not None:
+        accounts.append((state_js, sorted(await state_js.streams_info(), key=lambda s: s.config.name)))
+    for account, info in [(a, i) for a, infos in accounts for i in infos]:
         cfg = info.config.as_dict()
         out["streams"][info.config.name] = (json.dumps(cfg, sort_keys=True), info.state.messages, info.state.last_seq)
-        for ci in await js.consumers_info(info.config.name):
+        for ci in await account.consumers_info(info.config.name):
             c = ci.config
-            if (c.deliver_subject or "").startswith("_INBOX.operator."):
+            if (c.deliver_subject or "").startswith(("_INBOX.operator.", "_INBOX.operator-state.")):
                 continue  # the operator's own KV key listing (this snapshot)
             out["consumers"][(info.config.name, ci.name)] = (
                 c.ack_wait, c.max_deliver, c.filter_subject, c.deliver_subject, ci.delivered.stream_seq,
                 ci.num_ack_pending, ci.num_redelivered, ci.num_pending)
     for run in runs:
         lay = Layout(run)
-        kv = await js.key_value(lay.state_bucket)
+        kv = await (state_js if state_js is not None and run == runs[0] else js).key_value(lay.state_bucket)
         try:
             keys = await kv.keys()
         except Exception:
@@ -125,28 +137,32 @@ async def snapshot(js, runs: list[str]) -> dict:
 
 
 async def prepared(server, passwords, run: str) -> tuple:
-    """The operator lays out ``run`` and another run, puts a record in every stream, a value
-    under every KV key, a weights object, and takes one delivery (unacked) from every
-    durable consumer: the reply subjects other roles will try to ack."""
+    """The operator lays out ``run`` (its KV bucket and object store in the state account) and
+    another run (whose, not named by accounts.conf, stay in the run's account), puts a record in
+    every stream, a value under every KV key, a weights object, and takes one delivery (unacked)
+    from every durable consumer: the reply subjects other roles will try to ack. Returns the
+    operator's connection and context, its state account connection and context, and those."""
     op, ojs, _ = await _client(server, passwords, "operator")
-    cfg = NatsConfig(ack_wait_s=600)
+    snc, sjs = await _state(server, passwords, "operator", op)
     replies: dict[tuple[str, str], str] = {}
     for r in (run, OTHER_RUN):
         # the run with both annotating stages (12 streams with evaluation's) and another
         # without (10)
-        lay = await ensure_layout(ojs, r, cfg, stages=ANNOTATORS if r == run else ())
+        cfg = NatsConfig(ack_wait_s=600, state_account=r == run)
+        lay = await ensure_layout(ojs, r, cfg, stages=ANNOTATORS if r == run else (), state_js=sjs if r == run else None)
         for subject in records(lay).values():
             for i in range(3):
                 await ojs.publish(subject, b"x", headers={"Nats-Msg-Id": f"{subject}-{i}"})
-        state = await RunState.open(ojs, lay)
+        where = sjs if r == run else ojs
+        state = await RunState.open(where, lay)
         for key in (*LEARNER_KEYS, RUN_STATUS, "heartbeat.producer.p0", "heartbeat.learner.l0"):
             await state.put_json(key, {"v": 1})
-        await put_object(ojs, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 1000)
+        await put_object(where, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 1000)
         for durable, (stream, _subject) in lay.consumers().items():
             sub = await ojs.pull_subscribe_bind(durable, stream)
             (msg,) = await sub.fetch(1, timeout=5)
             replies[(r, durable)] = msg.reply
-    return op, ojs, replies
+    return op, ojs, snc, sjs, replies
 
 
 def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]:  # noqa: C901
@@ -167,17 +183,22 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
             add(lay.metrics(comp, "x"), b"forged", f"metrics as {comp}")
             add(lay.dlq(comp), b"forged", f"dead letter as {comp}")
             add(f"$KV.{lay.state_bucket}.heartbeat.{comp}.x", b"{}", f"heartbeat as {comp}")
+    if role == "learner":  # its own goes through its user in the state account
+        add(f"$KV.{lay.state_bucket}.heartbeat.learner.x", b"{}", "heartbeat in the run's account")
     add(other.metrics(role, "x"), b"forged", "metrics in another run")
     add(f"$KV.{other.state_bucket}.heartbeat.{role}.x", b"{}", "heartbeat in another run")
     # the learner's KV keys and objects; the operator's run.status
+    # (the learner writes its keys and objects as its user in the state account, never here)
     for key in (*LEARNER_KEYS, RUN_STATUS):
-        if role != "learner" or key == RUN_STATUS:
-            add(f"$KV.{lay.state_bucket}.{key}", b'{"policy_version": 999}', f"KV {key}")
+        add(f"$KV.{lay.state_bucket}.{key}", b'{"policy_version": 999}', f"KV {key}")
         add(f"$KV.{other.state_bucket}.{key}", b"999", f"KV {key} of another run")
     meta = base64.urlsafe_b64encode(b"policy-v000999.safetensors").decode()
-    if role != "learner":
-        add(f"$O.{lay.weights_bucket}.C.forged", b"evil", "weights chunk")
-        add(f"$O.{lay.weights_bucket}.M.{meta}", b"{}", "weights meta")
+    add(f"$O.{lay.weights_bucket}.C.forged", b"evil", "weights chunk")
+    add(f"$O.{lay.weights_bucket}.M.{meta}", b"{}", "weights meta")
+    # the state account's API beyond its read-only imports
+    for verb in ("STREAM.PURGE", "STREAM.DELETE", "STREAM.UPDATE", "CONSUMER.CREATE"):
+        for name in (f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+            add(f"$JS.state.API.{verb}.{name}", b"{}", f"{verb} {name} in the state account")
     add(f"$O.{other.weights_bucket}.M.{meta}", b"{}", "weights meta of another run")
     # streams, KV buckets and object stores: only the learner creates the run's own
     evil = {"name": "EVIL", "subjects": [f"rl.{run}.evil"], "republish": {"src": ">", "dest": f"$KV.{lay.state_bucket}.{POLICY_VERSION}"}}
@@ -187,12 +208,11 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
     for name, subject in chain(OTHER_RUN).streams().items():
         add(f"$JS.API.STREAM.CREATE.{name}", json.dumps({"name": name, "subjects": [subject]}).encode(), "create another run's stream")
     for name in (*lay.streams(), f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
-        if role != "learner":
+        if role != "learner" or name.startswith(("KV_", "OBJ_")):  # the state's streams are made in the state account
             add(f"$JS.API.STREAM.CREATE.{name}", json.dumps({"name": name, "subjects": ["rl.x"]}).encode(), f"create {name}")
             add(f"$JS.API.STREAM.UPDATE.{name}", json.dumps({"name": name, "subjects": ["rl.x"]}).encode(), f"update {name}")
         add(f"$JS.API.STREAM.DELETE.{name}", b"", f"delete {name}")
-        if not (role == "learner" and name.startswith("OBJ_")):
-            add(f"$JS.API.STREAM.PURGE.{name}", b"", f"purge {name}")
+        add(f"$JS.API.STREAM.PURGE.{name}", b"", f"purge {name}")
     # every other role's durable consumer: reconfigure, delete, pull, ack, nak, terminate
     # (only the learner lays out the consumers; even its own one a component cannot
     # reconfigure, e.g. into a push consumer that delivers into another subject)
@@ -223,10 +243,10 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
 async def test_each_role_is_refused_everything_of_the_other_roles(secured, role):
     server, passwords = secured
     run = shipped_run()
-    op, ojs, replies = await prepared(server, passwords, run)
+    op, ojs, snc, sjs, replies = await prepared(server, passwords, run)
     nc, _js, denials = await _client(server, passwords, role)
     try:
-        before = await snapshot(ojs, [run, OTHER_RUN])
+        before = await snapshot(ojs, [run, OTHER_RUN], sjs)
         tried = attempts(role, run, replies)
         for subject, payload, _what in tried:
             await nc.publish(subject, payload, reply=nc.new_inbox())
@@ -248,11 +268,12 @@ async def test_each_role_is_refused_everything_of_the_other_roles(secured, role)
             missing = [(s, w) for s, w in missing if not denials.denied(s)]
         assert not missing, f"{role} was allowed {len(missing)} of {len(tried) + len(snoop)}: {missing[:20]}"
         # nothing it tried changed the server's state
-        after = await snapshot(ojs, [run, OTHER_RUN])
+        after = await snapshot(ojs, [run, OTHER_RUN], sjs)
         for part in before:
             assert after[part] == before[part], f"{role} changed {part}"
     finally:
         await nc.close()
+        await snc.close()
         await op.close()
 
 
@@ -262,8 +283,9 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
     at forged weights in a bucket of the attacker's. Every step is refused."""
     server, passwords = secured
     run = shipped_run()
-    op, ojs, _ = await prepared(server, passwords, run)
+    op, ojs, snc, sjs, _ = await prepared(server, passwords, run)
     nc, pjs, _ = await _client(server, passwords, "producer")
+    _, preads = await _state(server, passwords, "producer", nc)
     lay = Layout(run)
     try:
         from nats.js.api import RePublish, StreamConfig
@@ -272,20 +294,22 @@ async def test_the_issue_attack_a_producer_cannot_forge_the_policy_version_or_we
                                               republish=RePublish(src="forge.version", dest=f"$KV.{lay.state_bucket}.{POLICY_VERSION}")))
         with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
             await pjs.create_object_store("forged")
-        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
-            await put_object(pjs, lay.weights_bucket, "policy-v000999.safetensors", b"evil")
+        for js in (pjs, preads):  # in the run's account, and through the state account's imports
+            with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+                await put_object(js, lay.weights_bucket, "policy-v000999.safetensors", b"evil")
         # a refused publish gets no answer: the run state's retries end in BrokerUnavailable
-        state = await RunState.open(pjs, lay, retry_for_s=2.0)
+        state = await RunState.open(preads, lay, retry_for_s=2.0)
         with pytest.raises(BrokerUnavailable):
             await state.put_json(WEIGHTS_LATEST, {"policy_version": 999, "location": "object://forged/w"})
         with pytest.raises(BrokerUnavailable):
             await state.set_policy_version(999)
-        ostate = await RunState.open(ojs, lay)
+        ostate = await RunState.open(sjs, lay)
         assert await ostate.get_json(POLICY_VERSION) == {"v": 1}
         assert await ostate.get_json(WEIGHTS_LATEST) == {"v": 1}
         assert {s.config.name for s in await ojs.streams_info()}.isdisjoint({"FORGE", "OBJ_forged"})
     finally:
         await nc.close()
+        await snc.close()
         await op.close()
 
 
@@ -297,23 +321,23 @@ async def test_a_producer_follows_the_learners_pacing_and_weights_keys(secured):
     keys (RunState.follow) and is woken by the learner's write, with no permission error."""
     server, passwords = secured
     run = shipped_run()
-    op, ojs, _ = await prepared(server, passwords, run)
+    op, ojs, snc, sjs, _ = await prepared(server, passwords, run)
     nc, pjs, denials = await _client(server, passwords, "producer")
     lnc, ljs, _ = await _client(server, passwords, "learner")
+    lsnc, lsjs = await _state(server, passwords, "learner", lnc)
     lay = Layout(run)
     try:
-        producer = await RunState.open(pjs, lay)
+        producer = await RunState.open((await _state(server, passwords, "producer", nc))[1], lay)
         await producer.follow(nc)
         await nc.flush(5)
         seen = producer.writes
-        await (await RunState.open(ljs, lay)).set_admit(42)
+        await (await RunState.open(lsjs, lay)).set_admit(42)
         assert await producer.written_since(seen, 20.0) is True
         assert await producer.admit(0) == 42
         assert not [e for e in denials.errors if "permissions violation" in e.lower()], denials.errors
     finally:
-        await lnc.close()
-        await nc.close()
-        await op.close()
+        for c in (lsnc, lnc, nc, snc, op):
+            await c.close()
 
 
 async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured):
@@ -324,26 +348,31 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
 
     server, passwords = secured
     run = shipped_run()
-    cfg = NatsConfig(ack_wait_s=30)
+    cfg = NatsConfig(ack_wait_s=30, state_account=True)
     producer, pjs, _ = await _client(server, passwords, "producer")
     learner, ljs, _ = await _client(server, passwords, "learner")
+    learner_state, lsjs = await _state(server, passwords, "learner", learner)
     scorer, sjs, _ = await _client(server, passwords, "scorer")
     feeder, fjs, _ = await _client(server, passwords, "feeder")
     reference, rjs, _ = await _client(server, passwords, "reference")
     teacher, tjs, _ = await _client(server, passwords, "teacher")
     op, ojs, _ = await _client(server, passwords, "operator")
+    reads = {role: (await _state(server, passwords, role, nc))[1]
+             for role, nc in (("producer", producer), ("scorer", scorer), ("feeder", feeder), ("reference", reference), ("teacher", teacher))}
     try:
         # a producer alone cannot lay out the run: it waits, then says what is missing
         with pytest.raises(BrokerError, match="layout|learner"):
-            await bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=1.0)
+            await bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=1.0, state_js=reads["producer"])
         assert not await ojs.streams_info()
-        waiting = asyncio.create_task(bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=30))
-        lay = await ensure_layout(ljs, run, cfg, stages=ANNOTATORS)
+        waiting = asyncio.create_task(bind_layout(pjs, run, cfg, durable=Layout.PRODUCERS, wait_s=30, state_js=reads["producer"]))
+        lay = await ensure_layout(ljs, run, cfg, stages=ANNOTATORS, state_js=lsjs)
         assert (await waiting).run == run
-        await bind_layout(sjs, run, cfg, durable=Layout.SCORERS, wait_s=5)
-        await bind_layout(rjs, run, cfg, durable="reference", wait_s=5, stages=ANNOTATORS)
-        await bind_layout(tjs, run, cfg, durable="teacher", wait_s=5, stages=ANNOTATORS)
-        await bind_layout(fjs, run, cfg, durable=None, wait_s=5)
+        await bind_layout(sjs, run, cfg, durable=Layout.SCORERS, wait_s=5, state_js=reads["scorer"])
+        await bind_layout(rjs, run, cfg, durable="reference", wait_s=5, stages=ANNOTATORS, state_js=reads["reference"])
+        await bind_layout(tjs, run, cfg, durable="teacher", wait_s=5, stages=ANNOTATORS, state_js=reads["teacher"])
+        await bind_layout(fjs, run, cfg, durable=None, wait_s=5, state_js=reads["feeder"])
+        # the KV bucket and object store are in the state account, not the run's
+        assert {f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"}.isdisjoint(s.config.name for s in await ojs.streams_info())
         assert {ci.name for ci in await ojs.consumers_info(lay.prompts_stream)} == {Layout.PRODUCERS}
         assert (await ojs.consumer_info(lay.prompts_stream, Layout.PRODUCERS)).config.ack_wait == 30
 
@@ -382,23 +411,22 @@ async def test_the_learner_creates_the_layout_and_components_bind_to_it(secured)
         assert msg.data == b"es"
         await msg.ack_sync()
         # the learner's state and weights; every role reads them and writes its heartbeat
-        lstate = await RunState.open(ljs, lay)
-        await put_object(ljs, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 300_000)
+        lstate = await RunState.open(lsjs, lay)
+        await put_object(lsjs, lay.weights_bucket, "policy-v000001.safetensors", b"w" * 300_000)
         await lstate.put_json(WEIGHTS_LATEST, {"policy_version": 1})
         await lstate.set_policy_version(1)
         await lstate.put_int(PACING_ADMIT, 16)
         for role, js in (("producer", pjs), ("scorer", sjs), ("feeder", fjs), ("reference", rjs), ("teacher", tjs), ("learner", ljs)):
-            state = await RunState.open(js, lay)
+            state = await RunState.open(reads.get(role, lsjs), lay)
             assert await state.policy_version() == 1
             await state.heartbeat(role, "x0")
             await js.publish(lay.dlq(role), b"bad record")
             await js.stream_info(lay.rollouts_stream)
-        assert await get_object(pjs, lay.weights_bucket, "policy-v000001.safetensors") == b"w" * 300_000
-        assert set((await RunState.open(ojs, lay)).kv and await (await ojs.key_value(lay.state_bucket)).keys()) >= {
-            "heartbeat.producer.x0", "heartbeat.scorer.x0", "heartbeat.feeder.x0", "heartbeat.reference.x0",
-            "heartbeat.teacher.x0", "heartbeat.learner.x0"}
+        assert await get_object(reads["producer"], lay.weights_bucket, "policy-v000001.safetensors") == b"w" * 300_000
+        assert set(await (await RunState.find(ojs, lay)).heartbeats()) >= {
+            "producer.x0", "scorer.x0", "feeder.x0", "reference.x0", "teacher.x0", "learner.x0"}
     finally:
-        for c in (producer, learner, scorer, feeder, reference, teacher, op):
+        for c in (producer, learner, learner_state, scorer, feeder, reference, teacher, op):
             await c.close()
 
 
@@ -408,7 +436,7 @@ async def test_components_cannot_delete_streams_but_the_operator_can(secured):
     learner, ljs, _ = await _client(server, passwords, "learner")
     operator, ojs, _ = await _client(server, passwords, "operator")
     try:
-        lay = await ensure_layout(ojs, run, NatsConfig())
+        lay = await ensure_layout(ojs, run, NatsConfig(state_account=True))
         with pytest.raises(nats.errors.TimeoutError):
             await ljs.delete_stream(lay.scored_stream)
         with pytest.raises(nats.errors.TimeoutError):
@@ -454,7 +482,8 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
         return parse_config({
             "run": run, "training_mode": "DISTILL", "model_checkpoint_path": "unused",
             "reference": {}, "teacher": {"model_path": "unused"},
-            "nats": {"url": server.urls, "user": role, "password_env": f"TEST_{role.upper()}_PW", "layout_wait_s": 60},
+            "nats": {"url": server.urls, "user": role, "password_env": f"TEST_{role.upper()}_PW", "layout_wait_s": 60,
+                     "state_account": True},
             "metrics": {"prometheus_port": None, "interval_s": 0.2}, "algorithm_params": {"group_size": 2}})
 
     async def component(role):
@@ -483,11 +512,11 @@ async def test_components_run_under_their_roles_without_a_permission_error(secur
         for durable, role in ((Layout.SCORERS, "scorer"), ("reference", "reference"), ("teacher", "teacher"), (Layout.LEARNER, "learner")):
             c = await Consumer(comps[role].js, lay, durable, Prompt, stage=role).start()
             assert await c.fetch(1, timeout=0.2) == []
-        kv = await ojs.key_value(lay.state_bucket)
+        state = await RunState.find(ojs, lay)
         deadline = time.monotonic() + 15
-        want = {f"heartbeat.{r}.{r[0]}0" for r in COMPONENTS}
+        want = {f"{r}.{r[0]}0" for r in COMPONENTS}
         while time.monotonic() < deadline:
-            keys = set(await kv.keys())
+            keys = set(await state.heartbeats())
             metrics = (await ojs.stream_info(lay.metrics_stream, subjects_filter=lay.metrics_all)).state.subjects or {}
             if want <= keys and {lay.metrics(r, f"{r[0]}0") for r in COMPONENTS} <= set(metrics):
                 break
@@ -562,7 +591,7 @@ async def test_with_a_curriculum_only_the_learner_gains_publishing_prompts(tmp_p
         for name, server in servers.items():
             nc, js, denials = await _client(server, passwords, "learner")
             try:
-                lay = await ensure_layout(js, run)
+                lay = await ensure_layout(js, run, NatsConfig(state_account=True))
                 if name == "curriculum":
                     assert (await js.publish(lay.prompts, b"p", headers={"Nats-Msg-Id": "p1"})).seq == 1
                 else:
