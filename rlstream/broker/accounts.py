@@ -2,8 +2,17 @@
 
     python -m rlstream.broker.accounts --run grpo-math > deploy/nats/accounts.conf
 
-One account holds one run, with JetStream limits (memory, storage, streams, consumers), and
-one user per role. Every permission names the run: its subjects, its streams, its KV keys,
+One account (``RLSTREAM``) holds one run, with JetStream limits (memory, storage, streams,
+consumers), and one user per role. The run's KV bucket and weights object store live in a
+second account (``STATE``) in which only the learner writes, as ``learner-state`` (its own
+password; the run's components set ``nats.state_account: true``). The other roles read it
+through read-only imports (stream info and message gets, under ``$JS.state.API``), write their
+own heartbeat through one import each, and are told of the learner's writes to the keys
+producers follow. NATS checks no permission on a reply subject, and JetStream publishes a
+PubAck in the account of the stream that sent it: so a role that publishes with
+``reply=$KV.<bucket>.policy.version`` has the PubAck land in the run's account, where no stream
+captures it. Only other roles' heartbeats stay reachable that way (readers skip a malformed
+one). Every permission names the run: its subjects, its streams, its KV keys,
 its object store, and for each role its own durable consumer. Anything not listed is denied.
 
 | role      | publishes         | creates (or updates)                                                  | pulls, acks, naks                 | KV keys it writes |
@@ -13,7 +22,7 @@ its object store, and for each role its own durable consumer. Anything not liste
 | scorer    | scored, eval.scored | -                                                                   | scorers on RL_<run>_ROLLOUTS, eval-scorers on RL_<run>_EVAL_ROLLOUTS | heartbeat.scorer.* |
 | reference | reference         | -                                                                     | reference on RL_<run>_SCORED      | heartbeat.reference.* |
 | teacher   | teacher           | -                                                                     | teacher on RL_<run>_SCORED or RL_<run>_REFERENCE | heartbeat.teacher.* |
-| learner   | weights (objects), eval.prompts (and prompts, rendered with ``--curriculum``) | the run's streams, KV bucket, object store and durable consumers | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
+| learner   | eval.prompts (and prompts, rendered with ``--curriculum``); as ``learner-state``: weights (objects) | the run's streams and durable consumers; as ``learner-state``: the KV bucket and object store | learner on the last link: RL_<run>_SCORED, RL_<run>_REFERENCE or RL_<run>_TEACHER; eval-learner on RL_<run>_EVAL_SCORED (and reads the eval-producers' and eval-scorers' consumer info) | as ``learner-state``: policy.version, weights.latest, pacing.admit, learner.step, heartbeat.learner.* |
 | operator  | everything: status, tail, dashboard, replay, export/import, run.status, deleting streams                                            |
 
 The annotating stages (``reference``, ``teacher``) are optional links between the scorers and

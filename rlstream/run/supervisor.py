@@ -35,6 +35,7 @@ import nats.errors
 
 from rlstream.broker import BrokerError, Layout, RunState, connect, ensure_layout
 from rlstream.broker.component import signals_to
+from rlstream.broker.connection import connect_state
 from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config, Placement
 from rlstream.run.display import Display, LiveFigures, watch_metrics
@@ -207,9 +208,12 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
     env = child_env(cfg)
     nc = await connect(cfg.nats, nats_url, name="run")
     js = nc.jetstream()
-    layout = await ensure_layout(js, cfg.run, cfg.nats, stages=cfg.annotators)
+    # it lays out the run as its learner would, the state account included (nats.state_account:
+    # the run's user then has a <user>-state of its own, as the learner and the operator do)
+    state_nc, state_js = await connect_state(cfg.nats, nc, nats_url, name="run", owner=True)
+    layout = await ensure_layout(js, cfg.run, cfg.nats, stages=cfg.annotators, state_js=state_js)
     # a short retry window: the supervisor must keep watching processes while the broker is away
-    state = await RunState.open(js, layout, retry_for_s=5.0)
+    state = await RunState.open(state_js, layout, retry_for_s=5.0)
     figures = LiveFigures()
     sub = await watch_metrics(nc, layout, figures)
     stop = asyncio.Event()
@@ -331,6 +335,8 @@ async def supervise(cfg: Config, args, run_dir: Path, nats_url: str, children: l
         append_jsonl(RunDir(run_dir).timeline, figures.timeline)
         await stop_children(children)
         await nc.close()
+        if state_nc is not None:
+            await state_nc.close()
     if outcome is None:
         outcome = Outcome(EXIT_INTERRUPTED, "interrupted")
     if outcome.reason and outcome.code != EXIT_INTERRUPTED:
