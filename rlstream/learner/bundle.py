@@ -66,6 +66,7 @@ from rlstream.learner.batching import forward_logprobs
 from rlstream.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, step_of
 from rlstream.learner.replay import (
     ReplayError,
+    command,
     fetch_records,
     nats_for,
     parse_steps,
@@ -391,48 +392,42 @@ def dump_micro_batch(bundle: Bundle, overrides: list[str], step: int | None, ind
 
 
 def cli_write(args, nats_cfg: NatsConfig | None = None) -> int:
-    try:
+    def work() -> dict[str, Any]:
         if args.steps is None:
             raise BundleError("--bundle needs --steps A-B (or --from-step K --steps N)")
         first, last = parse_steps(args.steps, args.from_step)
         url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
-        result = write_bundle(Path(args.run_dir), Path(args.bundle), first, last, args.set, url, nats_cfg)
-    except ReplayError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
+        return write_bundle(Path(args.run_dir), Path(args.bundle), first, last, args.set, url, nats_cfg)
+
+    def show(result: dict[str, Any]) -> None:
         how = (f"{result['checkpoint']} replayed through step {result['from_step']}" if result["replayed_to_start"]
                else result["checkpoint"])
         print(f"wrote {result['bundle']}: steps {result['steps'][0]}-{result['steps'][-1]} of run {result['run']}, "
               f"{result['groups']} groups, from {how} ({result['bytes']} bytes)")
-    return 0
+
+    return command(work, args.json, show)
 
 
 def cli_replay(args) -> int:
-    rtol = getattr(args, "rtol", 0.0) or 0.0
-    atol = getattr(args, "atol", 0.0) or 0.0
-    try:
+    """Replay the bundle, or with ``--micro-batch`` dump one micro-batch."""
+    def work() -> dict[str, Any]:
         with open_bundle(Path(args.run_dir)) as bundle:
             if args.micro_batch is not None:
                 out = Path(args.out or f"microbatch_step{args.step or bundle.steps[0]}_{args.micro_batch}.safetensors")
-                dumped = dump_micro_batch(bundle, args.set, args.step, args.micro_batch, out)
-                print(json.dumps(dumped) if args.json else _dump_text(dumped))
-                return 0
-            result = replay_bundle(bundle, args.set, rtol=rtol, atol=atol)
-    except ReplayError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
+                return dump_micro_batch(bundle, args.set, args.step, args.micro_batch, out)
+            return replay_bundle(bundle, args.set, rtol=getattr(args, "rtol", 0.0) or 0.0, atol=getattr(args, "atol", 0.0) or 0.0)
+
+    def show(result: dict[str, Any]) -> None:
+        if "micro_batch" in result:
+            print(_dump_text(result))
+            return
         console = Console(file=sys.stdout, highlight=False)
         render(result, console)
         for line in result["environment"]:
             console.print(f"[yellow]note: this machine differs from the one that wrote the bundle ({line}); "
                           "bitwise equality needs the same torch, threads and device[/]")
-    return 0 if result["ok"] else 1
+
+    return command(work, args.json, show)
 
 
 def _dump_text(d: dict[str, Any]) -> str:

@@ -227,20 +227,31 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"[red]first differing step: {result['first_diff']}[/] ({', '.join(row['differs'])})")
 
 
+def command(work: Callable[[], dict[str, Any]], as_json: bool, show: Callable[[dict[str, Any]], None]) -> int:
+    """The shape of every replay command: ``work()``'s result as JSON or through ``show``, exit 0
+    when it is ``ok`` and 1 when not; a :class:`ReplayError` or :class:`BrokerError` (the
+    operator's to fix) one line on stderr, exit 2."""
+    try:
+        result = work()
+    except (ReplayError, BrokerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(result))
+    else:
+        show(result)
+    return 0 if result.get("ok", True) else 1
+
+
 def cli(args, nats_cfg: NatsConfig | None = None) -> int:
     """``nats_cfg``: the operator's credentials, built by the CLI from ``--nats-user`` ... and the
     environment (:func:`rlstream.observe.nats_config`)."""
     rtol = getattr(args, "rtol", 0.0) or 0.0
     atol = getattr(args, "atol", 0.0) or 0.0
-    try:
+
+    def work() -> dict[str, Any]:
         first, last = parse_steps(args.steps or "4", args.from_step)
         url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
-        result = replay(Path(args.run_dir), first - 1, last - first + 1, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_cfg)
-    except (ReplayError, BrokerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
-        render(result, Console(file=sys.stdout, highlight=False))
-    return 0 if result["ok"] else 1
+        return replay(Path(args.run_dir), first - 1, last - first + 1, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_cfg)
+
+    return command(work, args.json, lambda result: render(result, Console(file=sys.stdout, highlight=False)))

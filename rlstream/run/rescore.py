@@ -12,15 +12,13 @@ when some do, 2 when the bundle or the config cannot be used.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 from rlstream.config import Config
 from rlstream.learner.bundle import Bundle, open_bundle
-from rlstream.learner.replay import ReplayError
+from rlstream.learner.replay import ReplayError, command
 from rlstream.schemas import ScoredGroup
 from rlstream.scorers.functions import RewardError
 
@@ -68,15 +66,11 @@ def rescore(bundle: Bundle, overrides: list[str], *, rtol: float = 0.0, atol: fl
 
 
 def cli(args) -> int:
-    try:
+    def work() -> dict[str, Any]:
         with open_bundle(Path(args.run_dir)) as bundle:
-            result = rescore(bundle, args.set, rtol=getattr(args, "rtol", 0.0) or 0.0, atol=getattr(args, "atol", 0.0) or 0.0)
-    except ReplayError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
+            return rescore(bundle, args.set, rtol=getattr(args, "rtol", 0.0) or 0.0, atol=getattr(args, "atol", 0.0) or 0.0)
+
+    def show(result: dict[str, Any]) -> None:
         for d in result["differs"]:
             if d["rescored"] is None:
                 print(f"group {d['id']} (seq {d['seq']}): recorded {d['recorded']}, rescoring raised:\n{d['error']}")
@@ -84,4 +78,5 @@ def cli(args) -> int:
                 print(f"group {d['id']} (seq {d['seq']}): recorded {d['recorded']}, rescored {d['rescored']}")
         n = len(result["differs"])
         print(f"{n} of {result['groups']} groups differ" if n else f"all {result['groups']} groups score as recorded")
-    return 0 if result["ok"] else 1
+
+    return command(work, args.json, show)
