@@ -250,6 +250,8 @@ def cli(args, nats_cfg: NatsConfig | None = None) -> int:
     atol = getattr(args, "atol", 0.0) or 0.0
 
     def work() -> dict[str, Any]:
+        if args.steps is None and args.from_step is None:
+            raise ReplayError("give --from-step K (with --steps N, default 4) or --steps A-B")
         first, last = parse_steps(args.steps or "4", args.from_step)
         url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
         return replay(Path(args.run_dir), first - 1, last - first + 1, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_cfg)

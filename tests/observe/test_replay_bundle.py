@@ -184,3 +184,5 @@ def test_a_range_the_run_does_not_hold_is_refused(recorded_run, nats_server, tmp
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not out.exists()
+    assert rlstream_main(["replay", str(recorded_run), "--nats", nats_server.url]) == 2
+    assert capsys.readouterr().err == "error: give --from-step K (with --steps N, default 4) or --steps A-B\n"
