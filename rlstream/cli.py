@@ -166,9 +166,22 @@ def cmd_reward_server(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    """A run directory: replay from its checkpoint and the broker, or with ``--bundle`` pack the
+    steps into a tar; a bundle (a file): replay it, ``--rescore`` it or dump a micro-batch."""
     from rlstream.observe import nats_config
 
-    return _call("rlstream.learner.replay", "cli")(args, nats_config(args))
+    target = Path(args.run_dir)
+    if args.bundle:
+        return _call("rlstream.learner.bundle", "cli_write")(args, nats_config(args))
+    if target.is_dir():
+        if args.rescore or args.micro_batch is not None:
+            print(f"error: --rescore and --micro-batch read a bundle; {target} is a run directory "
+                  "(write one with --bundle OUT.tar --steps A-B)", file=sys.stderr)
+            return 2
+        return _call("rlstream.learner.replay", "cli")(args, nats_config(args))
+    if args.rescore:
+        return _call("rlstream.run.rescore", "cli")(args)
+    return _call("rlstream.learner.bundle", "cli_replay")(args)
 
 
 def cmd_observe(name: str):
@@ -358,12 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true", help="publish again even if this file was imported into the run before")
     sp.set_defaults(fn=cmd_observe("export_import"))
 
-    sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups; compare losses")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser("replay", help="re-run learner steps from a checkpoint on recorded groups (or from a bundle); compare losses")
+    sp.add_argument("run_dir", metavar="RUN_DIR|BUNDLE", help="a run directory, or a bundle written with --bundle")
     with_nats(sp)
     with_nats_credentials(sp)
-    sp.add_argument("--from-step", type=int, required=True, help="checkpoint step to start from")
-    sp.add_argument("--steps", type=int, default=4, help="learner steps to re-run")
+    sp.add_argument("--from-step", type=int, help="checkpoint step to start from (with --steps N)")
+    sp.add_argument("--steps", help="N learner steps after --from-step (default 4), or a range A-B (from the state after A-1)")
+    sp.add_argument("--bundle", metavar="OUT.tar", help="write the steps, their checkpoint, groups and recorded figures to a portable tar")
+    sp.add_argument("--rescore", action="store_true", help="BUNDLE: run the config's reward terms again; print the groups whose rewards differ")
+    sp.add_argument("--micro-batch", type=int, metavar="N", help="BUNDLE: stop at micro-batch N and write its tensors (safetensors)")
+    sp.add_argument("--step", type=int, help="with --micro-batch: the step (default the bundle's first)")
+    sp.add_argument("--out", help="with --micro-batch: the file to write (default microbatch_step<S>_<N>.safetensors)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")

@@ -114,6 +114,49 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int, *, max_new_to
     return groups
 
 
+def record_learner_run(nats_server, model_dir: Path, tmp_path: Path, run_id: str, *, steps: int = 6, **sections) -> Path:
+    """A real learner run of ``steps`` GRPO steps (2 groups each, a checkpoint every 2 steps) on
+    groups sampled from the tiny model and published to ``rl.<run>.scored``; returns its run
+    directory (``config.resolved.json``, ``metrics.jsonl``, ``checkpoints/``)."""
+    import yaml
+
+    from rlstream.broker import Publisher, connect, ensure_layout
+    from rlstream.config import dump_resolved
+
+    data = {
+        "run": run_id,
+        "training_mode": "RL_GRPO",
+        "model_checkpoint_path": str(model_dir),
+        "algorithm_params": {"group_size": 2, "kl_coefficient": 0.0, "max_staleness": 100},
+        "learner": {"lr": 1e-3, "batch_groups": 2, "micro_batch_size": 2, "max_steps": steps},
+        "checkpoint": {"interval": 2},
+        "nats": {"url": nats_server.url, "ack_wait_s": 10.0},
+        "metrics": {"interval_s": 0.5},
+        **sections,
+    }
+    cfg = parse_config(data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    dump_resolved(cfg, run_dir / "config.resolved.json")  # as `rlstream run` does
+
+    async def record():
+        groups = await asyncio.to_thread(sample_groups, model_dir, 2 * steps, 2)
+        nc = await connect(url=nats_server.url, name="test-record")
+        lay = await ensure_layout(nc.jetstream(), run_id)
+        pub = Publisher(nc.jetstream())
+        for g in groups:
+            await pub.publish(lay.scored, g.encode(), g.id)
+        await nc.close()
+        return await run_cli("learner", str(config_path), "--nats", nats_server.url, "--run-dir", str(run_dir),
+                             "--max-steps", str(steps), timeout=400)
+
+    rc, out, err = asyncio.run(record())
+    assert rc == 0, err[-3000:]
+    return run_dir
+
+
 def dashboard_link(line: str) -> tuple[str, str | None]:
     """(base URL, token) from the dashboard's "dashboard for run ... on URL" line: the URL
     carries the token the dashboard made (``/?token=...``), or none when the operator gave one."""

@@ -8,49 +8,14 @@ import json
 import uuid
 
 import pytest
-import yaml
-from helpers.observe import run_cli, sample_groups
-
-from rlstream.broker import Publisher, connect, ensure_layout
-from rlstream.config import dump_resolved, parse_config
+from helpers.observe import record_learner_run, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def recorded_run(nats_server, tiny_model_dir, tmp_path_factory):
-    run_id = "replay" + uuid.uuid4().hex[:8]
-    tmp_path = tmp_path_factory.mktemp("replay")
-    data = {
-        "run": run_id,
-        "training_mode": "RL_GRPO",
-        "model_checkpoint_path": str(tiny_model_dir),
-        "algorithm_params": {"group_size": 2, "kl_coefficient": 0.0, "max_staleness": 100},
-        "learner": {"lr": 1e-3, "batch_groups": 2, "micro_batch_size": 2, "max_steps": 6},
-        "checkpoint": {"interval": 2},
-        "nats": {"url": nats_server.url, "ack_wait_s": 10.0},
-        "metrics": {"interval_s": 0.5},
-    }
-    cfg = parse_config(data)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(data))
-    dump_resolved(cfg, run_dir / "config.resolved.json")  # as `rlstream run` does
-
-    async def record():
-        groups = await asyncio.to_thread(sample_groups, tiny_model_dir, 12, 2)
-        nc = await connect(url=nats_server.url, name="test-replay")
-        lay = await ensure_layout(nc.jetstream(), run_id)
-        pub = Publisher(nc.jetstream())
-        for g in groups:
-            await pub.publish(lay.scored, g.encode(), g.id)
-        await nc.close()
-        return await run_cli("learner", str(config_path), "--nats", nats_server.url, "--run-dir", str(run_dir), "--max-steps", "6", timeout=400)
-
-    rc, out, err = asyncio.run(record())
-    assert rc == 0, err[-3000:]
-    return run_dir
+    return record_learner_run(nats_server, tiny_model_dir, tmp_path_factory.mktemp("replay"), "replay" + uuid.uuid4().hex[:8])
 
 
 def test_replay_reproduces_then_finds_the_first_difference(recorded_run, nats_server):
