@@ -27,13 +27,17 @@ closed exactly once. A failing *backend* fails the batch as for single completio
 finish_reason of an episode: ``stop`` when the environment ended it, ``length`` when
 ``max_turns`` (or ``env.max_episode_tokens``) cut it, ``abort`` as above.
 
-**Policy versions** (``producer.weight_update: in_flight``): new weights can load between two
-turns of an episode, or inside a turn at a token boundary. Each model token keeps the version
-the backend says sampled it (``Completion.versions``; a backend without them sampled the whole
-batch at the group's ``policy_version``). Environment tokens were sampled by no policy: they take
-the version of the model token before them, so they never make an episode look older or newer
-than its model tokens (the group's ``policy_version`` is its oldest *model* token's). The group
-carries them as RolloutGroup v5 version runs.
+**Policy versions.** New weights can load between two turns of an episode (a turn is a
+generation of its own: a backend may load a version between any two), or, with
+``producer.weight_update: in_flight``, inside a turn at a token boundary. Each model token keeps
+the version the backend says sampled it (``Completion.versions``). A turn whose completion carries
+no versions was sampled whole by the backend's ``policy_version`` when its generation began
+(:class:`TurnBatcher` reads it then), never older than the version the batch began with (a
+backend that does not track its version, such as ``fake``, leaves it at 0). Environment tokens
+were sampled by no policy: they take the version of the model token before them, so they never
+make an episode look older or newer than its model tokens (the group's ``policy_version`` is its
+oldest *model* token's). The group carries them as RolloutGroup v5 version runs, the encoding of
+in-flight updates, so the learner's admission and off-policy correction read them the same way.
 """
 
 from __future__ import annotations
@@ -65,17 +69,24 @@ class TurnBatcher:
     otherwise the requests waiting together go to the backend as one batch (at most
     :data:`GATHER_S` after the first, or as soon as every live episode is waiting)."""
 
-    def __init__(self, backend: GenerationBackend, spec: SamplingSpec):
+    def __init__(self, backend: GenerationBackend, spec: SamplingSpec, since_version: int = 0):
         self.backend, self.spec = backend, replace(spec, n=1)
+        self.since_version = since_version
+        """The version the batch began with: no turn of it is older."""
         self.live = 0
         """Episodes that may still ask for a turn."""
         self.pending: list[tuple[np.ndarray, asyncio.Future]] = []
         self.wake = asyncio.Event()
         self.batches = 0
 
+    def version_now(self) -> int:
+        """The version the backend samples the next token with."""
+        return max(self.since_version, int(getattr(self.backend, "policy_version", self.since_version)))
+
     async def sample(self, ids: np.ndarray) -> Completion:
         if getattr(self.backend, "continuous", False):
-            return (await self.backend.generate([ids], self.spec))[0][0]
+            version = self.version_now()
+            return _stamped((await self.backend.generate([ids], self.spec))[0][0], version)
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((ids, fut))
         self.wake.set()
@@ -94,6 +105,7 @@ class TurnBatcher:
             if not batch:
                 continue
             self.batches += 1
+            version = self.version_now()
             try:
                 outs = await self.backend.generate([ids for ids, _ in batch], self.spec)
             except Exception as exc:  # the backend failed: every waiting turn fails with it (the batch is nak'ed)
@@ -103,7 +115,15 @@ class TurnBatcher:
                 continue
             for (_, fut), out in zip(batch, outs):
                 if not fut.done():
-                    fut.set_result(out[0])
+                    fut.set_result(_stamped(out[0], version))
+
+
+def _stamped(c: Completion, version: int) -> Completion:
+    """``c`` with a version on every token: as the backend reported them, else ``version``, the
+    backend's when the generation began (what ``Completion.versions`` None means)."""
+    if c.versions is not None:
+        return c
+    return replace(c, versions=np.full(len(c.token_ids), version, np.int64))
 
 
 BATCH_VERSION = -1
@@ -305,7 +325,8 @@ async def run_batch(env: Environment, backend: GenerationBackend, prompts: list[
         raise ProducerError(f"env: the {backend.name} backend has no tokenizer to render the environment's turns")
     plans = await asyncio.gather(*(start_group(env, p, tokenizer, spec.n, env_cfg.step_timeout_s) for p in prompts))
     stop = {t.end_of_turn for t in (p.template for p in plans) if t is not None} - {None}
-    sampler = TurnBatcher(backend, replace(spec, stop_token_ids=tuple(sorted({*spec.stop_token_ids, *stop}))))
+    sampler = TurnBatcher(backend, replace(spec, stop_token_ids=tuple(sorted({*spec.stop_token_ids, *stop}))),
+                          since_version=int(fields.get("policy_version", 0)))
     sampler.live = sum(len(p.episodes) for p in plans)
     batcher = asyncio.create_task(sampler.run(), name="producer-episode-batcher")
     try:

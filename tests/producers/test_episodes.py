@@ -157,3 +157,135 @@ def test_env_config_errors_are_one_line(tiny_model_dir, tmp_path):
     fake = {**base, "producer": {"backend": "fake"}, "env": {"name": "guess_number"}}
     with pytest.raises(ConfigError, match="tokenizer"):
         parse_config(fake)
+
+
+class ReloadingEpisode:
+    """Counting's turns; after model turn k (k < 3) every episode of the group has answered, then
+    the backend loads policy version k between batches of turns, as a producer does between two
+    generations: turn 1 is sampled by v0, turn 2 by v1, turn 3 by v2."""
+
+    def __init__(self, backend, sources, barrier):
+        self.backend, self.sources, self.barrier = backend, sources, barrier
+        self.messages = [{"role": "user", "content": "count with me"}]
+        self.tools = None
+        self.k = 0
+
+    async def step(self, reply: str):
+        from rlstream.envs import Turn
+
+        self.k += 1
+        if self.k < 3:
+            if await self.barrier.wait() == 0:
+                assert await self.backend.load_weights(self.sources[self.k - 1])
+            await self.barrier.wait()  # nobody asks for its next turn before the load
+        return Turn([{"role": "user", "content": f"turn {self.k}"}], done=self.k == 3, reward=float(self.k))
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_version_loaded_between_turns_labels_each_turns_tokens_through_to_the_learner(js, nats_server, run_id,
+                                                                                              tiny_model_dir, tmp_path):
+    """A backend that reports no per-token versions (hf's plain ``generate``) loads v1 after the
+    first turn and v2 after the second. Every model token of the published group carries the
+    version that sampled it (checked against a teacher-forced pass of that version), environment
+    tokens the version of the model turn before them; the learner admits the group by its oldest
+    token and collates each token's own version (what the importance correction's lag is)."""
+    from types import SimpleNamespace
+
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.learner.sources import group_verdict
+    from rlstream.producers.backends.base import SamplingSpec, WeightsSource
+    from rlstream.producers.episodes import run_batch
+    from rlstream.schemas import Prompt
+
+    models = [AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval() for _ in range(3)]
+    for seed, m in enumerate(models[1:], start=21):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    sources = [WeightsSource(version=v, data=safetensors.torch.save(models[v].state_dict())) for v in (1, 2)]
+    backend = HFBackend(str(tiny_model_dir), seed=13)  # no update_chunk_tokens: completions carry no versions
+    barrier = asyncio.Barrier(2)
+
+    class Env:
+        name = "reloading"
+
+        async def start(self, prompt):
+            return ReloadingEpisode(backend, sources, barrier)
+
+    env_cfg = SimpleNamespace(max_turns=3, max_episode_tokens=0, step_timeout_s=120.0)
+    spec = SamplingSpec(n=2, max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    (group,), aborts = await run_batch(Env(), backend, [Prompt(id="p", text="")], spec, env_cfg, policy_version=0,
+                                       run=run_id)
+    assert aborts == 0 and backend.policy_version == 2
+
+    # through the broker, as the scorers and the learner read it
+    lay = await layout_for(js, run_id)
+    await js.publish(lay.rollouts, group.encode())
+    (g,) = await read_rollouts(js, lay)
+    assert g.finish_reasons == ["stop", "stop"] and g.turn_counts.tolist() == [5, 5]
+    assert g.policy_version == 0 and g.newest_version() == 2
+    assert g.version_runs.tolist() == [3, 3]  # v0 (turn 1 and the env's answer), v1, v2 per episode
+    for s, turns in zip(g.samples, g.sample_turns()):
+        (m1, e1, m2, e2, m3) = [(a, b) for a, b, _ in turns]
+        v = s.versions.tolist()
+        assert v[m1[0]:m1[1]] == [0] * 5 and v[m2[0]:m2[1]] == [1] * 5 and v[m3[0]:m3[1]] == [2] * 5
+        assert set(v[e1[0]:e1[1]]) == {0} and set(v[e2[0]:e2[1]]) == {1}
+        for (a, b), version in ((m1, 0), (m2, 1), (m3, 2)):  # the label is the policy that sampled the turn
+            context = np.concatenate([g.prompt_ids, s.completion_ids[:a]])
+            np.testing.assert_allclose(s.logprobs[a:b], teacher_forced(models[version], context, s.completion_ids[a:b]),
+                                       atol=1e-4)
+
+    # the learner: admitted by its oldest token (max_staleness 1), each token collated with its own version
+    cfg = episode_config(run_id, tiny_model_dir, write_rows(tmp_path, [{"prompt": "p"}]))
+    scored = await Scorer(cfg).score([g])
+    learner = build_learner(cfg, tmp_path / "learner")
+    assert group_verdict(learner, scored[0], 1, set()) is None
+    assert group_verdict(learner, scored[0], 2, set()) == "stale"
+    collated = steps.collate_groups(learner, scored)
+    assert collated.token_versions.tolist() == g.token_versions().tolist()
+    (tb,) = collated.tbs
+    for i, s in enumerate(g.samples):
+        c = len(s.completion_ids)
+        assert tb.policy_versions[i, :c].tolist() == s.versions.tolist()
+    learner.state.policy_version = 2
+    m = rl_step(learner, scored, collated)
+    assert m["buffer/staleness_max"] == 2.0
+    assert m["buffer/staleness_mean"] == pytest.approx(float(np.mean(2 - g.token_versions())))
+
+
+def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
+    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
+    import torch
+
+    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
+
+
+async def test_a_backend_that_does_not_track_its_version_keeps_the_batch_version(tiny_model_dir):
+    """Backends whose ``policy_version`` stays at 0 whatever they load (fake, openai): every turn
+    is at the version the batch began with, one version throughout, so the group has no runs."""
+    from types import SimpleNamespace
+
+    from helpers.envs import Counting
+
+    from rlstream.producers.backends.base import SamplingSpec
+    from rlstream.producers.episodes import run_batch
+    from rlstream.schemas import Prompt
+
+    backend = HFBackend(str(tiny_model_dir), seed=14)
+    assert backend.policy_version == 0
+    (group,), aborts = await run_batch(Counting(turns=2), backend, [Prompt(id="p", text="")],
+                                       SamplingSpec(n=2, max_new_tokens=4, ignore_eos=True),
+                                       SimpleNamespace(max_turns=2, max_episode_tokens=0, step_timeout_s=60.0), policy_version=4)
+    g = RolloutGroup.decode(group.encode())
+    assert aborts == 0 and g.turn_counts.tolist() == [3, 3]
+    assert g.policy_version == 4 and g.version_runs.size == 0 and set(g.token_versions().tolist()) == {4}
