@@ -27,13 +27,13 @@ closed exactly once. A failing *backend* fails the batch as for single completio
 finish_reason of an episode: ``stop`` when the environment ended it, ``length`` when
 ``max_turns`` (or ``env.max_episode_tokens``) cut it, ``abort`` as above.
 
-**Policy versions.** New weights can load between two turns of an episode (a turn is a
-generation of its own: a backend may load a version between any two), or, with
-``producer.weight_update: in_flight``, inside a turn at a token boundary. Each model token keeps
-the version the backend says sampled it (``Completion.versions``). A turn whose completion carries
-no versions was sampled whole by the backend's ``policy_version`` when its generation began
-(:class:`TurnBatcher` reads it then), never older than the version the batch began with (a
-backend that does not track its version, such as ``fake``, leaves it at 0). Environment tokens
+**Policy versions.** Between batches, a batch of episodes is one batch: every turn is sampled by
+one version. With ``producer.weight_update: in_flight`` new weights can load between two turns
+of an episode (each turn is a generation of its own), or inside a turn at a token boundary. Each
+model token keeps the version the backend says sampled it (``Completion.versions``). A turn whose
+completion carries no versions was sampled whole by the backend's ``policy_version`` when its
+generation began (:class:`TurnBatcher` reads it then), never older than the version the batch
+began with (a backend that does not track its version, such as ``fake``, leaves it at 0). Environment tokens
 were sampled by no policy: they take the version of the model token before them, so they never
 make an episode look older or newer than its model tokens (the group's ``policy_version`` is its
 oldest *model* token's). The group carries them as RolloutGroup v5 version runs, the encoding of
