@@ -33,10 +33,10 @@ of an episode (each turn is a generation of its own), or inside a turn at a toke
 model token keeps the version the backend says sampled it (``Completion.versions``). A turn whose
 completion carries no versions was sampled whole by the backend's ``policy_version`` when its
 generation began (:class:`TurnBatcher` reads it then), never older than the version the batch
-began with (a backend that does not track its version, such as ``fake``, leaves it at 0). Environment tokens
-were sampled by no policy: they take the version of the model token before them, so they never
-make an episode look older or newer than its model tokens (the group's ``policy_version`` is its
-oldest *model* token's). The group carries them as RolloutGroup v5 version runs, the encoding of
+began with (a backend that does not track its version, such as ``fake``, leaves it at 0).
+Environment tokens were sampled by no policy: they take the version of the model token before
+them, so they never make an episode look older or newer than its model tokens (the group's
+``policy_version`` is its oldest *model* token's). The group carries them as RolloutGroup v5 version runs, the encoding of
 in-flight updates, so the learner's admission and off-policy correction read them the same way.
 """
 
@@ -80,7 +80,8 @@ class TurnBatcher:
         self.batches = 0
 
     def version_now(self) -> int:
-        """The version the backend samples the next token with."""
+        """The version the backend samples the next token with. Versions only move forward, so
+        none is older than the batch's; ``fake`` and ``openai`` leave theirs at 0 whatever loads."""
         return max(self.since_version, int(getattr(self.backend, "policy_version", self.since_version)))
 
     async def sample(self, ids: np.ndarray) -> Completion:
