@@ -759,6 +759,11 @@ class ProducerConfig(Strict):
     weights_fetch_tries: int = Field(3, ge=1, le=20)
     """Attempts at fetching announced weights (with backoff) before the producer keeps the
     weights it has, raises ``alert/weight_fetch_failures`` and tries again at the next version."""
+    verify_weights: bool = True
+    """After loading a version, compare the fingerprint of the weights as the engine holds them
+    with the learner's (:mod:`rlstream.weights.fingerprint`). A mismatch raises
+    ``alert/weights_mismatch`` and the producer exits to be restarted rather than sample from
+    weights nobody trained (a backend that cannot read its weights, e.g. ``openai``, skips it)."""
     weights_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
     """The longest a producer spends receiving one version of the weights (every try, waiting
     for a shared file to appear included). Past it the transfer raises, ``alert/weight_fetch_timeouts``

@@ -32,6 +32,7 @@ from safetensors.torch import save as st_save
 from rlstream import compute
 from rlstream.learner.snapshot import Image, Snapshots
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
+from rlstream.weights import fingerprint as fingerprints
 from rlstream.weights.layout import write_file as to_safetensors
 
 log = logging.getLogger(__name__)
@@ -83,22 +84,31 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     ``wire``: the dtype floating-point tensors are published in (:func:`wire_dtype`)."""
     t0 = time.perf_counter()
     data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict, wire)  # tensor copies: the torch thread
+    fp = None
+    if adapter_config is None:
+        published = ((k, v.to(wire) if wire is not None and v.is_floating_point() else v) for k, v in state_dict.items())
+        fp = await compute.run(fingerprints.of_tensors, published, skip=fingerprints.tied(config_json))
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
-                               adapter_config=adapter_config)
+                               adapter_config=adapter_config, fingerprint=fp)
 
 
-def _kind(adapter_config: str | None) -> dict[str, Any]:
-    """The announcement's fields saying what the bytes are: full weights, or a LoRA adapter."""
-    return {"kind": "lora", "adapter_config": adapter_config} if adapter_config else {}
+def _kind(adapter_config: str | None, fp: fingerprints.Fingerprint | None = None) -> dict[str, Any]:
+    """The announcement's fields saying what the bytes are: full weights (with their
+    fingerprint, when computed), or a LoRA adapter."""
+    if adapter_config:
+        return {"kind": "lora", "adapter_config": adapter_config}
+    return {"fingerprint": list(fp)} if fp is not None else {}
 
 
 async def publish_bytes(comp, lcfg, data: bytes | bytearray | StagedFile, *, version: int, step: int, config_json: str,
-                        started: float | None = None, adapter_config: str | None = None) -> Published:
+                        started: float | None = None, adapter_config: str | None = None,
+                        fingerprint: fingerprints.Fingerprint | None = None) -> Published:
     """Hand serialised weights to ``lcfg.weights``'s transport (it puts and announces them),
-    then prune old versions. ``started``: when the publish began (for ``seconds``)."""
+    then prune old versions. ``started``: when the publish began (for ``seconds``);
+    ``fingerprint``: the weights' (:mod:`rlstream.weights.fingerprint`), announced with them."""
     t0 = time.perf_counter() if started is None else started
     transport = transport_for(lcfg.weights)
-    ann = await transport.publish(comp, data, Version(comp.layout.run, version, step, config_json, _kind(adapter_config)))
+    ann = await transport.publish(comp, data, Version(comp.layout.run, version, step, config_json, _kind(adapter_config, fingerprint)))
     seconds = time.perf_counter() - t0
     await transport.prune(comp, version)
     return Published(ann, seconds, len(data), sum(ann.delta_sizes) if ann.is_delta else len(data))
@@ -194,8 +204,12 @@ class BackgroundPublisher:
         """One queued version out; None when it failed (counted, the next one tries again)."""
         try:
             await asyncio.to_thread(image.wait)
+            fp = None  # the sums of the bytes as published, off the step (a LoRA adapter has none)
+            if self.adapter_config is None:
+                fp = await asyncio.to_thread(fingerprints.of_tensors, image.views.items(), skip=fingerprints.tied(self.config_json))
             pub = await publish_bytes(self.comp, self.lcfg, image.payload(), version=version, step=step,
-                                      config_json=self.config_json, started=t0, adapter_config=self.adapter_config)
+                                      config_json=self.config_json, started=t0, adapter_config=self.adapter_config,
+                                      fingerprint=fp)
         except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
             self.failures += 1
             self.error = exc

@@ -96,6 +96,7 @@ from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
 from rlstream.producers.weights import (  # noqa: F401 (WeightsRefused, WeightsTimeout, check_announcement, fetch_weights: re-exported)
     WeightsFollower,
+    WeightsMismatch,
     WeightsRefused,
     WeightsTimeout,
     check_announcement,
@@ -103,6 +104,7 @@ from rlstream.producers.weights import (  # noqa: F401 (WeightsRefused, WeightsT
     newest_announcement,
     receive_or_skip,
     receive_weights,
+    verify_loaded,
 )
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup, Sample, WeightsAnnouncement
 
@@ -111,6 +113,8 @@ log = logging.getLogger(__name__)
 PACING_POLL_S = 0.15
 MAX_FAILED_BATCHES = 3
 EXIT_GENERATION_TIMEOUT = 75
+EXIT_WEIGHTS_MISMATCH = 76
+"""The weights the engine held after a load were not the learner's (``producer.verify_weights``)."""
 """Exit code of a producer whose backend hung (EX_TEMPFAIL: restart it)."""
 
 
@@ -190,6 +194,10 @@ async def main(cfg, nats_url: str, component_id: str = "producer-0", **_: Any) -
     except EnvConfigError as exc:
         log.error("producer %s: %s", component_id, exc)
         return 2
+    except WeightsMismatch as exc:
+        # in place, the old weights are gone: exit to be restarted, loading the weights afresh
+        log.error("producer %s: exiting with code %d to be restarted: %s", component_id, EXIT_WEIGHTS_MISMATCH, exc)
+        return EXIT_WEIGHTS_MISMATCH
     except GenerationTimeout as exc:
         # The naks and the alert are flushed (leaving the Component does that). The hung
         # thread would block backend.close() and the interpreter's exit: leave at once.
@@ -797,6 +805,7 @@ async def _sync_weights(comp: Component, backend: GenerationBackend, loaded: int
         comp.reporter.info.update(weights_reload=False, weights_note=backend.reload_note)
         log.warning("producer %s: cannot load policy v%d: %s", comp.component_id, announcement.policy_version, backend.reload_note)
         return loaded
+    await verify_loaded(comp, backend, source)
     dt = time.monotonic() - t0
     stats.reloads += 1
     comp.reporter.update({"producer/weight_reload_s": dt, "producer/policy_version": announcement.policy_version})

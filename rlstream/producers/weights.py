@@ -30,6 +30,7 @@ from rlstream.broker.layout import WEIGHTS_LATEST
 from rlstream.broker.state import BrokerUnavailable
 from rlstream.producers.backends import ProducerError, WeightsSource
 from rlstream.schemas import WeightsAnnouncement
+from rlstream.weights import fingerprint as fingerprints
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,35 @@ class WeightsRefused(ProducerError):
 
 class WeightsTimeout(ProducerError):
     """Receiving one version took longer than ``producer.weights_timeout_s``."""
+
+
+class WeightsMismatch(RuntimeError):
+    """The weights as the engine holds them after a load are not the learner's: the producer
+    must not sample from them (not a :class:`ProducerError`, which would keep it generating)."""
+
+
+async def verify_loaded(comp, backend, source: WeightsSource) -> bool:
+    """Compare the engine's fingerprint with the one the learner announced for ``source``
+    (``producer.verify_weights``). True when they match, False when there is nothing to compare
+    (no fingerprint announced, a backend that cannot read its weights); raises
+    :class:`WeightsMismatch` (after ``alert/weights_mismatch``) when they differ. The verified
+    version goes in the heartbeat (``verified_version``, shown by ``rlstream status``)."""
+    if source.fingerprint is None or source.is_adapter or not comp.cfg.producer.verify_weights:
+        return False
+    held = await backend.fingerprint()
+    if held is None:
+        return False
+    got, dtype = held
+    published = comp.cfg.producer.weights_dtype or "float32"
+    rel = fingerprints.SAME_DTYPE_REL if dtype == published else fingerprints.CONVERTED_REL
+    if not fingerprints.matches(got, source.fingerprint, rel):
+        comp.reporter.inc("alert/weights_mismatch")
+        comp.reporter.info["weights_mismatch"] = source.version
+        raise WeightsMismatch(f"weights v{source.version} as loaded on the engine ({fingerprints.shown(got)}, {dtype}) are "
+                              f"not the learner's ({fingerprints.shown(source.fingerprint)}, {published}; within {rel:g})")
+    comp.reporter.info["verified_version"] = source.version
+    comp.reporter.update({"producer/verified_version": source.version})
+    return True
 
 
 def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
@@ -86,7 +116,10 @@ async def receive_weights(comp, announcement: WeightsAnnouncement) -> WeightsSou
         try:
             if left <= 0:
                 raise asyncio.TimeoutError
-            return await asyncio.wait_for(fetch_weights(comp, announcement, deadline), left)
+            source = await asyncio.wait_for(fetch_weights(comp, announcement, deadline), left)
+            if announcement.fingerprint and announcement.kind == "full":  # what the engine must hold once loaded
+                source = dataclasses.replace(source, fingerprint=(announcement.fingerprint[0], announcement.fingerprint[1]))
+            return source
         except asyncio.TimeoutError:
             raise WeightsTimeout(f"receiving policy v{version} from {announcement.location} took over "
                                  f"{p.weights_timeout_s:g}s (producer.weights_timeout_s; try {attempt} of "
@@ -261,6 +294,7 @@ class WeightsFollower:
                             self.backend.reload_note)
                 return loaded
             swap_s = time.monotonic() - t0
+            await verify_loaded(self.comp, self.backend, staged)
         self.stats.reloads += 1
         self.comp.reporter.update({"producer/weight_reload_s": swap_s, "producer/policy_version": staged.version})
         log.info("producer %s: swapped in policy v%d in %.3fs (received and staged while generating)",

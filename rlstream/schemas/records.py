@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
 import uuid
 from collections.abc import Iterable
@@ -522,10 +523,14 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     SHA-256. ``size``, ``sha256`` (and ``chunk_size``/``chunk_sha256``) then describe the
     reconstructed file, so a producer checks the result bitwise, and a build before v4 (which
     reads them as a full version's) refuses the delta's bytes by size or digest.
+    v5: + ``fingerprint``: for full weights, the sums of ``|x|`` and ``x^2`` over every
+    floating-point weight as published (:mod:`rlstream.weights.fingerprint`); a producer
+    compares them with the same sums over its engine's parameters after loading (None: not
+    computed, e.g. a LoRA adapter).
     """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
 
     v: int = VERSION
     id: str
@@ -547,6 +552,7 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     delta_chunk_size: int | None = None  # v4
     delta_sizes: capped(list[int]) | None = None  # v4
     delta_sha256: capped(list[str]) | None = None  # v4
+    fingerprint: capped(list[float], 2) | None = None  # v5
 
     def chunks(self) -> int:
         """How many chunks ``size`` bytes make (0 without chunking)."""
@@ -584,6 +590,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
         _min(self.size, 0, f"{path}size")
         if self.base_version is not None:
             self._check_delta(path)
+        if self.fingerprint is not None and (len(self.fingerprint) != 2 or not all(math.isfinite(x) and x >= 0 for x in self.fingerprint)):
+            raise RecordError(f"{path}fingerprint", f"{self.fingerprint!r}; expected two finite sums of 0 or more")
 
     def _check_delta(self, path: str) -> None:
         if not 0 <= self.base_version <= self.policy_version:

@@ -44,9 +44,12 @@ class WeightsSource:
     data: bytes | None = None
     path: str | None = None
     adapter_config: str | None = None
+    """The adapter's ``adapter_config.json`` text (None: full weights)."""
     tensors: dict[str, Any] | None = None
     """The tensors themselves, already on this producer's device (``cuda_ipc``)."""
-    """The adapter's ``adapter_config.json`` text (None: full weights)."""
+    fingerprint: tuple[float, float] | None = None
+    """The learner's fingerprint of these weights (:mod:`rlstream.weights.fingerprint`),
+    from the announcement: what the engine must hold once they are loaded."""
 
     @property
     def is_adapter(self) -> bool:

@@ -18,6 +18,10 @@ IN_FLIGHT_SEED, IN_FLIGHT_SCALE = 9, 0.1
 """``in_flight.safetensors``: the tiny model with N(0, 0.1) noise (seed 9) on every parameter."""
 
 
+MISLOADED = "model.layers.0.self_attn.q_proj.weight"
+"""The tensor ``misloaded.safetensors`` leaves at the base model's value."""
+
+
 def load_model(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
@@ -98,6 +102,9 @@ def engine_checks(model_dir: Path, workdir: Path, timeout_s: float = 1100) -> En
     out.mkdir()
     for name, model in (("base", base), ("reload", reloaded), ("in_flight", in_flight)):
         (weights / f"{name}.safetensors").write_bytes(safetensors.torch.save(model.state_dict()))
+    # the reloaded weights with one tensor left at the base model's: what a loader that skipped it holds
+    misloaded = {**reloaded.state_dict(), MISLOADED: base.state_dict()[MISLOADED]}
+    (weights / "misloaded.safetensors").write_bytes(safetensors.torch.save(misloaded))
     learner = lora_adapters(model_dir, workdir / "lora-run", weights)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_engine_script.py")), str(model_dir), str(weights), str(out)],

@@ -109,6 +109,23 @@ async def reload(backend, weights: Path) -> dict:
     return {"prompts": [[ids.tolist(), text] for ids, text in prompts], "before": before, "after": after}
 
 
+async def fingerprint(backend, weights: Path) -> dict:
+    """The engine's fingerprint with ``reload.safetensors`` loaded, and with ``misloaded.safetensors``
+    (the same but one tensor left at the base model's: a loader that skipped it), against the
+    learner's fingerprint of ``reload.safetensors``; then the reload weights again."""
+    import safetensors.torch
+
+    from rlstream.producers.backends.base import WeightsSource
+    from rlstream.weights import fingerprint as fingerprints
+
+    want = fingerprints.of_tensors(safetensors.torch.load_file(str(weights / "reload.safetensors")).items())
+    held, dtype = await backend.fingerprint()
+    await backend.load_weights(WeightsSource(2, data=(weights / "misloaded.safetensors").read_bytes()))
+    misloaded, _ = await backend.fingerprint()
+    await backend.load_weights(WeightsSource(1, data=(weights / "reload.safetensors").read_bytes()))
+    return {"want": list(want), "held": list(held), "dtype": dtype, "misloaded": list(misloaded)}
+
+
 async def in_flight(backend, weights: Path) -> dict:
     from rlstream.producers.backends.base import SamplingSpec, WeightsSource
     from rlstream.schemas import Prompt
@@ -144,6 +161,7 @@ async def main(model_dir: str, weights: str, out: str) -> None:
     result["episodes"] = await episodes(backend, Path(out))
     result["reload"] = await reload(backend, Path(weights))
     result["engine_pids_reloaded"] = children()
+    result["fingerprint"] = await fingerprint(backend, Path(weights))
     result["in_flight"] = await in_flight(backend, Path(weights))
     await backend.close()
     (Path(out) / "result.json").write_text(json.dumps(result))

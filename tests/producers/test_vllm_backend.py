@@ -35,3 +35,15 @@ def test_weight_reload_switches_to_the_new_weights_without_restart(vllm_engine_c
             np.testing.assert_allclose(c["logprobs"], teacher_forced(new, prompt_ids, c["ids"]), atol=1e-4)
             moved = max(moved, float(np.abs(teacher_forced(base, prompt_ids, c["ids"]) - c["logprobs"]).max()))
     assert moved > 1e-2  # under the old weights the same tokens would score differently
+
+
+def test_the_engines_fingerprint_is_the_learners_and_a_misloaded_tensor_is_caught(vllm_engine_checks):
+    """After a reload, the fingerprint vLLM's worker computes over its parameters (fused
+    ``qkv_proj`` and ``gate_up_proj``, a padded vocabulary) equals the learner's over the file's
+    tensors; with one tensor left at its old value it does not."""
+    from rlstream.weights.fingerprint import SAME_DTYPE_REL, matches
+
+    fp = vllm_engine_checks.result["fingerprint"]
+    assert fp["dtype"] == "float32"
+    assert matches(tuple(fp["held"]), fp["want"], SAME_DTYPE_REL), fp
+    assert not matches(tuple(fp["misloaded"]), fp["want"], SAME_DTYPE_REL), fp

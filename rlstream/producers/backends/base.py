@@ -194,6 +194,10 @@ class GenerationBackend(Protocol):
         """Load ``source`` while generations run; they continue under it from a token boundary."""
         ...
 
+    async def fingerprint(self) -> tuple[tuple[float, float], str] | None:
+        """The weights' fingerprint as the generator holds them, and their dtype (None: unknown)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -252,6 +256,12 @@ class Backend:
         """Received weights as they are: the swap loads them (a backend with a second buffer
         copies them there instead, so its swap is a copy into the model)."""
         return source
+
+    async def fingerprint(self) -> tuple[tuple[float, float], str] | None:
+        """The fingerprint of the weights as the generator holds them
+        (:mod:`rlstream.weights.fingerprint`) and their dtype; None where it cannot be read
+        (a remote server, random tokens)."""
+        return None
 
     async def update_in_flight(self, source: WeightsSource) -> None:
         """Load new weights without waiting for running generations: they continue under the

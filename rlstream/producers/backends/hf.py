@@ -30,6 +30,7 @@ new version would score it. Tokens record the version that sampled them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import mmap
 import threading
 import time
@@ -47,6 +48,7 @@ from rlstream.producers.backends.base import (
     safetensors_files,
     safetensors_views,
 )
+from rlstream.weights import fingerprint as fingerprints
 
 
 class HFBackend(Backend):
@@ -310,6 +312,17 @@ class HFBackend(Backend):
             return source
         return await asyncio.to_thread(self.stage_weights_sync, source)
 
+    async def fingerprint(self) -> tuple[fingerprints.Fingerprint, str] | None:
+        """The weights' fingerprint as the model holds them, and their dtype (a LoRA model: None)."""
+        if getattr(self.model, "peft_config", None) is not None:  # adapters carry no fingerprint
+            return None
+        return await compute.run(self._fingerprint_sync)
+
+    def _fingerprint_sync(self) -> tuple[fingerprints.Fingerprint, str]:
+        with self._lock:
+            dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+            return fingerprints.of_model(self.model), str(dtype).removeprefix("torch.")
+
     def stage_weights_sync(self, source: WeightsSource) -> WeightsSource:
         """Copy ``source`` into the second buffer (beside a running generation: only the model's
         shapes and dtypes are read); a version that does not fit the model raises here."""
@@ -329,7 +342,7 @@ class HFBackend(Backend):
                 if buf is None or buf.shape != model[k].shape or buf.dtype != model[k].dtype:
                     buf = self._stage_buffer[k] = torch.empty(model[k].shape, dtype=model[k].dtype, pin_memory=pin)
                 buf.copy_(v)
-        return WeightsSource(source.version, tensors={k: self._stage_buffer[k] for k in state})
+        return dataclasses.replace(source, data=None, path=None, tensors={k: self._stage_buffer[k] for k in state})
 
     def _load_state(self, state: dict, version: int) -> None:
         """Load a state dict (the caller holds ``_lock``): strict but for tied weights."""

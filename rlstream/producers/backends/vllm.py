@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
+from rlstream.weights import fingerprint as fingerprints
 
 
 def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
@@ -115,6 +116,8 @@ class VLLMBackend(Backend):
                                   "seed": seed if seed is not None else 0}
         if cpu:
             kwargs["enforce_eager"] = True
+        # calls by name on the workers, e.g. the fingerprint of the weights as loaded
+        kwargs["worker_extension_cls"] = "rlstream.producers.backends.vllm_worker.WorkerExtension"
         kwargs.update(engine_kwargs or {})
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.tokenizer = self.engine.get_tokenizer()
@@ -222,6 +225,11 @@ class VLLMBackend(Backend):
         self.policy_version = source.version
         self._prune(target)
         return True
+
+    async def fingerprint(self) -> tuple[fingerprints.Fingerprint, str] | None:
+        """The weights' fingerprint as the engine holds them (the first worker's), and its dtype."""
+        sums = await self.engine.collective_rpc("rlstream_fingerprint")
+        return (float(sums[0][0]), float(sums[0][1])), str(self.engine.model_config.dtype).removeprefix("torch.")
 
     async def update_in_flight(self, source: WeightsSource) -> None:
         """Pause at a step boundary (requests kept), reload, relabel, resume. The engine resumes
