@@ -246,20 +246,24 @@ def render(status: dict[str, Any], console: Console) -> None:
 
     st = status["staleness"]
     console.print("staleness: " + ("  ".join(f"{k}={v:g}" for k, v in st.items()) if st else "-"))
-    lengths = status.get("lengths") or []
-    if lengths:
-        t = Table(title="groups by mean completion length (tokens): trained vs dropped as too stale", title_justify="left")
-        for col in ("length", "trained", "dropped stale", "dropped share"):
-            t.add_column(col, justify="left" if col == "length" else "right")
-        for row in lengths:
-            share = row["dropped_share"]
-            colour = "red" if share >= 0.25 else "yellow" if share > 0 else "green"
-            t.add_row(row["bucket"], str(row["trained"]), str(row["dropped_stale"]), f"[{colour}]{share:.0%}[/]")
-        console.print(t)
+    _render_lengths(status.get("lengths") or [], console)
     dlq = status["dlq"]
     stages = ", ".join(f"{k}: {v}" for k, v in sorted(dlq["by_stage"].items()))
     colour = "red" if dlq["total"] else "green"
     console.print(f"dead letters: [{colour}]{dlq['total']}[/]" + (f"  ({stages})" if stages else ""))
+
+
+def _render_lengths(lengths: list[dict[str, Any]], console: Console) -> None:
+    if not lengths:
+        return
+    t = Table(title="groups by mean completion length (tokens): trained vs dropped as too stale", title_justify="left")
+    for col in ("length", "trained", "dropped stale", "dropped share"):
+        t.add_column(col, justify="left" if col == "length" else "right")
+    for row in lengths:
+        share = row["dropped_share"]
+        colour = "red" if share >= 0.25 else "yellow" if share > 0 else "green"
+        t.add_row(row["bucket"], str(row["trained"]), str(row["dropped_stale"]), f"[{colour}]{share:.0%}[/]")
+    console.print(t)
 
 
 async def run_status(args) -> int:
