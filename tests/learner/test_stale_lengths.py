@@ -139,3 +139,53 @@ def test_length_metrics_name_every_bucket():
     # an old checkpoint's state (no such fields) still loads, with empty counts
     old = {k: v for k, v in LearnerState().to_json().items() if k not in ("kept_stale", "trained_lengths", "dropped_stale_lengths")}
     assert LearnerState.from_json(old).trained_lengths == {}
+
+
+# ---- the learner loop against a real nats-server ------------------------------------------------
+
+LOOP_VERSIONS = [0, 0, 0, 0, 0, 0, 1, 1]
+"""With 2 groups per batch, max_staleness 1 and a publish per step, groups 4 and 5 (version 0)
+reach the learner at version 2 and groups 6 and 7 (version 1) at version 3: lag 2, past
+max_staleness. Dropped, the learner trains 6 and 7 at version 2 (lag 1) instead."""
+
+
+def _loop_run(tiny_model_dir, url, run_id, run_dir, algo):
+    import json
+
+    from helpers.groups import make_cfg, publish_groups, sample_groups
+    from msgspec.structs import replace
+
+    from rlstream.learner import loop
+
+    recorded = sample_groups(tiny_model_dir, len(LOOP_VERSIONS), 4, max_new_tokens=6, seed=44)
+    groups = [replace(g, id=f"{g.id}-{run_id}", rollout=replace(g.rollout, id=f"{g.id}-{run_id}", policy_version=v))
+              for g, v in zip(recorded, LOOP_VERSIONS)]
+    cfg = make_cfg(tiny_model_dir, "RL_GRPO", run=run_id, algo={"group_size": 4, "max_staleness": 1, **algo},
+                   learner={"batch_groups": 2, "micro_batch_size": 8})
+    asyncio.run(publish_groups(url, cfg, groups))
+    assert asyncio.run(loop.main(cfg, url, "learner", run_dir=run_dir, max_steps=4 if algo else 3)) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return groups, metrics, json.loads((run_dir / "learner_summary.json").read_text())
+
+
+def test_the_loop_trains_groups_past_max_staleness_with_correct_and_reports_their_ess(tiny_model_dir, nats_server, run_id, tmp_path):
+    groups, metrics, summary = _loop_run(tiny_model_dir, nats_server.url, run_id, tmp_path / "run",
+                                         {"stale_policy": "correct", "stale_cap": 2})
+    assert [m["group_ids"] for m in metrics] == [[g.id for g in groups[i:i + 2]] for i in range(0, 8, 2)]
+    third = metrics[2]  # groups 4 and 5, sampled by version 0, trained at version 2
+    assert third["buffer/staleness_max"] == 2 and third["offpolicy/beyond_frac"] == 1.0
+    assert 0.0 < third["is/ess_beyond"] <= 1.0
+    assert "is/ess_beyond" not in metrics[0] and metrics[0]["offpolicy/beyond_frac"] == 0.0
+    assert summary["dropped_stale"] == 0 and summary["kept_stale"] == 4
+    assert sum(summary["trained_lengths"].values()) == 8 and summary["dropped_stale_lengths"] == {}
+    last = metrics[-1]
+    assert sum(v for k, v in last.items() if k.startswith("lengths/trained_")) == 8.0
+    assert last["buffer/kept_stale"] == 4.0
+
+
+def test_the_loop_drops_them_by_default_and_counts_their_lengths(tiny_model_dir, nats_server, run_id, tmp_path):
+    groups, metrics, summary = _loop_run(tiny_model_dir, nats_server.url, run_id, tmp_path / "run", {})
+    assert [m["group_ids"] for m in metrics] == [[g.id for g in groups[i:i + 2]] for i in (0, 2, 6)]
+    assert summary["dropped_stale"] == 2 and summary["kept_stale"] == 0
+    assert sum(summary["dropped_stale_lengths"].values()) == 2 and sum(summary["trained_lengths"].values()) == 6
+    assert sum(v for k, v in metrics[-1].items() if k.startswith("lengths/dropped_stale_")) == 2.0
