@@ -155,6 +155,12 @@ class AlgorithmTraits:
         return 0
 
     @property
+    def drop_bound(self) -> int:
+        """Most policy versions a streamed group may lag before the learner drops it: the
+        staleness bound, or further with ``stale_policy: correct`` (0 offline)."""
+        return self.staleness_bound
+
+    @property
     def distills(self) -> bool:
         """Token advantages come from the teacher stage's recorded log-probs (on-policy distillation)."""
         return False
@@ -340,7 +346,15 @@ class RLParams(AlgorithmTraits, Strict):
     kl_coefficient: float = Field(0.0, ge=0, le=1000)
     """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
     max_staleness: int = Field(1, ge=0, le=1000)
-    """Most policy versions a sample may lag the learner; older samples are dropped. 0 = synchronous."""
+    """Most policy versions a sample may lag the learner; older samples are dropped (or, with
+    ``stale_policy: correct``, corrected). Producers are paced to it. 0 = synchronous."""
+    stale_policy: Literal["drop", "correct"] = "drop"
+    """A group lagging more than ``max_staleness`` versions: ``drop`` it, or ``correct``: train it
+    with ``off_policy_correction``'s importance weights, up to ``stale_cap`` versions. Long
+    completions are the ones that finish late, so dropping biases training toward short answers."""
+    stale_cap: int | None = Field(None, ge=1, le=1000)
+    """With ``stale_policy: correct``: most versions a group may lag; older ones are dropped even
+    so. Greater than ``max_staleness``; default ``4 * max(max_staleness, 1)``."""
     off_policy_correction: OffPolicyCorrection = Field(default_factory=TokenTIS)
     """How samples from an older or numerically different sampler are corrected: a name
     (``tis``) or a mapping (``{type: token_mis, low: 0.5, high: 2}``); see the README."""
@@ -367,6 +381,10 @@ class RLParams(AlgorithmTraits, Strict):
     def staleness_bound(self) -> int:
         return self.max_staleness
 
+    @property
+    def drop_bound(self) -> int:
+        return self.stale_cap if self.stale_policy == "correct" and self.stale_cap is not None else self.max_staleness
+
     @model_validator(mode="before")
     @classmethod
     def _named_choices(cls, data: Any) -> Any:
@@ -384,6 +402,21 @@ class RLParams(AlgorithmTraits, Strict):
                 correction.setdefault("cap", cap)
             data["off_policy_correction"] = correction
         return data
+
+    @model_validator(mode="after")
+    def _stale_policy(self):
+        if self.stale_policy == "drop":
+            if self.stale_cap is not None:
+                raise ValueError(f"stale_cap ({self.stale_cap}) applies with stale_policy 'correct' only; remove it or set stale_policy: correct")
+            return self
+        if self.off_policy_correction.type == "none":
+            raise ValueError("stale_policy 'correct' needs an off_policy_correction other than 'none' (e.g. tis): "
+                             "stale groups would be trained uncorrected")
+        if self.stale_cap is None:
+            object.__setattr__(self, "stale_cap", 4 * max(self.max_staleness, 1))
+        if self.stale_cap <= self.max_staleness:
+            raise ValueError(f"stale_cap ({self.stale_cap}) must be greater than max_staleness ({self.max_staleness})")
+        return self
 
     @model_validator(mode="after")
     def _dr_grpo(self):
@@ -1676,6 +1709,12 @@ class Config(Strict):
     @property
     def max_staleness(self) -> int:
         return self.algorithm_params.staleness_bound
+
+    @property
+    def drop_staleness(self) -> int:
+        """Most versions a group may lag before the learner drops it (``max_staleness``, or
+        ``stale_cap`` with ``stale_policy: correct``); producers are still paced to ``max_staleness``."""
+        return self.algorithm_params.drop_bound
 
     def resolved(self) -> dict[str, Any]:
         """The full config with defaults filled in and secrets masked (for config.resolved.json):

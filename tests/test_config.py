@@ -392,3 +392,25 @@ def test_curriculum_section_defaults_bounds_and_where_it_applies():
     with pytest.raises(ConfigError, match=r"data_source\.curriculum .* is for RL modes .* not DPO"):
         parse_config({"model_checkpoint_path": "m", "training_mode": "DPO", "algorithm_params": {"online_pairs": True},
                       "data_source": {"path": "d.jsonl", "curriculum": {"enabled": True}}})
+
+
+def test_stale_policy_and_stale_cap():
+    rl = {"model_checkpoint_path": "m", "training_mode": "RL_GRPO"}
+    cfg = parse_config(rl)
+    assert (cfg.algorithm_params.stale_policy, cfg.algorithm_params.stale_cap, cfg.drop_staleness) == ("drop", None, 1)
+    cfg = parse_config({**rl, "algorithm_params": {"stale_policy": "correct", "max_staleness": 2}})
+    # the default cap is 4 x max_staleness; producers stay paced to max_staleness
+    assert (cfg.algorithm_params.stale_cap, cfg.drop_staleness, cfg.max_staleness) == (8, 8, 2)
+    assert parse_config(cfg.resolved()).algorithm_params.stale_cap == 8
+    assert parse_config({**rl, "algorithm_params": {"stale_policy": "correct", "max_staleness": 0}}).algorithm_params.stale_cap == 4
+
+    def refused(algo: dict, expected: str):
+        with pytest.raises(ConfigError, match=expected) as err:
+            parse_config({**rl, "algorithm_params": algo})
+        assert len(str(err.value).strip().splitlines()) == 2  # "invalid config:" and one line
+
+    refused({"stale_policy": "keep"}, r"algorithm_params\.stale_policy: 'keep' is not allowed; allowed: 'drop' or 'correct'")
+    refused({"stale_policy": "correct", "stale_cap": 0}, r"algorithm_params\.stale_cap: 0 is not allowed")
+    refused({"stale_policy": "correct", "stale_cap": 1}, r"stale_cap \(1\) must be greater than max_staleness \(1\)")
+    refused({"stale_cap": 3}, r"stale_cap \(3\) applies with stale_policy 'correct' only")
+    refused({"stale_policy": "correct", "off_policy_correction": "none"}, r"stale_policy 'correct' needs an off_policy_correction other than 'none'")

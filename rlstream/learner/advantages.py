@@ -40,7 +40,12 @@ How each function relates to its paper:
   turn-level credit assignments in use (e.g. "turn-level GRPO"); the group baseline mixes
   turns at different depths, which is unbiased only up to the baseline's dependence on depth.
 - :func:`staleness_keep` / :func:`staleness_histogram`: the off-policy filter of the
-  asynchronous learner (samples older than ``max_staleness`` policy versions are dropped).
+  asynchronous learner (samples older than ``max_staleness`` policy versions are dropped, or,
+  with ``stale_policy: correct``, kept up to ``stale_cap`` and importance-weighted).
+- :func:`length_bucket` / :func:`length_histogram`: groups by mean completion length in
+  power-of-two buckets. Long completions finish late, so the groups a staleness bound drops
+  are mostly long ones (tinker-cookbook PR #822); the learner counts dropped and trained
+  groups per bucket so that skew can be seen.
 - :func:`distill_advantages` (on-policy distillation: Agarwal et al. 2024, "On-Policy
   Distillation of Language Models" (GKD); Thinking Machines 2025, "On-Policy Distillation"):
   per token ``-c * (log pi_student(y_t) - log pi_teacher(y_t))``, the negative single-sample
@@ -77,6 +82,9 @@ __all__ = [
     "staleness_keep",
     "staleness_histogram",
     "staleness_stats",
+    "LENGTH_BUCKETS",
+    "length_bucket",
+    "length_histogram",
 ]
 
 
@@ -327,4 +335,26 @@ def staleness_stats(policy_versions: Tensor, current_version: int, max_staleness
         }
     if max_staleness is not None:
         out["buffer/stale_frac"] = (staleness > max_staleness).float().mean().item() if staleness.numel() else 0.0
+    return out
+
+
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""Upper bounds (inclusive) of the completion-length buckets, in tokens; longer is ``gt4096``."""
+
+
+def length_bucket(mean_tokens: float) -> str:
+    """The bucket of a group whose samples average ``mean_tokens`` completion tokens:
+    ``le<N>`` for the smallest bound ``N`` of :data:`LENGTH_BUCKETS` with ``mean_tokens <= N``,
+    else ``gt<last>``. E.g. 16 -> ``le16``, 16.5 -> ``le32``, 5000 -> ``gt4096``."""
+    for bound in LENGTH_BUCKETS:
+        if mean_tokens <= bound:
+            return f"le{bound}"
+    return f"gt{LENGTH_BUCKETS[-1]}"
+
+
+def length_histogram(mean_tokens: list[float]) -> dict[str, int]:
+    """Groups per :func:`length_bucket`, every bucket present (0 where empty), shortest first."""
+    out = {length_bucket(b): 0 for b in LENGTH_BUCKETS} | {f"gt{LENGTH_BUCKETS[-1]}": 0}
+    for n in mean_tokens:
+        out[length_bucket(n)] += 1
     return out

@@ -92,6 +92,12 @@ class LearnerState:
     curriculum: dict[str, Any] = field(default_factory=dict)
     """``data_source.curriculum``: the prompts drawn and each prompt's streak of all-equal
     groups (:class:`rlstream.learner.curriculum.CurriculumState`)."""
+    kept_stale: int = 0
+    """Groups trained although they lagged more than ``max_staleness`` (``stale_policy: correct``)."""
+    trained_lengths: dict[str, int] = field(default_factory=dict)
+    """Groups trained per mean-completion-length bucket (:func:`rlstream.learner.advantages.length_bucket`)."""
+    dropped_stale_lengths: dict[str, int] = field(default_factory=dict)
+    """Groups dropped as too stale, per the same buckets."""
 
     def to_json(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}

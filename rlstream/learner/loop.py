@@ -399,7 +399,8 @@ async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoin
 def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluator=None) -> dict[str, Any]:
     return {
         "steps": state.step, "samples_trained": state.samples_trained, "tokens_trained": state.tokens_trained,
-        "dropped_stale": state.dropped_stale, "dropped_filtered": state.dropped_filtered,
+        "dropped_stale": state.dropped_stale, "dropped_filtered": state.dropped_filtered, "kept_stale": state.kept_stale,
+        "trained_lengths": dict(state.trained_lengths), "dropped_stale_lengths": dict(state.dropped_stale_lengths),
         "trained_ids_count": len(state.trained_ids), "duplicates_skipped": state.duplicates_skipped,
         "groups_consumed": state.groups_consumed, "policy_version": state.policy_version,
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,

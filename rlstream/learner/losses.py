@@ -93,7 +93,11 @@ the current policy and the sampler over all tokens (``policy/mismatch_kl``) and 
 policy-version lag of the token: lag 0 is the train/inference mismatch alone
 (``offpolicy/mismatch_kl_fresh``), lag >= 1 adds staleness (``offpolicy/mismatch_kl_stale``);
 the mean lag per token (``offpolicy/lag_mean``) and the share of lag-0 tokens
-(``offpolicy/fresh_frac``).
+(``offpolicy/fresh_frac``). With ``stale_policy: correct`` some tokens lag more than
+``max_staleness``: their share is ``offpolicy/beyond_frac`` and the Kish ESS of the weights
+applied to them alone is ``is/ess_beyond`` (how much of that stale data the correction keeps;
+absent in a step with none). Every ESS here is normalised: ``(sum w)^2 / sum w^2`` over ``N``
+tokens, divided by ``N``.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ __all__ = [
     "cispo_surrogate",
     "sapo_surrogate",
     "effective_sample_size",
+    "kish_ess",
     "offpolicy_metrics",
     "finish_offpolicy_metrics",
     "ppo_loss",
@@ -349,6 +354,15 @@ def correction_weights(log_rho: Tensor, mask: Tensor, correction: Any) -> tuple[
     raise ValueError(f"unknown off_policy_correction {kind!r}")
 
 
+def kish_ess(weights: Tensor) -> float:
+    """Kish effective sample size ``(sum w)^2 / sum w^2`` of a set of weights ``[N]`` (any
+    shape, flattened): ``N`` when all are equal, 1 when one carries them all, 0 when all are
+    0. :func:`effective_sample_size` is this divided by ``N``, from means."""
+    w = weights.detach().double().flatten()
+    sq = float((w * w).sum().item())
+    return float(w.sum().item()) ** 2 / sq if sq > 0 else 0.0
+
+
 def effective_sample_size(weight_mean: float, weight_sq_mean: float) -> float:
     """Normalised Kish effective sample size ``mean(w)^2 / mean(w^2)`` in ``[0, 1]`` (1: all weights
     equal, as on-policy; 0: every weight is 0). Taking means, not sums, lets micro-batches merge
@@ -358,7 +372,7 @@ def effective_sample_size(weight_mean: float, weight_sq_mean: float) -> float:
 
 def offpolicy_metrics(
     logprobs: Tensor, old_logprobs: Tensor, log_rho: Tensor, weights: Tensor, truncated: Tensor, masked: Tensor,
-    mask: Tensor, lag: Tensor | None = None,
+    mask: Tensor, lag: Tensor | None = None, max_staleness: int | None = None,
 ) -> dict[str, float]:
     """Per-micro-batch off-policy diagnostics (detached floats, token means; see the module docstring).
 
@@ -368,6 +382,8 @@ def offpolicy_metrics(
         weights, truncated, masked: ``[B, T]`` from :func:`correction_weights` (as applied).
         mask: ``[B, T]``; lag: ``[B]`` or ``[B, T]`` policy versions between the learner and
             the weights that sampled each token (None: no lag metrics).
+        max_staleness: with ``lag``, tokens lagging more than this are "beyond" (kept by
+            ``stale_policy: correct``): ``offpolicy/beyond_frac`` and ``is/ess_beyond``.
 
     ``*_part`` and ``*_sq_mean`` keys are means over all tokens that merge exactly across
     micro-batches; :func:`finish_offpolicy_metrics` turns them into the ratios.
@@ -395,6 +411,11 @@ def offpolicy_metrics(
             out["offpolicy/fresh_frac"] = _mean(fresh, mask)
             out["offpolicy/mismatch_kl_fresh_part"] = _mean(kl * fresh, mask)
             out["offpolicy/mismatch_kl_stale_part"] = _mean(kl * (1.0 - fresh), mask)
+            if max_staleness is not None:
+                beyond = (lag > max_staleness).double()
+                out["offpolicy/beyond_frac"] = _mean(beyond, mask)
+                out["is/beyond_weight_part"] = _mean(w * beyond, mask)
+                out["is/beyond_weight_sq_part"] = _mean(w * w * beyond, mask)
         out.update(finish_offpolicy_metrics(out))
     return out
 
@@ -402,13 +423,24 @@ def offpolicy_metrics(
 def finish_offpolicy_metrics(metrics: dict[str, float], *, drop_parts: bool = False) -> dict[str, float]:
     """Form the step's ratios from token-mean metrics merged over micro-batches: ``is/ess``,
     ``is/ess_raw``, ``offpolicy/mismatch_kl_fresh`` and ``offpolicy/mismatch_kl_stale`` (mean k3
-    over lag-0 / lagging tokens; 0 where there are none). A new dict; ``drop_parts`` leaves out
-    the ``*_part`` helpers (once the whole step is merged)."""
+    over lag-0 / lagging tokens; 0 where there are none) and ``is/ess_beyond`` (only where
+    tokens lag past ``max_staleness``). A new dict; ``drop_parts`` leaves out the ``*_part``
+    helpers (once the whole step is merged)."""
     out = dict(metrics)
     if "is/weight_sq_mean" in out:
         out["is/ess"] = effective_sample_size(out["is/weight_mean"], out["is/weight_sq_mean"])
     if "is/raw_weight_sq_mean" in out:
         out["is/ess_raw"] = effective_sample_size(out["is/raw_weight_mean"], out["is/raw_weight_sq_mean"])
+    beyond = out.get("offpolicy/beyond_frac", 0.0)
+    if beyond > 0:
+        # the parts are means over all tokens: over the beyond tokens alone they are part / frac
+        part, sq_part = out["is/beyond_weight_part"], out["is/beyond_weight_sq_part"]
+        out["is/ess_beyond"] = effective_sample_size(part / beyond, sq_part / beyond)
+    else:
+        out.pop("is/ess_beyond", None)
+    if drop_parts:
+        out.pop("is/beyond_weight_part", None)
+        out.pop("is/beyond_weight_sq_part", None)
     if "offpolicy/fresh_frac" in out:
         fresh = out["offpolicy/fresh_frac"]
         fresh_part = out.get("offpolicy/mismatch_kl_fresh_part", 0.0)
@@ -541,7 +573,8 @@ def _policy_objective(
             "policy/approx_kl": _mean(torch.exp(log_ratio_d) - 1.0 - log_ratio_d, mask),
             "policy/tokens": float(mask.sum().item()),
         }
-        metrics.update(offpolicy_metrics(logp, old, log_rho, weights, truncated, masked, mask, batch.lag))
+        metrics.update(offpolicy_metrics(logp, old, log_rho, weights, truncated, masked, mask, batch.lag,
+                                         params.max_staleness))
         if batch.advantages.dim() == 1:
             rows = mask.sum(dim=-1) > 0
             seq_adv = batch.advantages.detach()[rows]

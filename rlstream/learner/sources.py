@@ -164,18 +164,20 @@ class StreamBatch:
     dropped_stale: int = 0
     dropped_filtered: int = 0
     duplicates: int = 0
+    kept_stale: int = 0
 
 
 def group_verdict(learner: Learner, g: ScoredGroup, version: int, batch_ids: set[str]) -> str | None:
     """Why group ``g`` is not trained in a batch at policy ``version``: ``"duplicate"`` (its id
     was trained or dropped before, or is in ``batch_ids``, the batch's ids so far), ``"stale"``
-    (its oldest token lags more than ``max_staleness`` versions) or ``"filtered"`` (the group
-    filter drops it); None: it is trained. Changes nothing."""
+    (its oldest token lags more than ``max_staleness`` versions; with ``stale_policy: correct``,
+    more than ``stale_cap``) or ``"filtered"`` (the group filter drops it); None: it is
+    trained. Changes nothing."""
     cfg = learner.cfg
     if g.id in learner.done_ids or g.id in batch_ids:
         return "duplicate"
     # admitted by its oldest token (``policy_version`` is the oldest token's version)
-    if not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), version, cfg.max_staleness)[0]):
+    if not bool(adv.staleness_keep(torch.tensor([g.rollout.policy_version]), version, cfg.drop_staleness)[0]):
         return "stale"
     if cfg.algorithm_params.group_filter and not bool(
             adv.dynamic_sampling_mask(torch.tensor(np.asarray(g.rewards, np.float32)).unsqueeze(0))[0]):
@@ -218,6 +220,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             if verdict == "stale":
                 state.dropped_stale += 1
                 out.dropped_stale += 1
+                _count_length(state.dropped_stale_lengths, g)
             else:
                 state.dropped_filtered += 1
                 out.dropped_filtered += 1
@@ -229,6 +232,36 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
             continue
         out.deliveries.append(d)
         ids.add(g.id)
+    for d in out.deliveries:  # counted once the batch is whole: a batch cut short by ``stop`` goes back
+        g = d.record
+        _count_length(state.trained_lengths, g)
+        if state.policy_version - g.rollout.policy_version > cfg.max_staleness:
+            state.kept_stale += 1
+            out.kept_stale += 1
+    return out
+
+
+def group_length(g: ScoredGroup) -> float:
+    """The group's mean completion length in tokens."""
+    lengths = np.asarray(g.rollout.lengths)
+    return float(lengths.mean()) if lengths.size else 0.0
+
+
+def _count_length(counts: dict[str, int], g: ScoredGroup) -> None:
+    bucket = adv.length_bucket(group_length(g))
+    counts[bucket] = counts.get(bucket, 0) + 1
+
+
+def length_metrics(state) -> dict[str, float]:
+    """Groups trained and dropped as too stale per mean-completion-length bucket, every bucket
+    (``lengths/trained_le64``, ``lengths/dropped_stale_le64``, ...; running totals), the
+    groups kept past ``max_staleness`` (``buffer/kept_stale``). A bucket's share dropped is
+    ``dropped / (trained + dropped)``: under ``stale_policy: drop`` it grows with length."""
+    trained = adv.length_histogram([]) | state.trained_lengths
+    dropped = adv.length_histogram([]) | state.dropped_stale_lengths
+    out = {f"lengths/trained_{b}": float(n) for b, n in trained.items()}
+    out.update({f"lengths/dropped_stale_{b}": float(n) for b, n in dropped.items()})
+    out["buffer/kept_stale"] = float(state.kept_stale)
     return out
 
 
@@ -418,8 +451,9 @@ class StreamSource:
     def metrics(self) -> dict[str, float]:
         state = self.learner.state
         per_sample = state.reward_generated / state.samples_generated if state.samples_generated else 0.0
-        return {"buffer/depth": float(self.buf.depth), "reward/per_sample_generated": per_sample,
+        return {"buffer/depth": float(self.buf.depth), "reward/per_sample_generated": per_sample, **length_metrics(state),
                 **(self.curriculum.metrics() if self.curriculum is not None else {})}
+
 
     def summary(self) -> dict[str, Any]:
         state = self.learner.state

@@ -3,8 +3,10 @@
 An aiohttp server with three routes:
 
 - ``/``: the page (``static/index.html``), with charts of reward, KL, loss, throughput,
-  staleness and buffer depth drawn by uPlot (vendored in ``static/``, MIT licence; the page
-  loads nothing from the internet);
+  staleness, stale groups dropped vs kept and buffer depth drawn by uPlot (vendored in
+  ``static/``, MIT licence; the page loads nothing from the internet), and a table of the
+  learner's groups by mean completion length, trained vs dropped as too stale (its
+  ``lengths/*`` figures);
 - ``/events``: server-sent events. One JetStream ordered consumer on the metrics stream
   (``rl.<run>.metrics.>``) serves every viewer: it starts ``--backfill`` messages back, keeps
   that much history in memory, and fans each new event out to the open connections. A new

@@ -8,6 +8,10 @@
 - the policy version, learner step and pacing admit from KV; staleness: how many versions
   the slowest live producer is behind (``producer_lag_max``) and the learner's latest
   ``buffer/staleness_mean`` / ``buffer/staleness_max``;
+- completion lengths: the learner's groups trained and dropped as too stale per
+  mean-completion-length bucket (``lengths/trained_le64``, ``lengths/dropped_stale_le64``, ...),
+  and the share of each bucket dropped: long completions finish late, so a staleness bound
+  that drops starves them first (``stale_policy: correct`` keeps them);
 - the DLQ: messages in the dead-letter stream, total and by stage;
 - where the time goes: per stage, the mean seconds of each phase of the last loop pass over
   its live instances (from the ``time/<stage>/<phase>_s`` figures in their heartbeats), the
@@ -49,6 +53,31 @@ def live_phases(heartbeats: dict[str, dict[str, Any]]) -> dict[str, list[dict[st
         times = {k: v for k, v in hb.items() if k.startswith("time/") and isinstance(v, (int, float))}
         if times and is_alive(hb):
             out.setdefault(key.partition(".")[0], []).append(times)
+    return out
+
+
+def length_buckets(values: dict[str, float]) -> list[dict[str, Any]]:
+    """``[{bucket, trained, dropped_stale, dropped_share}]``, shortest bucket first, from a
+    learner's ``lengths/trained_<b>`` and ``lengths/dropped_stale_<b>`` figures (buckets with
+    neither left out)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        for kind in ("trained", "dropped_stale"):
+            prefix = f"lengths/{kind}_"
+            if key.startswith(prefix):
+                bucket = key[len(prefix):]
+                rows.setdefault(bucket, {"bucket": bucket, "trained": 0, "dropped_stale": 0})[kind] = int(value)
+
+    def order(bucket: str) -> tuple[int, int]:  # le16 < le32 < ... < gt4096
+        digits = "".join(ch for ch in bucket if ch.isdigit())
+        return (int(digits) if digits else 0, bucket.startswith("gt"))
+
+    out = []
+    for bucket in sorted(rows, key=order):
+        row = rows[bucket]
+        seen = row["trained"] + row["dropped_stale"]
+        if seen:
+            out.append({**row, "dropped_share": row["dropped_stale"] / seen})
     return out
 
 
@@ -126,12 +155,15 @@ async def gather(js, run: str) -> dict[str, Any]:
                          if c["alive"] and c["component"] == "producer" and "producer/policy_version" in c["info"]]
     if producer_versions:
         staleness["producer_lag_max"] = policy_version - int(min(producer_versions))
+    lengths: list[dict[str, Any]] = []
     for c in components:
         if c["component"] == "learner":
             values = await _last_metrics(js, layout, "learner", c["id"])
-            for k in ("buffer/staleness_mean", "buffer/staleness_max", "buffer/depth", "buffer/dropped_stale"):
+            for k in ("buffer/staleness_mean", "buffer/staleness_max", "buffer/depth", "buffer/dropped_stale", "buffer/kept_stale",
+                      "is/ess_beyond"):
                 if k in values:
                     staleness[k] = values[k]
+            lengths = length_buckets(values) or lengths
 
     stages = stage_summary(live_phases(heartbeats))
 
@@ -149,6 +181,7 @@ async def gather(js, run: str) -> dict[str, Any]:
         "learner_step": learner_step,
         "pacing_admit": admit if admit >= 0 else None,
         "staleness": staleness,
+        "lengths": lengths,
         "dlq": {"total": dlq["messages"] if dlq else 0, "by_stage": by_stage},
         "stages": stages,
     }
@@ -213,10 +246,24 @@ def render(status: dict[str, Any], console: Console) -> None:
 
     st = status["staleness"]
     console.print("staleness: " + ("  ".join(f"{k}={v:g}" for k, v in st.items()) if st else "-"))
+    _render_lengths(status.get("lengths") or [], console)
     dlq = status["dlq"]
     stages = ", ".join(f"{k}: {v}" for k, v in sorted(dlq["by_stage"].items()))
     colour = "red" if dlq["total"] else "green"
     console.print(f"dead letters: [{colour}]{dlq['total']}[/]" + (f"  ({stages})" if stages else ""))
+
+
+def _render_lengths(lengths: list[dict[str, Any]], console: Console) -> None:
+    if not lengths:
+        return
+    t = Table(title="groups by mean completion length (tokens): trained vs dropped as too stale", title_justify="left")
+    for col in ("length", "trained", "dropped stale", "dropped share"):
+        t.add_column(col, justify="left" if col == "length" else "right")
+    for row in lengths:
+        share = row["dropped_share"]
+        colour = "red" if share >= 0.25 else "yellow" if share > 0 else "green"
+        t.add_row(row["bucket"], str(row["trained"]), str(row["dropped_stale"]), f"[{colour}]{share:.0%}[/]")
+    console.print(t)
 
 
 async def run_status(args) -> int:

@@ -849,6 +849,43 @@ def test_offpolicy_diagnostics_merge_exactly_over_micro_batches():
         assert done[k] == pytest.approx(full[k], abs=1e-6), k
 
 
+def test_kish_ess_by_hand():
+    from rlstream.learner.losses import effective_sample_size, kish_ess
+
+    # w = [1, 2, 0.5, 0.5]: sum 4, sum of squares 1 + 4 + 0.25 + 0.25 = 5.5, ESS = 16 / 5.5 = 2.909091
+    w = torch.tensor([1.0, 2.0, 0.5, 0.5])
+    assert kish_ess(w) == pytest.approx(16 / 5.5, abs=1e-9)
+    # normalised: means 1 and 5.5 / 4 = 1.375, 1^2 / 1.375 = 0.727273 = ESS / N
+    assert effective_sample_size(1.0, 1.375) == pytest.approx(16 / 5.5 / 4, abs=1e-9)
+    assert kish_ess(torch.ones(3)) == pytest.approx(3.0)  # equal weights: N
+    assert kish_ess(torch.tensor([0.0, 5.0, 0.0])) == pytest.approx(1.0)  # one carries all: 1
+    assert kish_ess(torch.zeros(2)) == 0.0
+
+
+def test_ess_of_the_tokens_past_max_staleness_by_hand():
+    # _diag_batch: row 0 lag 0 with rho [2, 1], row 1 lag 2 with rho [1, 0.5]; max_staleness 1, so row 1
+    # is "beyond" (kept by stale_policy correct). Beyond tokens: 2 of 4; their weights [1, 0.5]:
+    # sum 1.5, sum of squares 1.25, ESS = 2.25 / 1.25 = 1.8 of 2 tokens = 0.9 normalised
+    params = _grpo(TokenTIS(cap=2.0), max_staleness=1, stale_policy="correct")
+    _, m = grpo_loss(_diag_batch(), params)
+    assert m["offpolicy/beyond_frac"] == pytest.approx(0.5)
+    assert m["is/ess_beyond"] == pytest.approx(0.9, abs=1e-6)
+    assert m["is/ess"] == pytest.approx(0.81, abs=1e-6)  # all four tokens, unchanged
+    # split over micro-batches, merged by tokens and finished: the same figure
+    from rlstream.learner.losses import finish_offpolicy_metrics
+
+    parts = [grpo_loss(_diag_batch(rows=(i,)), params)[1] for i in (0, 1)]
+    assert "is/ess_beyond" not in parts[0] and parts[1]["is/ess_beyond"] == pytest.approx(0.9, abs=1e-6)
+    keys = set(parts[0]) & set(parts[1])
+    merged = {k: sum(p[k] * p["policy/tokens"] for p in parts) / sum(p["policy/tokens"] for p in parts)
+              for k in keys if not k.startswith("loss/") and k != "is/weight_max"}
+    done = finish_offpolicy_metrics(merged, drop_parts=True)
+    assert done["is/ess_beyond"] == pytest.approx(0.9, abs=1e-6) and "is/beyond_weight_part" not in done
+    # max_staleness 2: nothing lags beyond it, no figure
+    _, m = grpo_loss(_diag_batch(), _grpo(TokenTIS(cap=2.0), max_staleness=2))
+    assert m["offpolicy/beyond_frac"] == 0.0 and "is/ess_beyond" not in m
+
+
 # ---- invariant: with behaviour == current policy, every correction is the on-policy loss ---------------
 
 ALL_CORRECTIONS = [TokenTIS(), SequenceTIS(), TokenMIS(), SequenceMIS(), IcePop(), GeometricMask(), TokenMask(),

@@ -88,6 +88,16 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
                 (tmp_path / "dashboard.png").write_bytes(png)
                 assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
                 print(f"screenshot: {tmp_path / 'dashboard.png'}")
+
+                # groups by completion length: the learner's running totals, trained vs dropped as too stale
+                await learner.emit({"lengths/trained_le16": 8.0, "lengths/dropped_stale_le16": 0.0, "lengths/trained_le512": 2.0,
+                                    "lengths/dropped_stale_le512": 6.0, "lengths/trained_gt4096": 0.0,
+                                    "lengths/dropped_stale_gt4096": 0.0}, step=11)
+                await nc.flush()
+                await cdp.wait_for("window.rlstream.lengths.le512 && window.rlstream.lengths.le512.dropped_stale === 6")
+                await cdp.wait_for("document.getElementById('lengths').querySelectorAll('tr').length === 3")
+                card = await cdp.eval("document.getElementById('lengths').innerText")
+                assert "le16" in card and "le512" in card and "75%" in card and "gt4096" not in card  # empty buckets left out
     finally:
         if chrome is not None:
             chrome.terminate()

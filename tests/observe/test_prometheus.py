@@ -37,3 +37,24 @@ async def test_totals_are_counters_and_step_is_a_gauge(nats_server, run_id):
     assert "# TYPE rlstream_loss_total gauge" in text  # loss/total is no running total
     assert f"rlstream_loss_total{{{labels}}} 0.75" in text
     assert "# TYPE rlstream_step gauge" in text and f"rlstream_step{{{labels}}} 7.0" in text
+
+
+async def test_groups_by_completion_length_are_exported(nats_server, run_id):
+    from rlstream.learner.checkpoint import LearnerState
+    from rlstream.learner.sources import length_metrics
+
+    state = LearnerState(trained_lengths={"le64": 5}, dropped_stale_lengths={"le1024": 3}, kept_stale=2)
+    nc = await connect(url=nats_server.url, name="test-prom-lengths")
+    reporter = Reporter(nc, Layout(run_id), "learner", "learner", prometheus_port=0)
+    try:
+        port = reporter.start_http()
+        await reporter.emit(length_metrics(state), step=4)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        reporter.close()
+        await nc.close()
+    labels = f'component="learner",id="learner",run="{run_id}"'
+    assert f"rlstream_lengths_trained_le64{{{labels}}} 5.0" in text
+    assert f"rlstream_lengths_dropped_stale_le1024{{{labels}}} 3.0" in text
+    assert f"rlstream_lengths_trained_gt4096{{{labels}}} 0.0" in text  # every bucket, also empty ones
+    assert f"rlstream_buffer_kept_stale{{{labels}}} 2.0" in text

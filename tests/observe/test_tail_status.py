@@ -159,3 +159,28 @@ async def test_tail_shows_control_characters_instead_of_sending_them_to_the_term
     assert "dead_letter stage=scorer" in out
     assert not any(ch in out for ch in ("\x1b", "\x07", "\x9b")), repr(out)
     assert "r␛]0;owned" in out and "bad ␛]0;owned" in out  # shown (rich itself drops the BEL)
+
+
+async def test_status_shows_groups_by_completion_length_trained_and_dropped(js, nats_server, run_id):
+    cfg = make_cfg(run_id, nats_server.url)
+    await ensure_layout(js, run_id)
+    values = {"lengths/trained_le16": 8.0, "lengths/trained_le512": 2.0, "lengths/dropped_stale_le16": 0.0,
+              "lengths/dropped_stale_le512": 6.0, "lengths/trained_gt4096": 0.0, "lengths/dropped_stale_gt4096": 0.0,
+              "buffer/dropped_stale": 6.0, "buffer/kept_stale": 0.0}
+    async with Component(cfg, nats_server.url, "learner", "l0", handle_signals=False) as comp:
+        async def status_with_lengths():
+            await comp.reporter.emit(values, step=3)
+            rc, out, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url, "--json")
+            assert rc == 0, err
+            status = json.loads(out)
+            return status if status["lengths"] else None
+
+        status = await wait_until(status_with_lengths, 60, every=0.2)
+        assert status, "the learner's length figures never showed"
+        rc, text, err = await run_cli("status", "--run", run_id, "--nats", nats_server.url)
+        assert rc == 0, err
+    # shortest first, empty buckets left out; share dropped = dropped / (trained + dropped)
+    assert status["lengths"] == [{"bucket": "le16", "trained": 8, "dropped_stale": 0, "dropped_share": 0.0},
+                                 {"bucket": "le512", "trained": 2, "dropped_stale": 6, "dropped_share": 0.75}]
+    assert status["staleness"]["buffer/dropped_stale"] == 6.0 and status["staleness"]["buffer/kept_stale"] == 0.0
+    assert "groups by mean completion length" in text and "le512" in text and "75%" in text

@@ -10,14 +10,15 @@
     { name: "throughput", title: "throughput (/s)", keys: ["producer/tokens_per_s", "producer/groups_per_s", "scorer/groups_per_s"] },
     { name: "staleness", title: "staleness (policy versions)", keys: ["buffer/staleness_mean", "buffer/staleness_max", "offpolicy/lag_mean"] },
     { name: "mismatch", title: "mismatch KL: train/inference (lag 0) vs stale", keys: ["offpolicy/mismatch_kl_fresh", "offpolicy/mismatch_kl_stale"] },
-    { name: "importance", title: "importance weights", keys: ["is/ess", "is/ess_raw", "is/truncated_frac", "is/masked_frac"] },
+    { name: "importance", title: "importance weights", keys: ["is/ess", "is/ess_raw", "is/ess_beyond", "is/truncated_frac", "is/masked_frac"] },
+    { name: "stale", title: "stale groups: dropped vs kept and corrected (running totals)", keys: ["buffer/dropped_stale", "buffer/kept_stale"] },
     { name: "buffer", title: "buffer depth (groups)", keys: ["buffer/depth"] },
   ];
   const MAX_POINTS = 20000;
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
 
   const params = new URLSearchParams(window.location.search);
-  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false,
+  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false, lengths: {},
                   x: params.get("x") === "step" ? "step" : "time", xs: {}, samples: { rows: [], matched: 0 }, stages: null };
   window.rlstream = state;
 
@@ -29,6 +30,34 @@
     state.points[def.name] = 0;
     return { def, card, plot: null, series: [], index: {}, data: [[]], rows: [], dirty: false };
   });
+
+  // groups by mean completion length: the learner's running totals trained and dropped as too stale
+  // (lengths/trained_le64, lengths/dropped_stale_le64, ...); long completions finish late, so a
+  // staleness bound that drops starves them first
+  const LENGTH_KEY = /^lengths\/(trained|dropped_stale)_((?:le|gt)\d+)$/;
+  let lengthsDirty = false;
+  const lengthsCard = document.createElement("div");
+  lengthsCard.className = "card";
+  lengthsCard.id = "lengths";
+  lengthsCard.innerHTML = "<h2>groups by mean completion length (tokens): trained vs dropped stale</h2><div class=\"empty\">no data yet</div>";
+  document.getElementById("charts").appendChild(lengthsCard);
+  function showLengths() {
+    const order = (b) => parseInt(b.slice(2), 10) + (b.startsWith("gt") ? 0.5 : 0);
+    const buckets = Object.keys(state.lengths).filter((b) => state.lengths[b].trained + state.lengths[b].dropped_stale > 0)
+      .sort((a, b) => order(a) - order(b));
+    if (!buckets.length) return;
+    const most = Math.max(...buckets.map((b) => state.lengths[b].trained + state.lengths[b].dropped_stale));
+    const rows = buckets.map((b) => {
+      const { trained, dropped_stale: dropped } = state.lengths[b];
+      const share = dropped / (trained + dropped);
+      const bar = (n, colour) => `<span style="display:inline-block;height:10px;width:${Math.round(200 * n / most)}px;background:${colour}"></span>`;
+      return `<tr><td>${b}</td><td class="num">${trained}</td><td class="num">${dropped}</td>` +
+        `<td class="num">${Math.round(share * 100)}%</td><td>${bar(trained, "#2563eb")}${bar(dropped, "#dc2626")}</td></tr>`;
+    }).join("");
+    lengthsCard.innerHTML = "<h2>groups by mean completion length (tokens): trained vs dropped stale</h2>" +
+      "<table style=\"font-size:12px;border-spacing:8px 2px\"><tr><th>length</th><th>trained</th><th>dropped stale</th>" +
+      `<th>dropped share</th><th></th></tr>${rows}</table>`;
+  }
 
   function width(chart) { return Math.max(300, chart.card.clientWidth - 16); }
 
@@ -61,6 +90,10 @@
     state.events += 1;
     state.lastSeq = ev.seq;
     const source = ev.component + "/" + ev.id;
+    for (const k of Object.keys(ev.values)) {
+      const m = LENGTH_KEY.exec(k);
+      if (m && Number.isFinite(ev.values[k])) { (state.lengths[m[2]] ||= { trained: 0, dropped_stale: 0 })[m[1]] = ev.values[k]; lengthsDirty = true; }
+    }
     for (const chart of charts) {
       const keys = chart.def.match ? Object.keys(ev.values).filter((k) => chart.def.match.test(k)).sort() : chart.def.keys;
       const hits = keys.filter((k) => k in ev.values && Number.isFinite(ev.values[k]));
@@ -104,6 +137,7 @@
   window.rlstreamSetX = setX;
 
   function redraw() {
+    if (lengthsDirty) { showLengths(); lengthsDirty = false; }
     for (const chart of charts) {
       if (chart.dirty && chart.plot) { rebuild(chart); chart.plot.setData(chart.data); chart.dirty = false; }
     }
