@@ -56,7 +56,8 @@ async def verify_loaded(comp, backend, source: WeightsSource) -> bool:
     version goes in the heartbeat (``verified_version``, shown by ``rlstream status``)."""
     if source.fingerprint is None or source.is_adapter or not comp.cfg.producer.verify_weights:
         return False
-    held = await backend.fingerprint()
+    read = getattr(backend, "fingerprint", None)  # a backend of its own making may not say
+    held = await read() if read is not None else None
     if held is None:
         return False
     got, dtype = held
