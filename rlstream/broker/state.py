@@ -99,7 +99,7 @@ class RunState:
         imported = js._nc.jetstream(prefix=STATE_API, timeout=js._timeout)  # nats-py keeps both private
         try:
             return await cls.open(imported, layout, retry_for_s=retry_for_s)
-        except (NotFoundError, nats.errors.NoRespondersError):
+        except (NotFoundError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):  # no such imports here
             return await cls.open(js, layout, retry_for_s=retry_for_s)
 
     async def follow(self, nc, keys: tuple[str, ...] = FOLLOWED_KEYS) -> None:
