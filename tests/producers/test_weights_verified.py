@@ -71,6 +71,11 @@ async def test_the_engine_holds_the_learners_weights_and_a_misloaded_tensor_stop
             await feed(js, lay, cfg2, progress=False)  # the next batch boundary loads v1
             assert await wait_until(lambda: _eq(asyncio.sleep(0, prod.comp.reporter.info.get("verified_version")), 1), 60)
             assert prod.comp.reporter.values["producer/verified_version"] == 1
+
+            async def shown() -> int | None:  # what `rlstream status` lists for the producer: its heartbeat
+                return (await prod.comp.state.heartbeats()).get("producer.p1", {}).get("verified_version")
+
+            assert await wait_until(lambda: _eq(shown(), 1), 30)
             await wait_until(lambda: _eq(rollout_count(js, lay), 8), 60)
             v2 = perturbed(tiny_model_dir, seed=4)
             await learner_publish(lcomp, cfg.learner, v2.state_dict(), version=2, step=2, config_json=v2.config.to_json_string())
