@@ -12,7 +12,9 @@ values and of the squares. Sums do not care how an engine arranges the tensors: 
 ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` and ``gate_proj``/``up_proj`` into
 ``gate_up_proj``, and pads the vocabulary with zero rows; none of that changes a sum. A
 missing, zeroed, duplicated or stale tensor does. With tied embeddings the engine holds the
-output projection once, so the file's ``lm_head.weight`` is left out (``tied``).
+output projection once, so the file's ``lm_head.weight`` is left out (``tied``). vLLM on CPU
+packs its linear weights where they cannot be read back; its workers record each one's sums
+just before packing (:mod:`rlstream.producers.backends.vllm_worker`).
 
 Where the engine holds the weights in the dtype they were published in, both sides sum the
 same numbers and agree to float64 rounding (``rel=1e-9``). An engine that converts them (a
