@@ -116,8 +116,14 @@ class BroadcastServer:
         import torch.distributed as dist
 
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self.host, self.port, self.backend = host, self.store.port, backend
+        # torch's store server listens on every interface whatever host it is given: bind the
+        # socket to the one announced ourselves and hand it over
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self.listener = socket.create_server(addr[:2], family=family)
+        bound = self.listener.getsockname()[1]
+        self.store = dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=self.timeout,
+                                   master_listen_fd=self.listener.fileno())
+        self.host, self.port, self.backend = host, bound, backend
 
     def location(self, version: int) -> str:
         """Where version ``version`` goes out, with a secret of its own."""

@@ -453,3 +453,25 @@ def test_the_broadcast_location_names_its_backend_and_nccl_is_refused_without_it
     store = dist.HashStore()
     with pytest.raises(WeightsUnavailable, match="'nccl' needs CUDA and a torch built with NCCL; use backend 'gloo'"):
         make_group("nccl", store, "v1", 0, 2, datetime.timedelta(seconds=1))
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a socket listens on at ``port`` (hex as /proc/net/tcp{,6} print them)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.partition(":")
+            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                out.add(addr)
+    return out
+
+
+def test_the_broadcast_store_listens_on_its_own_interface_only():
+    """torch's TCPStore server listens on every interface whatever host it is given; the
+    learner's broadcast store binds the one it announces (here loopback), so nothing on
+    another interface reaches its port."""
+    from rlstream.weights.broadcast import BroadcastServer
+
+    server = BroadcastServer("127.0.0.1", 0, timeout_s=5)
+    assert _listening(server.port) == {"0100007F"}  # 127.0.0.1, and not 0.0.0.0 or [::]
