@@ -324,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass")
     sp.add_argument("--max-texts", type=int, default=4096, help="texts one request may hold (413 beyond)")
     sp.add_argument("--max-body-mb", type=int, default=16, help="largest request body (413 beyond)")
+    sp.add_argument("--tls-cert", metavar="PEM", help="serve https with this certificate chain (with --tls-key)")
+    sp.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     sp.set_defaults(fn=cmd_reward_server)
 
     sp = sub.add_parser("tail", help="live records or metrics on any subject (wildcards)")

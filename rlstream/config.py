@@ -694,6 +694,9 @@ class RewardFunction(Strict):
     token_env: str | None = None
     """Read the bearer token from this environment variable (e.g. a Kubernetes Secret), so it
     is never in the config file or on a command line."""
+    ca_file: str | None = None
+    """An ``https://`` endpoint's CA certificate (PEM), for a server whose certificate a private
+    CA signed (``rlstream reward-server --tls-cert``); absent: the system's roots."""
     timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     retries: int = Field(3, ge=0, le=100)
     answer_column: str = "answer"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import ssl
 
 import aiohttp
 
@@ -28,8 +29,10 @@ class EndpointError(RuntimeError):
 
 class RewardModelClient:
     def __init__(self, endpoint: str, *, token: str | None = None, timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.5, max_backoff_s: float = 8.0):
+                 backoff_s: float = 0.5, max_backoff_s: float = 8.0, ca_file: str | None = None):
         self.endpoint = endpoint
+        # an https endpoint is checked against the system's roots, or the private CA given
+        self._tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
@@ -43,7 +46,8 @@ class RewardModelClient:
 
     async def _post(self, prompts: list[str], completions: list[str]) -> list[float]:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            connector = aiohttp.TCPConnector(ssl=self._tls) if self._tls is not None else None
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         async with self._session.post(self.endpoint, json={"prompts": prompts, "completions": completions}, headers=self._headers) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:200]

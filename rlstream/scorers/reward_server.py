@@ -1,7 +1,7 @@
 """Serve a Hugging Face sequence-classification reward model over HTTP.
 
     rlstream reward-server --model DIR [--host 127.0.0.1] [--port P] [--token-file F] [--max-batch N]
-                           [--max-texts N] [--max-body-mb M]
+                           [--max-texts N] [--max-body-mb M] [--tls-cert PEM --tls-key PEM]
 
 - ``POST /score``: ``{"prompts": [...], "completions": [...]}`` -> ``{"scores": [...]}``,
   each score the model's single logit on ``prompt + completion`` (as TRL scores with a
@@ -14,7 +14,9 @@ Concurrent requests are batched: handlers queue their texts (split into chunks o
 and runs the forward pass in a thread. It binds 127.0.0.1 unless told otherwise, and
 refuses any other address without a token (``$RLSTREAM_REWARD_TOKEN``, ``--token-file``
 or ``--token``; the first two keep it off the command line); with a token, requests
-without ``Authorization: Bearer <token>`` get 401.
+without ``Authorization: Bearer <token>`` get 401. With ``--tls-cert``/``--tls-key`` it serves
+https (TLS 1.2 or newer), so the token and the texts are not in clear on the network; a
+non-loopback bind without them says so in the log (the shipped Kubernetes manifests use TLS).
 
 One client cannot tie the server up:
 
@@ -33,6 +35,7 @@ import hmac
 import json
 import logging
 import os
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -259,9 +262,19 @@ class Server:
         return app
 
 
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The server's TLS (1.2 or newer) from a certificate chain and its key (PEM files)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
 async def serve(model_dir: str, host: str, port: int, token: str | None, max_batch: int, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, max_texts: int = DEFAULT_MAX_TEXTS, max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
-    """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then left alone)."""
+                stop: asyncio.Event | None = None, max_texts: int = DEFAULT_MAX_TEXTS, max_body_mb: int = DEFAULT_MAX_BODY_MB,
+                tls: ssl.SSLContext | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, or until ``stop`` is set when one is given (signals are then
+    left alone). ``tls``: serve https (:func:`tls_context`)."""
     model = await compute.run(RewardModel, model_dir)
     server = Server(model, token=token, max_batch=max_batch, max_texts=max_texts, max_body_mb=max_body_mb)
     stop_event = stop or asyncio.Event()
@@ -270,9 +283,10 @@ async def serve(model_dir: str, host: str, port: int, token: str | None, max_bat
         # handler_cancellation: a client that disconnects cancels its handler, and so its queued texts
         runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=tls)
         await site.start()
-        log.info("reward server: %s on http://%s:%d (max batch %d, token %s)", model_dir, host, port, max_batch, "required" if token else "off")
+        log.info("reward server: %s on %s://%s:%d (max batch %d, token %s)", model_dir, "https" if tls else "http", host, port,
+                 max_batch, "required" if token else "off")
         if ready is not None:
             ready.set()
         try:
@@ -309,9 +323,24 @@ def cli(args) -> int:
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model}: not a directory", file=sys.stderr)
         return 2
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    tls = None
+    if cert or key:
+        if not (cert and key):
+            print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        try:
+            tls = tls_context(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"error: --tls-cert {cert} / --tls-key {key}: {exc}", file=sys.stderr)
+            return 2
+    elif not is_loopback(args.host):
+        log.warning("reward server: serving http on %s: the bearer token and the texts cross the network in clear; "
+                    "give --tls-cert and --tls-key", args.host)
     for name in ("max_batch", "max_texts", "max_body_mb"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1", file=sys.stderr)
             return 2
-    asyncio.run(serve(args.model, args.host, args.port, token, args.max_batch, max_texts=args.max_texts, max_body_mb=args.max_body_mb))
+    asyncio.run(serve(args.model, args.host, args.port, token, args.max_batch, max_texts=args.max_texts, max_body_mb=args.max_body_mb,
+                      tls=tls))
     return 0

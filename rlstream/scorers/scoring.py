@@ -263,7 +263,7 @@ class Scorer:
         self.terms: list[Term] = []
         if rf.type == "model_based":
             token = rf.token_value()
-            self.client = RewardModelClient(rf.endpoint, token=token, timeout_s=rf.timeout_s, retries=rf.retries)
+            self.client = RewardModelClient(rf.endpoint, token=token, timeout_s=rf.timeout_s, retries=rf.retries, ca_file=rf.ca_file)
             self.terms.append(Term("model", 1.0, self._model, batch_fatal=True))
         if rf.type != "model_based" or "terms" in rf.model_fields_set:
             for t in rf.terms:

@@ -27,7 +27,7 @@ TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / 
            "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup",
            "distill": K8S / "overlays" / "distill"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
-EXTERNAL_SECRETS = {"nats-tls", "rlstream-backup-s3", "rlstream-nats-users", "rlstream-reward-token"}
+EXTERNAL_SECRETS = {"nats-tls", "reward-tls", "rlstream-backup-s3", "rlstream-nats-users", "rlstream-reward-token"}
 
 
 def documented_secret_keys() -> dict[str, set[str]]:

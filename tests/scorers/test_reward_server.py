@@ -197,3 +197,42 @@ async def test_sigterm_stops_the_server_promptly_with_work_queued(tiny_reward_mo
         assert all(s in (503, "ServerDisconnectedError", "ClientOSError") for s in statuses), statuses
     finally:
         _stop(proc)
+
+
+def test_over_tls_the_scorers_client_trusts_the_private_ca_and_nothing_else(tiny_reward_model_dir, direct_scores, tmp_path):
+    """``--tls-cert``/``--tls-key``: https, so the bearer token and the texts are not in clear;
+    the scorer's client (``reward_function.ca_file``) checks the certificate against the run's
+    private CA, and without that CA it is refused, never sent the token."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from helpers.http import wait_http
+    from helpers.tls import make_certs
+
+    from rlstream.broker.server import free_port
+
+    certs = make_certs(tmp_path)
+    port, token = free_port(), "tls-token-456"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlstream.cli", "reward-server", "--model", str(tiny_reward_model_dir), "--port", str(port),
+         "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RLSTREAM_REWARD_TOKEN": token})
+    try:
+        wait_http(f"https://127.0.0.1:{port}/health", proc, ca_file=str(certs["ca"]))
+        url = f"https://127.0.0.1:{port}/score"
+
+        async def score(**kw) -> list[float]:
+            client = RewardModelClient(url, token=token, retries=0, **kw)
+            try:
+                return await client.score(["1+1="], [" 2"])
+            finally:
+                await client.close()
+
+        assert asyncio.run(score(ca_file=str(certs["ca"]))) == pytest.approx(direct_scores(["1+1= 2"]), abs=1e-4)
+        with pytest.raises(EndpointError, match="(?i)certificate"):
+            asyncio.run(score())  # the system's roots do not know the private CA
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -2,10 +2,10 @@
 TLS with a private CA; wrong credentials give a clear error, never a hang."""
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.tls import make_certs
 
 from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout
 from rlstream.config import NatsConfig, NatsTLS
@@ -59,18 +59,6 @@ async def test_token(tmp_path):
         assert "tok-123456" not in str(info.value)
     finally:
         server.stop()
-
-
-def make_certs(d: Path) -> dict[str, Path]:
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", "2", "-subj", "/CN=rlstream-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "server.key"), "-out", str(d / "server.csr"), "-subj", "/CN=localhost")
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    run("x509", "-req", "-in", str(d / "server.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"), "-CAcreateserial",
-        "-out", str(d / "server.pem"), "-days", "2", "-extfile", str(d / "ext.cnf"))
-    return {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key"}
 
 
 async def test_tls_with_private_ca(tmp_path):
