@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q --disable-pip-version-check
 # extra pytest options for the test targets (.ci/run adds skip reasons and a JUnit report)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint setup setup-full bench clean
+.PHONY: demo test test-all lint setup setup-full setup-verifiers bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,8 @@ $(VENV)/.setup-base: pyproject.toml | $(BIN)/python
 # CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`; text models
 # need none of them.
 $(VENV)/.setup-full: $(VENV)/.setup-base
-	$(PIP) -e ".[dev,vllm,deepspeed]"
+	$(PIP) -e ".[dev,vllm,deepspeed,verifiers]"
+	$(PIP) --no-deps verifiers==0.4.0
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
@@ -47,6 +48,12 @@ $(VENV)/.setup-promtool: | $(BIN)/python
 
 setup: $(VENV)/.setup-base
 setup-full: $(VENV)/.setup-full
+
+# verifiers environments (env.name: verifiers:<taskset>): the package without its openai/mcp pins
+# (pyproject's [verifiers] extra says why), then its other requirements
+setup-verifiers: $(VENV)/.setup-base
+	$(PIP) -e ".[verifiers]"
+	$(PIP) --no-deps verifiers==0.4.0
 
 demo:
 	@start=$$(date +%s); $(MAKE) --no-print-directory $(VENV)/.setup-base && \

@@ -35,7 +35,8 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from rlstream import chat
-from rlstream.config import GYM_PREFIX, Config, is_hub_id
+from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, is_hub_id
+from rlstream.envs import EnvError
 
 HEAD_ROWS = 4
 """Rows of the dataset the checks read (and the reward functions are called on)."""
@@ -158,10 +159,16 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
                 from rlstream.envs.gym import rows_for
 
                 rows = rows_for(ds, limit=HEAD_ROWS)
+            elif ds.path.startswith(VERIFIERS_PREFIX):
+                from rlstream.envs import verifiers_env
+
+                rows = verifiers_env.rows_for(cfg, limit=HEAD_ROWS)
             else:
                 rows = read_rows(ds.path, ds.split, min(HEAD_ROWS, ds.limit or HEAD_ROWS), name=ds.name)
         except DatasetError as exc:
             return [f"data_source.path: {exc}"], []
+        except EnvError as exc:
+            return [str(exc)], []
         except Exception as exc:  # a file the reader chokes on (bad parquet, bad arrow)
             return [f"data_source.path: {ds.path} cannot be read ({_first_line(exc)})"], []
     streaming = ds.type == "on_policy" or cfg.is_rl
@@ -284,6 +291,8 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
         local.reward_function.type = "rule_based"
     try:
         Scorer(local)
+    except EnvError:
+        pass  # the verifiers rule loads the environment: check_env reports why it does not
     except (RewardError, ValueError) as exc:
         problems.append(f"reward_function: {exc}")
     return problems

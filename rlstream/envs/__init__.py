@@ -5,8 +5,9 @@ from a dataset row; the producer samples the model's turn, hands its text to the
 and appends what comes back (a tool result, a user turn, a game state) until the episode
 ends with a reward or ``max_turns`` is reached.
 
-``env.name`` in the config is a built-in name from :data:`ENVIRONMENTS` or an import path
-``package.module:factory``; :func:`load_environment` builds it with ``env.kwargs``.
+``env.name`` in the config is a built-in name from :data:`ENVIRONMENTS`, an import path
+``package.module:factory``, or ``verifiers:<taskset id or module>`` (a ``verifiers`` environment,
+:mod:`rlstream.envs.verifiers_env`); :func:`load_environment` builds it with ``env.kwargs``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def load_factory(name: str) -> Any:
 
 
 def load_environment(name: str, kwargs: dict[str, Any] | None = None) -> Environment:
-    """Build the environment ``name`` with ``kwargs``."""
+    """Build the environment ``name`` with ``kwargs`` (``verifiers:<id>``: a verifiers taskset,
+    :mod:`rlstream.envs.verifiers_env`)."""
+    if name.startswith("verifiers:"):
+        from rlstream.envs.verifiers_env import VerifiersEnvironment
+
+        return VerifiersEnvironment(name, kwargs)
     factory = load_factory(name)
     try:
         env = factory(**(kwargs or {}))

@@ -22,7 +22,7 @@ import functools
 import json
 from typing import Any
 
-from rlstream.config import GYM_PREFIX
+from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX
 
 ANSWER_TAG = "answer"
 
@@ -104,12 +104,19 @@ def reward(prompts: list[Any], completions: list[Any], reasoning_gym: list[dict[
 
 
 def prompt_rows(cfg) -> tuple[list, str]:
-    """The checked rows of an on-policy ``data_source`` (a dataset file, directory or Hub id, or
-    a reasoning-gym task) and the dataset's key; the whole dataset is checked before any use."""
+    """The checked rows of an on-policy ``data_source`` (a dataset file, directory or Hub id, a
+    reasoning-gym task, or a verifiers environment's tasks) and the dataset's key; the whole dataset is checked before any use."""
     from rlstream.data import DatasetError, check_rows, dataset_key, read_rows
 
     ds = cfg.data_source
     if not ds.path:
         raise DatasetError("data_source.path is not set: nothing to feed")
-    rows = rows_for(ds) if is_gym_source(ds.path) else read_rows(ds.path, ds.split, ds.limit, name=ds.name)
+    if is_gym_source(ds.path):
+        rows = rows_for(ds)
+    elif str(ds.path).startswith(VERIFIERS_PREFIX):
+        from rlstream.envs import verifiers_env
+
+        rows = verifiers_env.rows_for(cfg)
+    else:
+        rows = read_rows(ds.path, ds.split, ds.limit, name=ds.name)
     return check_rows(rows, cfg, where=str(ds.path)), dataset_key(ds.path, ds.split)

@@ -267,7 +267,7 @@ class Scorer:
             self.terms.append(Term("model", 1.0, self._model, batch_fatal=True))
         if rf.type != "model_based" or "terms" in rf.model_fields_set:
             for t in rf.terms:
-                self.terms.append(self._build(t))
+                self.terms.extend(self._verifiers(t) if t.rule == "verifiers" else [self._build(t)])
         names = [t.name for t in self.terms]
         if len(set(names)) != len(names):
             raise RewardError(f"reward term names must be unique, got {names}")
@@ -352,6 +352,36 @@ class Scorer:
             return reward_values(name, await asyncio.to_thread(rule, flat), len(flat))
 
         return Term(t.name, t.weight, run_rule)
+
+    def _verifiers(self, t: RewardTerm) -> list[Term]:
+        """The ``verifiers`` rule: a term per reward of the environment's rubric (named after it,
+        weight ``t.weight`` x its own), so the total is the rubric's weighted sum. The rubric runs
+        once per batch; its terms read their column of the same result."""
+        from rlstream.envs.verifiers_env import COLUMN, Rubric, is_verifiers
+
+        _check_params(t, set())
+        if self.cfg.env is None or not is_verifiers(self.cfg.env.name):
+            raise RewardError(f"reward term {t.name!r} (verifiers) scores a verifiers environment: set env.name 'verifiers:<id>'")
+        rubric = Rubric.load(self.cfg.env.name, self.cfg.env.kwargs)
+        runs: list[tuple[Flat, asyncio.Future]] = []  # the latest batches' runs (held: an id is never reused)
+
+        async def scores(flat: Flat) -> list[dict[str, float | None]]:
+            run = next((r for f, r in runs if f is flat), None)
+            if run is None:
+                if COLUMN not in flat.columns:
+                    raise RewardError(f"rule verifiers needs prompts from {self.cfg.env.name!r} (no {COLUMN!r} column)")
+                run = asyncio.ensure_future(rubric.score_many(flat.columns[COLUMN], flat.trl_prompts, flat.trl_completions))
+                runs.append((flat, run))
+                del runs[:-4]
+            return await asyncio.shield(run)
+
+        def term(name: str, weight: float) -> Term:
+            async def score(flat: Flat, name=name) -> np.ndarray:
+                return _values([s[name] for s in await scores(flat)])
+
+            return Term(name, t.weight * weight, score)
+
+        return [term(name, weight) for name, weight in rubric.weights.items()]
 
     # -- the terms that leave the process --------------------------------------------------
     async def _math(self, flat: Flat) -> np.ndarray:
