@@ -6,7 +6,8 @@ One account (``RLSTREAM``) holds one run, with JetStream limits (memory, storage
 consumers), and one user per role. The run's KV bucket and weights object store live in a
 second account (``STATE``) in which only the learner writes, as ``learner-state`` (its own
 password; the run's components set ``nats.state_account: true``). The other roles read it
-through read-only imports (stream info and message gets, under ``$JS.state.API``), write their
+through read-only imports (stream info and message gets, under ``$JS.state.API``; the weights
+objects for producers alone), write their
 own heartbeat through one import each, and are told of the learner's writes to the keys
 producers follow. NATS checks no permission on a reply subject, and JetStream publishes a
 PubAck in the account of the stream that sent it: so a role that publishes with
@@ -75,6 +76,9 @@ RECORDS = {"feeder": ("prompts",), "producer": ("rollouts", "eval.rollouts"), "s
 DURABLES = {"producer": (Layout.PRODUCERS, Layout.EVAL_PRODUCERS), "scorer": (Layout.SCORERS, Layout.EVAL_SCORERS),
             **{stage: (stage,) for stage in ANNOTATORS}, "learner": (Layout.LEARNER, Layout.EVAL_LEARNER)}
 LEARNER_KEYS = (POLICY_VERSION, WEIGHTS_LATEST, PACING_ADMIT, LEARNER_STEP)
+WEIGHTS_READERS = ("producer",)
+"""The roles that read the policy's weights (the learner writes them, as ``learner-state``): the
+annotating stages load fixed reference and teacher models, and nobody else needs them."""
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,12 @@ def durable_streams(run: str) -> dict[str, list[str]]:
     return out
 
 
-def state_reads(run: str, api: str = "$JS.API") -> list[str]:
-    """The read-only JetStream requests on the run's KV bucket and object store (under ``api``)."""
+def state_reads(run: str, api: str = "$JS.API", *, objects: bool = True) -> list[str]:
+    """The read-only JetStream requests on the run's KV bucket and (``objects``) its weights
+    object store, under ``api``."""
     lay = Layout(run)
     out = []
-    for s in (f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
+    for s in (f"KV_{lay.state_bucket}", *([f"OBJ_{lay.weights_bucket}"] if objects else [])):
         out += [f"{api}.STREAM.INFO.{s}", f"{api}.STREAM.MSG.GET.{s}", f"{api}.DIRECT.GET.{s}", f"{api}.DIRECT.GET.{s}.>"]
     return out
 
@@ -138,7 +143,7 @@ def permissions(role: str, run: str, curriculum: bool = False) -> list[str]:
         allow.append(heartbeats(role, run))
     allow.append("$JS.API.INFO")
     allow += [f"$JS.API.STREAM.INFO.{s}" for s in lay.streams()]
-    allow += state_reads(run, STATE_API)
+    allow += state_reads(run, STATE_API, objects=role in WEIGHTS_READERS)
     for durable in DURABLES.get(role, ()):
         for stream in durable_streams(run)[durable]:
             allow += [f"$JS.API.CONSUMER.INFO.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",

@@ -366,7 +366,8 @@ async def bind_layout(
 
 async def _missing(js: JetStreamContext, lay: Layout, durable: str | None, state_js: JetStreamContext) -> str | None:
     """The first part of the run's layout that does not exist yet, or None."""
-    for name, where in (*((n, js) for n in lay.streams()), (f"KV_{lay.state_bucket}", state_js), (f"OBJ_{lay.weights_bucket}", state_js)):
+    # (the object store is made with the KV bucket; only producers may look at it)
+    for name, where in (*((n, js) for n in lay.streams()), (f"KV_{lay.state_bucket}", state_js)):
         try:
             await where.stream_info(name)
         except NotFoundError:

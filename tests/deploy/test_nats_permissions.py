@@ -195,6 +195,10 @@ def attempts(role: str, run: str, replies: dict) -> list[tuple[str, bytes, str]]
     meta = base64.urlsafe_b64encode(b"policy-v000999.safetensors").decode()
     add(f"$O.{lay.weights_bucket}.C.forged", b"evil", "weights chunk")
     add(f"$O.{lay.weights_bucket}.M.{meta}", b"{}", "weights meta")
+    # the weights: only producers read them (through the state account's imports)
+    if role != "producer":
+        for api in ("STREAM.INFO", "STREAM.MSG.GET", "DIRECT.GET"):
+            add(f"$JS.state.API.{api}.OBJ_{lay.weights_bucket}", b'{"last_by_subj": "$O.x.M.x"}', f"read the weights ({api})")
     # the state account's API beyond its read-only imports
     for verb in ("STREAM.PURGE", "STREAM.DELETE", "STREAM.UPDATE", "CONSUMER.CREATE"):
         for name in (f"KV_{lay.state_bucket}", f"OBJ_{lay.weights_bucket}"):
