@@ -393,15 +393,15 @@ class Producer:
     async def undelivered_given_back(self):
         """At the stop, prompts the broker delivered to a fetch that had given up (no lane will
         fetch again) go back at once, not after the drain."""
-        async def give_back_undelivered() -> None:
-            await self.comp.stop.wait()
-            self.stats.ready_naks += await self.consumer.sub.give_back()
-
-        task = asyncio.create_task(give_back_undelivered(), name=f"producer-{self.comp.component_id}-give-back")
+        task = asyncio.create_task(self._give_back_undelivered(), name=f"producer-{self.comp.component_id}-give-back")
         try:
             yield
         finally:
             await _cancelled(task)
+
+    async def _give_back_undelivered(self) -> None:
+        await self.comp.stop.wait()
+        self.stats.ready_naks += await self.consumer.sub.give_back()
 
     async def close(self) -> ProducerStats:
         """Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once,
