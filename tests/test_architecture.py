@@ -1,5 +1,6 @@
 """The package's shape, checked: the import graph has no cycles, stages never import each
-other, and the learner's functions stay short enough to read (docs/architecture.md)."""
+other, and the learner's and the producers' functions stay short enough to read
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -161,6 +162,11 @@ def long_functions(root: Path) -> list[str]:
 
 def test_learner_functions_are_short_or_say_why():
     too_long = long_functions(PACKAGE / "learner")
+    assert not too_long, (f"over {MAX_FUNCTION_LINES} lines without a '{LONG_MARK} <reason>' comment:\n" + "\n".join(too_long))
+
+
+def test_producer_functions_are_short_or_say_why():
+    too_long = long_functions(PACKAGE / "producers")
     assert not too_long, (f"over {MAX_FUNCTION_LINES} lines without a '{LONG_MARK} <reason>' comment:\n" + "\n".join(too_long))
 
 

@@ -1,5 +1,30 @@
 """The producer loop: prompts in, rollout groups out.
 
+:func:`run` reads top to bottom: bind -> follow weights -> take prompts -> generate ->
+publish -> ack. Each axis it used to thread through one body is a part of a
+:class:`Producer`:
+
+- the **producer** (:class:`Producer`): binds the prompt consumer, the weights announced now
+  and the environment, and owns what its parts share: the stats, the sampling, the generation
+  gate. One pass for a driver is ``take_prompts`` (eval first, then pacing room, then a fetch)
+  and ``produce_held`` (generate, publish, ack, count); ``give_back`` is the drain;
+- a **driver**, chosen once: :class:`BatchLanes` (``producer.pipeline_batches`` lanes, a
+  batch at a time, through :func:`rlstream.broker.component.lanes`), or, in flight on a
+  continuous engine, :class:`ContinuousSlots` (each prompt group its own request, its slot
+  refilled at once, through :func:`rlstream.broker.component.refilled`);
+- **pacing** (:class:`Pacing`): the learner's ``pacing.admit`` less what is stored and the
+  groups fetched and not stored yet (``pending``); :func:`wait_for_room` is the wait;
+- the **eval lane** (:class:`EvalLane`; :class:`NoEvalLane` without an ``eval`` section):
+  prompts pinned to a policy version, ahead of training prompts;
+- **weights** (:class:`PolicyWeights`): between batches the
+  :class:`~rlstream.producers.weights.WeightsFollower` receives and stages each version while
+  batches generate, and a batch swaps it in at its boundary; in flight, a watcher loads each
+  version under running requests (:func:`sync_weights`);
+- **prompts in hand** (:class:`Held`): what a stop gives back;
+- one batch through the engine (:mod:`rlstream.producers.batch`): tokenise, generate or play
+  episodes, publish, ack; :class:`~rlstream.producers.batch.GenerationGate` between batches
+  and reloads.
+
 ``rlstream producer CONFIG`` runs one producer; start as many as you like, on any
 machine: they share the durable work-queue consumer ``producers``, so each prompt goes
 to one of them, and a dead producer's prompts come back to the others after
@@ -77,45 +102,46 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from rlstream.broker import Component, Consumer, Layout, Outgoing, dead_letter, format_exception
+from rlstream.broker import Component, Consumer, Layout, dead_letter
 from rlstream.broker.component import Stopped, kept_in_progress, lanes, refilled, unless_stopped
-from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT, BrokerUnavailable
 from rlstream.broker.telemetry import Phases
 from rlstream.pacing import admit_bound
-from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, WeightsSource, make_backend
-from rlstream.producers.weights import (  # noqa: F401 (WeightsRefused, WeightsTimeout, check_announcement, fetch_weights: re-exported)
-    WeightsFollower,
-    WeightsMismatch,
-    WeightsRefused,
-    WeightsTimeout,
-    check_announcement,
-    fetch_weights,
-    newest_announcement,
-    receive_or_skip,
-    receive_weights,
-    verify_loaded,
+from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, make_backend
+from rlstream.producers.batch import (
+    EnvConfigError,
+    GenerationGate,
+    GenerationTimeout,
+    encode_batch,
+    environment,
+    generate_batch,
+    publish_batch,
 )
-from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup, Sample, WeightsAnnouncement
+from rlstream.producers.weights import WeightsFollower, WeightsMismatch, newest_announcement, receive_or_skip, verify_loaded
+from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup
 
 log = logging.getLogger(__name__)
 
 PACING_POLL_S = 0.15
 MAX_FAILED_BATCHES = 3
 EXIT_GENERATION_TIMEOUT = 75
+"""Exit code of a producer whose backend hung (EX_TEMPFAIL: restart it)."""
 EXIT_WEIGHTS_MISMATCH = 76
 """The weights the engine held after a load were not the learner's (``producer.verify_weights``)."""
-"""Exit code of a producer whose backend hung (EX_TEMPFAIL: restart it)."""
+
+Generate = Callable[[list, Phases], Awaitable[list[RolloutGroup] | None]]
+"""A driver's way to generate prompts in hand: ``(deliveries, phases) -> groups``, None when it
+failed (the prompts nak'ed); raises :class:`Stopped` when a stop came before it began."""
 
 
 @dataclass
@@ -176,10 +202,6 @@ class RecentRate:
         return tuple(sum(c[i] for _, c in self.done) / span for i in range(len(counts)))
 
 
-class GenerationTimeout(ProducerError):
-    """A generate call outlived ``producer.generation_timeout_s``: the backend is hung."""
-
-
 async def main(cfg, nats_url: str, component_id: str = "producer-0", **_: Any) -> int:
     # The model loads before we serve (and vLLM must be built in the main thread).
     backend = make_backend(cfg)
@@ -215,252 +237,143 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-class GenerationGate:
-    """Batches generate together; a weight reload waits for them and holds new ones back.
 
-    A reload that is waiting has priority over new generations, so two lanes taking turns
-    can never starve it.
-    """
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._generating = 0
-        self._reloads_waiting = 0
-        self._reloading = False
-
-    @contextlib.asynccontextmanager
-    async def generation(self, stop: asyncio.Event | None = None):
-        """Generate inside; with ``stop``, a stop that comes while waiting raises :class:`Stopped`."""
-        entering = self._enter()
-        await (entering if stop is None else unless_stopped(stop, entering))
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._generating -= 1
-                self._cond.notify_all()
-
-    async def _enter(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._reloading and not self._reloads_waiting)
-            self._generating += 1  # no await after this: a cancel cannot leave it counted
-
-    @contextlib.asynccontextmanager
-    async def reload(self):
-        async with self._cond:
-            self._reloads_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._reloading and not self._generating)
-            finally:
-                self._reloads_waiting -= 1
-            self._reloading = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._reloading = False
-                self._cond.notify_all()
-
-
-async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:  # noqa: C901
+async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> ProducerStats:
     """The loop, until ``comp.stop`` is set (or ``max_groups`` groups were produced).
 
     ``producer.pipeline_batches`` lanes run the loop at once (default: the backend's
     ``concurrent_batches``); they share the prompt consumer, the pacing bound and the weights.
     """
-    p = cfg.producer
-    limits = Limits(vocab_size=backend.vocab_size) if backend.vocab_size else DEFAULT_LIMITS
-    consumer = await Consumer(comp.js, comp.layout, Layout.PRODUCERS, Prompt, stage="producer",
-                              max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
-    spec = SamplingSpec.from_config(cfg)
-    sampling = spec.describe(backend.name)
-    keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3
-    bound = admit_bound(cfg)  # before the learner has written pacing.admit
-    await comp.state.follow(comp.nc)  # woken by the learner's admits and announcements, not by a poll
-    stats = ProducerStats()
-    reporter = comp.reporter
-    n_lanes = p.pipeline_batches or backend.concurrent_batches
-    reporter.info.update(backend=backend.name, weights_reload=backend.can_reload, pipeline_batches=n_lanes)
-    if not backend.can_reload:
-        reporter.info["weights_note"] = backend.reload_note
-        log.warning("producer %s: %s", comp.component_id, backend.reload_note)
-    stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
-    reporter.set("producer/policy_version", stats.policy_version)
-    env = _environment(cfg)
-    if getattr(env, "sandbox", None):  # the isolation its model-written code runs under, in `rlstream status`
-        reporter.info["sandbox"] = env.sandbox
-    in_flight = p.weight_update == "in_flight" and backend.in_flight and backend.can_reload
-    if p.weight_update == "in_flight" and not in_flight:
-        log.warning("producer %s: the %s backend cannot update weights in flight; loading them between batches",
-                    comp.component_id, backend.name)
-    reporter.info["weight_update"] = "in_flight" if in_flight else "between_batches"
-    # In flight, nothing waits for a batch to finish, so a continuous engine is kept full: each
-    # prompt group is its own request, published as soon as it is done, and replaced at once.
-    continuous = in_flight and backend.continuous
-    slots = p.batch_prompts * n_lanes
-    engine_slots = asyncio.Semaphore(slots)  # continuous: groups in the engine; the ready ones wait here
-    if continuous:
-        reporter.info["groups_in_flight"] = slots
-        reporter.info["groups_ready"] = ready_groups(slots)
-    gate = GenerationGate()
-    pending = 0  # groups fetched by some lane and not yet stored in the rollouts stream
-    in_hand: dict[int, list] = {}  # fetched batches not yet acked (or failed), for the drain
-    evals = None
-    if cfg.evaluates:
-        evals = await Consumer(comp.js, comp.layout, Layout.EVAL_PRODUCERS, Prompt, stage="producer",
-                               max_deliver=cfg.nats.max_deliver, publisher=comp.publisher, limits=limits).start()
-        eval_spec = SamplingSpec.for_eval(cfg)
-        eval_sampling = {**eval_spec.describe(backend.name), "eval": True}
+    producer = await Producer.bind(comp, backend, cfg, max_groups=max_groups)
+    async with producer.weights.followed(), producer.undelivered_given_back():
+        # each lane (or slot): take prompts -> generate -> publish -> ack. One failing stops the
+        # others (their prompts come back unacked); after SIGTERM they get drain_timeout_s to
+        # finish what they hold, then it is given back.
+        await producer.driver.run()
+    return await producer.close()
 
-    async def eval_waiting() -> bool:
-        """Eval prompts wait for a producer (checked before each training batch)."""
-        if evals is None:
-            return False
-        info = await comp.js.consumer_info(evals.stream, evals.durable)
-        return bool(info.num_pending)
-    rates = RecentRate(time.monotonic())
 
-    def more_wanted() -> bool:
-        return not comp.stop.is_set() and (max_groups is None or stats.groups + pending < max_groups)
+class Producer:
+    """One producer: its prompt consumer, its parts, and what they share.
 
-    follower = WeightsFollower(comp, backend, stats, PACING_POLL_S)
+    Built by :meth:`bind`. A driver (:class:`BatchLanes` or :class:`ContinuousSlots`) calls
+    :meth:`take_prompts` and :meth:`produce_held` for each batch (or group), and
+    :meth:`give_back` when the drain runs out.
+    """
 
-    async def newest_weights(phases: Phases | None = None) -> None:
-        """Between batches: swap in the newest version, once no batch is generating. The
-        follower received and staged it while the last batch generated; a receipt still under
-        way is waited for (``weight_wait``), so a batch is never generated on a version older
-        than the one announced before it began. A broker away for longer than the state's retry
-        window: keep the weights, look again next batch."""
-        try:
-            version = await comp.state.policy_version() if backend.can_reload else 0
-        except BrokerUnavailable as exc:
-            log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
-            return
-        if version <= stats.policy_version:
-            return
-        phases = phases or Phases("producer")
-        t0 = time.perf_counter()
-        if not await follower.settled(version, p.weights_timeout_s):
-            log.warning("producer %s: policy v%d not received within %gs (producer.weights_timeout_s); generating on v%d",
-                        comp.component_id, version, p.weights_timeout_s, stats.policy_version)
-            return
-        async with gate.reload():  # the other lanes' batches finish first
-            phases.add("weight_wait", time.perf_counter() - t0)
-            with phases.time("weight_reload"):
-                stats.policy_version = await follower.swap_in(stats.policy_version)
+    def __init__(self, comp: Component, backend: GenerationBackend, cfg, consumer: Consumer, *, stats: ProducerStats,
+                 env, in_flight: bool, n_lanes: int, eval_consumer: Consumer | None, max_groups: int | None):
+        p = cfg.producer
+        self.comp, self.backend, self.cfg, self.consumer, self.stats, self.env = comp, backend, cfg, consumer, stats, env
+        self.max_groups = max_groups
+        self.spec = SamplingSpec.from_config(cfg)
+        self.sampling = self.spec.describe(backend.name)
+        self.keepalive_s = p.in_progress_s or cfg.nats.ack_wait_s / 3
+        self.gate = GenerationGate()
+        self.held = Held(stats)
+        self.pacing = Pacing(comp, cfg, stats)
+        self.rates = RecentRate(time.monotonic())
+        self.weights = PolicyWeights(comp, backend, stats, self.gate, in_flight, timeout_s=p.weights_timeout_s)
+        self.evals: EvalLane | NoEvalLane = EvalLane(self, eval_consumer) if eval_consumer is not None else NoEvalLane()
+        # In flight, nothing waits for a batch to finish, so a continuous engine is kept full: each
+        # prompt group is its own request, published as soon as it is done, and replaced at once.
+        continuous = in_flight and backend.continuous
+        self.driver = ContinuousSlots(self, p.batch_prompts * n_lanes) if continuous else BatchLanes(self, n_lanes)
 
-    async def take_prompts(fetching: asyncio.Lock, phases: Phases, most: int) -> list | None:
+    @classmethod
+    async def bind(cls, comp: Component, backend: GenerationBackend, cfg, *, max_groups: int | None = None) -> Producer:
+        """Start the prompt consumer, follow the run state, load the weights announced now,
+        build the environment and decide how later weights are applied."""
+        limits = Limits(vocab_size=backend.vocab_size) if backend.vocab_size else DEFAULT_LIMITS
+        consumer = await _prompt_consumer(comp, cfg, Layout.PRODUCERS, limits)
+        await comp.state.follow(comp.nc)  # woken by the learner's admits and announcements, not by a poll
+        stats = ProducerStats()
+        n_lanes = cfg.producer.pipeline_batches or backend.concurrent_batches
+        _report_backend(comp, backend, n_lanes)
+        stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
+        comp.reporter.set("producer/policy_version", stats.policy_version)
+        env = environment(cfg)
+        if getattr(env, "sandbox", None):  # the isolation its model-written code runs under, in `rlstream status`
+            comp.reporter.info["sandbox"] = env.sandbox
+        in_flight = _updates_in_flight(comp, backend, cfg)
+        evals = await _prompt_consumer(comp, cfg, Layout.EVAL_PRODUCERS, limits) if cfg.evaluates else None
+        return cls(comp, backend, cfg, consumer, stats=stats, env=env, in_flight=in_flight, n_lanes=n_lanes,
+                   eval_consumer=evals, max_groups=max_groups)
+
+    def more_wanted(self) -> bool:
+        return not self.comp.stop.is_set() and (self.max_groups is None
+                                                or self.stats.groups + self.pacing.pending < self.max_groups)
+
+    async def take_prompts(self, fetching: asyncio.Lock, phases: Phases, most: int) -> list | None:
         """Steps 0-2: eval prompts first, then pacing room, then up to ``most`` prompts (counted
-        in ``pending``). ``[]``: nothing to generate now (ask again); None: stop."""
-        nonlocal pending
-        if not more_wanted():
+        in ``pacing.pending``). ``[]``: nothing to generate now (ask again); None: stop."""
+        if not self.more_wanted():
             return None
-        if await eval_waiting():  # evaluation first: it waits for nobody's pacing room
-            async with fetching:
-                taken = await evals.fetch(p.batch_prompts, timeout=0.2)
-            if taken:
-                in_hand[id(taken)] = taken
-                try:
-                    await produce_eval(taken)
-                finally:
-                    in_hand.pop(id(taken), None)
-                return []
-        phases.start()
-        room, waited = await wait_for_room(comp, bound, most, lambda: pending, eval_waiting)
-        phases.add("pacing", waited)
-        stats.pacing_wait_s += waited
-        reporter.set("producer/pacing_wait_s", waited)
-        reporter.set("producer/pacing_wait_total_s", stats.pacing_wait_s)
+        if await self.evals.take_turn(fetching):  # evaluation first: it waits for nobody's pacing room
+            return []
+        room = await self.pacing.room(most, phases, self.evals.waiting)
         if room <= 0:
-            return None if comp.stop.is_set() else []  # else eval prompts came in while waiting
+            return None if self.comp.stop.is_set() else []  # else eval prompts came in while waiting
         async with fetching:
-            if max_groups is not None:
-                room = min(room, max_groups - stats.groups - pending)
-            if room <= 0 or comp.stop.is_set():
+            if self.max_groups is not None:
+                room = min(room, self.max_groups - self.stats.groups - self.pacing.pending)
+            if room <= 0 or self.comp.stop.is_set():
                 return None
             with phases.time("fetch"):
-                deliveries = await consumer.fetch(room, timeout=1.0)
-            pending += len(deliveries)
+                deliveries = await self.consumer.fetch(room, timeout=1.0)
+            self.pacing.pending += len(deliveries)
         if not deliveries:
-            rates.restart(time.monotonic())
-            reporter.update(phases.finish())
+            self.rates.restart(time.monotonic())
+            self.comp.reporter.update(phases.finish())
             return []
         # a signal that came while the fetch was out: these prompts were delivered before it,
         # so they are in hand like the rest and finish (or are nak'ed) within the drain
         return deliveries
 
-    async def produce_held(deliveries, phases: Phases, release=None) -> None:
-        """Steps 3-6 for prompts in hand; they leave ``in_hand`` and ``pending`` however it ends."""
-        nonlocal pending
-        in_hand[id(deliveries)] = deliveries
+    async def produce_held(self, deliveries: list, phases: Phases, generate: Generate) -> None:
+        """Steps 3-6 for prompts in hand; they leave ``held`` and ``pacing.pending`` however it ends."""
         try:
-            await produce(deliveries, phases, release)
+            with self.held.holding(deliveries):
+                await self.produce(deliveries, phases, generate)
         finally:
-            in_hand.pop(id(deliveries), None)
-            pending -= len(deliveries)
-        reporter.update(phases.finish())
+            self.pacing.pending -= len(deliveries)
+        self.comp.reporter.update(phases.finish())
 
-    async def lane(fetching: asyncio.Lock) -> None:
-        """A batch at a time: fetch, generate, publish, ack, then the next."""
-        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
-        while (deliveries := await take_prompts(fetching, phases, p.batch_prompts)) is not None:
-            if deliveries:
-                await produce_held(deliveries, phases)
-
-    feeding = asyncio.Lock()
-    feed_phases = Phases("producer")
-    settled = asyncio.Event()  # a group in hand was stored or failed
-
-    async def take_groups(free: int) -> list | None:
-        """In flight on a continuous engine: prompts for the free slots, each generated,
-        published and acked on its own (:func:`refilled`)."""
-        while max_groups is not None and not comp.stop.is_set() and stats.groups < max_groups <= stats.groups + pending:
-            settled.clear()  # the groups in hand may reach max_groups; a failed one is taken again
-            await settled.wait()
-        deliveries = await take_prompts(feeding, feed_phases, free)
-        if deliveries is None:
-            return None
-        held = [[d] for d in deliveries]
-        for h in held:  # in hand from now: a drain gives back even one whose task has not started
-            in_hand[id(h)] = h
-        return held
-
-    async def produce_group(held: list, release) -> None:
-        phases = Phases("producer")
-        phases.seconds.update(feed_phases.seconds)  # the pacing and fetch that brought it in
-        try:
-            await produce_held(held, phases, release)
-        finally:
-            settled.set()
-
-    async def give_back_unstarted(deliveries) -> None:
-        """Stopped before these prompts' generation began: nak them now, not after the drain."""
-        for d in deliveries:
-            await d.nak()
-        stats.ready_naks += len(deliveries)
-
-    async def produce(deliveries, phases: Phases, release=None) -> None:
-        async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-in-progress"):
+    async def produce(self, deliveries: list, phases: Phases, generate: Generate) -> None:
+        """Generate (the driver's way), publish, ack, with the prompts kept in progress
+        throughout; then count what was made. Three failed batches in a row end the producer."""
+        async with kept_in_progress(deliveries, self.keepalive_s, name=f"producer-{self.comp.component_id}-in-progress"):
             try:
-                groups = await generate_held(deliveries, phases, release)
+                groups = await generate(deliveries, phases)
             except Stopped:
-                await give_back_unstarted(deliveries)
+                await self.held.give_back_unstarted(deliveries)
                 return
             if groups is None:
-                stats.failed_batches += 1
-                if stats.failed_batches >= MAX_FAILED_BATCHES:
+                self.stats.failed_batches += 1
+                if self.stats.failed_batches >= MAX_FAILED_BATCHES:
                     raise ProducerError(f"{MAX_FAILED_BATCHES} batches in a row failed to generate; see the log")
                 return
             with phases.time("publish"):
-                await publish_batch(comp, groups, deliveries)
-        stats.failed_batches = 0
+                await publish_batch(self.comp, groups, deliveries)
+        self.stats.failed_batches = 0
+        self._count(groups)
+
+    async def generate(self, deliveries: list, encoded=None) -> list[RolloutGroup] | None:
+        """One batch through the engine, stamped with the version loaded now (None: it failed,
+        the prompts nak'ed). The caller holds the generation gate."""
+        return await generate_batch(self.comp, self.backend, self.consumer, deliveries, self.spec, self.sampling,
+                                    self.stats.policy_version, self.env, encoded=encoded)
+
+    def _count(self, groups: list[RolloutGroup]) -> None:
+        stats = self.stats
         tokens = sum(g.num_tokens() for g in groups)
-        tokens_s, groups_s, samples_s = rates.add(time.monotonic(), tokens, len(groups), sum(g.group_size for g in groups))
+        tokens_s, groups_s, samples_s = self.rates.add(time.monotonic(), tokens, len(groups),
+                                                       sum(g.group_size for g in groups))
         stats.batches += 1
         stats.groups += len(groups)
         stats.tokens += tokens
         stats.group_ids.extend(g.id for g in groups)
-        reporter.update({
+        self.comp.reporter.update({
             "producer/tokens_per_s": tokens_s,
             "producer/groups_per_s": groups_s,
             "producer/qps": samples_s,
@@ -469,259 +382,380 @@ async def run(comp: Component, backend: GenerationBackend, cfg, *, max_groups: i
             "producer/policy_version": stats.policy_version,
         })
 
-    async def generate_held(deliveries, phases: Phases, release=None) -> list[RolloutGroup] | None:
-        """The newest weights, then generation (None: it failed, the prompts nak'ed). Raises
-        :class:`Stopped` when a stop comes before the generation has begun."""
-        if not in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
-            await unless_stopped(comp.stop, newest_weights(phases))
-        if continuous:
-            reached, groups = await generate_ready(deliveries, phases)
-            release()  # its refilled slot: the next ready group is taken while this one publishes
-            if not reached:
-                raise Stopped
-            return groups
-        with phases.time("generate"):
-            async with gate.generation(comp.stop):
-                return await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
-                                            stats.policy_version, env)
-
-    async def generate_ready(deliveries, phases: Phases) -> tuple[bool, list[RolloutGroup] | None]:
-        """Continuous: tokenise, then wait for an engine slot and generate; the slot is given up
-        as soon as the groups are built (publishing them overlaps the next generation, and the
-        next ready group is taken meanwhile). Returns
-        whether it reached the engine (False: stopped before it had a slot, so the prompts are
-        to be given back) and the groups (None: failed, nak'ed)."""
-        encoded = None
-        if env is None:
-            encoded = await encode_batch(comp, backend, consumer, deliveries)
-            if encoded is None:
-                return True, None
-        async with engine_slots:
-            if comp.stop.is_set():
-                return False, None
-            with phases.time("generate"):
-                async with gate.generation():
-                    return True, await generate_batch(comp, backend, consumer, deliveries, spec, sampling,
-                                                      stats.policy_version, env, encoded=encoded)
-
-    async def produce_eval(deliveries) -> None:
-        """Generate eval prompts with exactly their pinned policy version."""
-        async with kept_in_progress(deliveries, keepalive_s, name=f"producer-{comp.component_id}-eval-in-progress"):
-            try:
-                await unless_stopped(comp.stop, newest_weights())
-            except Stopped:
-                await give_back_unstarted(deliveries)
-                return
-            loaded = stats.policy_version
-            ready = []
-            for d in deliveries:
-                pinned = d.record.policy_version
-                if pinned < 0 or pinned == loaded or not backend.can_reload:
-                    ready.append(d)
-                elif pinned > loaded:  # its weights are not loadable yet: try again soon
-                    await evals.fail(d, f"eval prompt pinned to policy v{pinned}; this producer has v{loaded}")
-                else:
-                    await dead_letter(comp.publisher, comp.layout, "producer", d.msg.subject, bytes(d.msg.data),
-                                      f"eval prompt pinned to policy v{pinned}, but the policy has moved on to v{loaded}",
-                                      record_id=d.record.id, deliveries=d.deliveries)
-                    await d.ack()
-            if not ready:
-                return
-            async with gate.generation():
-                groups = await generate_batch(comp, backend, evals, ready, eval_spec, eval_sampling, loaded)
-            if groups is None:
-                return
-            await publish_batch(comp, groups, ready, comp.layout.eval_rollouts)
-        stats.eval_groups += len(groups)
-        reporter.set("producer/eval_groups_total", stats.eval_groups)
-
-    async def give_back(since_stop_s: float) -> None:
+    async def give_back(self, since_stop_s: float) -> None:
         """The drain timeout passed with batches still in hand: nak their prompts, so
         another producer takes them now rather than after the ack wait."""
-        batches = list(in_hand.values())
-        in_hand.clear()
+        naked = await self.held.give_back_all()
+        log.warning("producer %s: drain: nak'ed %d prompts in hand after %.2fs (producer.drain_timeout_s=%g)",
+                    self.comp.component_id, naked, since_stop_s, self.cfg.producer.drain_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def undelivered_given_back(self):
+        """At the stop, prompts the broker delivered to a fetch that had given up (no lane will
+        fetch again) go back at once, not after the drain."""
+        task = asyncio.create_task(self._give_back_undelivered(), name=f"producer-{self.comp.component_id}-give-back")
+        try:
+            yield
+        finally:
+            await _cancelled(task)
+
+    async def _give_back_undelivered(self) -> None:
+        await self.comp.stop.wait()
+        self.stats.ready_naks += await self.consumer.sub.give_back()
+
+    async def close(self) -> ProducerStats:
+        """Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once,
+        and prompts the broker delivered to a fetch that had given up go back too."""
+        self.stats.ready_naks += await self.consumer.close()
+        await self.evals.close()
+        if self.stats.ready_naks:
+            log.info("producer %s: gave back %d prompts whose generation had not begun", self.comp.component_id,
+                     self.stats.ready_naks)
+        log.info("producer %s: stopped after %d groups (%d tokens)", self.comp.component_id, self.stats.groups,
+                 self.stats.tokens)
+        return self.stats
+
+
+async def _prompt_consumer(comp: Component, cfg, durable: str, limits: Limits) -> Consumer:
+    return await Consumer(comp.js, comp.layout, durable, Prompt, stage="producer", max_deliver=cfg.nats.max_deliver,
+                          publisher=comp.publisher, limits=limits).start()
+
+
+def _report_backend(comp: Component, backend: GenerationBackend, n_lanes: int) -> None:
+    comp.reporter.info.update(backend=backend.name, weights_reload=backend.can_reload, pipeline_batches=n_lanes)
+    if not backend.can_reload:
+        comp.reporter.info["weights_note"] = backend.reload_note
+        log.warning("producer %s: %s", comp.component_id, backend.reload_note)
+
+
+def _updates_in_flight(comp: Component, backend: GenerationBackend, cfg) -> bool:
+    """Whether new weights load under running requests (``producer.weight_update: in_flight`` on
+    a backend that can), or between batches."""
+    wanted = cfg.producer.weight_update == "in_flight"
+    in_flight = wanted and backend.in_flight and backend.can_reload
+    if wanted and not in_flight:
+        log.warning("producer %s: the %s backend cannot update weights in flight; loading them between batches",
+                    comp.component_id, backend.name)
+    comp.reporter.info["weight_update"] = "in_flight" if in_flight else "between_batches"
+    return in_flight
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+class Held:
+    """The prompts in hand, batch by batch: fetched and not yet acked or failed. What a stop gives back."""
+
+    def __init__(self, stats: ProducerStats):
+        self.stats = stats
+        self.batches: dict[int, list] = {}
+
+    def add(self, deliveries: list) -> None:
+        self.batches[id(deliveries)] = deliveries
+
+    @contextlib.contextmanager
+    def holding(self, deliveries: list):
+        self.add(deliveries)
+        try:
+            yield
+        finally:
+            self.batches.pop(id(deliveries), None)
+
+    async def give_back_unstarted(self, deliveries: list) -> None:
+        """Stopped before these prompts' generation began: nak them now, not after the drain."""
+        for d in deliveries:
+            await d.nak()
+        self.stats.ready_naks += len(deliveries)
+
+    async def give_back_all(self) -> int:
+        """Nak every prompt in hand (the drain ran out); how many."""
+        batches = list(self.batches.values())
+        self.batches.clear()
         naked = 0
         for deliveries in batches:
             for d in deliveries:
                 await d.nak()
                 naked += 1
-        stats.drain_naks += naked
-        log.warning("producer %s: drain: nak'ed %d prompts in hand after %.2fs (producer.drain_timeout_s=%g)",
-                    comp.component_id, naked, since_stop_s, p.drain_timeout_s)
+        self.stats.drain_naks += naked
+        return naked
 
-    async def watch_weights() -> None:
+
+class Pacing:
+    """Room to generate: ``pacing.admit`` (the learner's; before it has written one, the
+    config's bound) less the rollouts stored and the groups fetched and not stored yet."""
+
+    def __init__(self, comp: Component, cfg, stats: ProducerStats):
+        self.comp, self.stats = comp, stats
+        self.bound = admit_bound(cfg)  # before the learner has written pacing.admit
+        self.pending = 0
+        """Groups fetched by some lane and not yet stored in the rollouts stream."""
+
+    async def room(self, most: int, phases: Phases, interrupt: Callable[[], Awaitable[bool]]) -> int:
+        """How many groups may be fetched now (<= ``most``), waiting while there is no room
+        (:func:`wait_for_room`); 0 when stopped, or when ``await interrupt()`` turned true."""
+        phases.start()
+        room, waited = await wait_for_room(self.comp, self.bound, most, lambda: self.pending, interrupt)
+        phases.add("pacing", waited)
+        self.stats.pacing_wait_s += waited
+        self.comp.reporter.set("producer/pacing_wait_s", waited)
+        self.comp.reporter.set("producer/pacing_wait_total_s", self.stats.pacing_wait_s)
+        return room
+
+
+class PolicyWeights:
+    """The policy the producer generates with, kept at the newest version announced.
+
+    Between batches, the :class:`WeightsFollower` (a named task) receives and stages each
+    version while batches generate, and :meth:`newest` swaps it in at a batch boundary, under
+    the generation gate. In flight, a named task (:meth:`_watch`) loads each version as soon as
+    it is announced, under running requests (:func:`sync_weights`).
+    """
+
+    def __init__(self, comp: Component, backend: GenerationBackend, stats: ProducerStats, gate: GenerationGate,
+                 in_flight: bool, *, timeout_s: float):
+        self.comp, self.backend, self.stats, self.gate = comp, backend, stats, gate
+        self.in_flight = in_flight
+        self.timeout_s = timeout_s
+        self.follower = WeightsFollower(comp, backend, stats, PACING_POLL_S)
+
+    @contextlib.asynccontextmanager
+    async def followed(self):
+        """Follow ``policy.version`` while inside: the in-flight watcher, or the follower."""
+        name = f"producer-{self.comp.component_id}-weights"
+        watcher = asyncio.create_task(self._watch(), name=name) if self.in_flight else None
+        if not self.in_flight:
+            self.follower.start(name=f"{name}-follower")
+        try:
+            yield
+        finally:
+            await self.follower.stop()
+            if watcher is not None:
+                await _cancelled(watcher)
+
+    async def newest(self, phases: Phases | None = None) -> None:
+        """Between batches: swap in the newest version, once no batch is generating. The
+        follower received and staged it while the last batch generated; a receipt still under
+        way is waited for (``weight_wait``), so a batch is never generated on a version older
+        than the one announced before it began. A broker away for longer than the state's retry
+        window: keep the weights, look again next batch."""
+        comp, stats = self.comp, self.stats
+        try:
+            version = await comp.state.policy_version() if self.backend.can_reload else 0
+        except BrokerUnavailable as exc:
+            log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
+            return
+        if version <= stats.policy_version:
+            return
+        phases = phases or Phases("producer")
+        t0 = time.perf_counter()
+        if not await self.follower.settled(version, self.timeout_s):
+            log.warning("producer %s: policy v%d not received within %gs (producer.weights_timeout_s); generating on v%d",
+                        comp.component_id, version, self.timeout_s, stats.policy_version)
+            return
+        async with self.gate.reload():  # the other lanes' batches finish first
+            phases.add("weight_wait", time.perf_counter() - t0)
+            with phases.time("weight_reload"):
+                stats.policy_version = await self.follower.swap_in(stats.policy_version)
+
+    async def _watch(self) -> None:
         """In flight: load each new version as soon as it is announced, under running requests."""
+        comp, stats = self.comp, self.stats
         while not comp.stop.is_set():
             seen = comp.state.writes
             try:
-                stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats, in_flight=True)
+                stats.policy_version = await sync_weights(comp, self.backend, stats.policy_version, stats, in_flight=True)
             except BrokerUnavailable as exc:
                 log.warning("producer %s: %s; keeping v%d", comp.component_id, exc, stats.policy_version)
             await comp.state.written_since(seen, PACING_POLL_S, comp.stop)
 
-    async def give_back_undelivered() -> None:
-        """At the stop, prompts the broker delivered to a fetch that had given up (no lane will
-        fetch again) go back at once, not after the drain."""
-        await comp.stop.wait()
-        stats.ready_naks += await consumer.sub.give_back()
 
-    watcher = asyncio.create_task(watch_weights(), name=f"producer-{comp.component_id}-weights") if in_flight else None
-    if not in_flight:
-        follower.start(name=f"producer-{comp.component_id}-weights-follower")
-    undelivered = asyncio.create_task(give_back_undelivered(), name=f"producer-{comp.component_id}-give-back")
-    try:
-        # one lane failing stops the others (their prompts come back unacked); after SIGTERM the
-        # lanes get drain_timeout_s to finish what they hold, then it is given back
-        if continuous:
-            await refilled(slots + ready_groups(slots), take_groups, produce_group, name=f"producer-{comp.component_id}",
-                           stop=comp.stop, drain_s=p.drain_timeout_s, give_back=give_back)
-        else:
-            await lanes(n_lanes, lane, name=f"producer-{comp.component_id}", stop=comp.stop, drain_s=p.drain_timeout_s,
-                        give_back=give_back)
-    finally:
-        await follower.stop()
-        for task in (watcher, undelivered):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-    # Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once,
-    # and prompts the broker delivered to a fetch that had given up go back too.
-    stats.ready_naks += await consumer.close()
-    if evals is not None:
-        await evals.close()
-    if stats.ready_naks:
-        log.info("producer %s: gave back %d prompts whose generation had not begun", comp.component_id, stats.ready_naks)
-    log.info("producer %s: stopped after %d groups (%d tokens)", comp.component_id, stats.groups, stats.tokens)
-    return stats
+class EvalLane:
+    """Evaluation prompts (``rl.<run>.eval.prompts``, the ``eval-producers`` consumer), ahead of
+    training prompts: each is generated with exactly the policy version it is pinned to,
+    ``eval.samples`` per prompt at ``eval.temperature``, and published on ``rl.<run>.eval.rollouts``."""
 
+    def __init__(self, producer: Producer, consumer: Consumer):
+        self.producer, self.consumer = producer, consumer
+        self.spec = SamplingSpec.for_eval(producer.cfg)
+        self.sampling = {**self.spec.describe(producer.backend.name), "eval": True}
 
-def _environment(cfg):
-    """The configured environment (``env:``), built once per producer; None without one."""
-    if cfg.env is None:
-        return None
-    from rlstream.envs import EnvError, load_environment
+    async def waiting(self) -> bool:
+        """Eval prompts wait for a producer (checked before each training batch)."""
+        info = await self.producer.comp.js.consumer_info(self.consumer.stream, self.consumer.durable)
+        return bool(info.num_pending)
 
-    try:
-        return load_environment(cfg.env.name, cfg.env.kwargs)
-    except (EnvError, ValueError) as exc:
-        raise EnvConfigError(str(exc)) from None
+    async def take_turn(self, fetching: asyncio.Lock) -> bool:
+        """Generate the eval prompts waiting, if there are any; True when some were taken."""
+        if not await self.waiting():
+            return False
+        async with fetching:
+            taken = await self.consumer.fetch(self.producer.cfg.producer.batch_prompts, timeout=0.2)
+        if not taken:
+            return False
+        with self.producer.held.holding(taken):
+            await self.produce(taken)
+        return True
 
+    async def produce(self, deliveries: list) -> None:
+        """Generate eval prompts with exactly their pinned policy version."""
+        pr, comp = self.producer, self.producer.comp
+        async with kept_in_progress(deliveries, pr.keepalive_s, name=f"producer-{comp.component_id}-eval-in-progress"):
+            try:
+                await unless_stopped(comp.stop, pr.weights.newest())
+            except Stopped:
+                await pr.held.give_back_unstarted(deliveries)
+                return
+            loaded = pr.stats.policy_version
+            ready = await self._pinned_to(loaded, deliveries)
+            if not ready:
+                return
+            async with pr.gate.generation():
+                groups = await generate_batch(comp, pr.backend, self.consumer, ready, self.spec, self.sampling, loaded)
+            if groups is None:
+                return
+            await publish_batch(comp, groups, ready, comp.layout.eval_rollouts)
+        pr.stats.eval_groups += len(groups)
+        comp.reporter.set("producer/eval_groups_total", pr.stats.eval_groups)
 
-class EnvConfigError(ProducerError):
-    """The ``env`` section names an environment that cannot be built (a config error: exit 2)."""
-
-
-async def encode_batch(comp: Component, backend: GenerationBackend, consumer: Consumer,
-                       deliveries) -> list[tuple[np.ndarray, str]] | None:
-    """The prompts' token ids and texts, off the event loop. None when one cannot be
-    tokenised (the batch nak'ed, dead-lettered after max_deliver)."""
-    try:
-        return await asyncio.to_thread(lambda: [backend.encode_prompt(d.record) for d in deliveries])
-    except ProducerError as exc:
+    async def _pinned_to(self, loaded: int, deliveries: list) -> list:
+        """The prompts that may be generated on version ``loaded`` (pinned to it, or to none). One
+        pinned to a later version is nak'ed (its weights are not loadable yet: try again soon),
+        one pinned to an earlier version dead-lettered (the policy has moved on)."""
+        pr, comp = self.producer, self.producer.comp
+        ready = []
         for d in deliveries:
-            await consumer.fail(d, str(exc))
-        log.error("producer %s: %s", comp.component_id, exc)
-        return None
+            pinned = d.record.policy_version
+            if pinned < 0 or pinned == loaded or not pr.backend.can_reload:
+                ready.append(d)
+            elif pinned > loaded:
+                await self.consumer.fail(d, f"eval prompt pinned to policy v{pinned}; this producer has v{loaded}")
+            else:
+                await dead_letter(comp.publisher, comp.layout, "producer", d.msg.subject, bytes(d.msg.data),
+                                  f"eval prompt pinned to policy v{pinned}, but the policy has moved on to v{loaded}",
+                                  record_id=d.record.id, deliveries=d.deliveries)
+                await d.ack()
+        return ready
+
+    async def close(self) -> None:
+        await self.consumer.close()
 
 
-async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
-                         sampling: dict[str, Any], version: int, env=None,
-                         encoded: list[tuple[np.ndarray, str]] | None = None) -> list[RolloutGroup] | None:
-    """Tokenise (unless ``encoded`` is given: :func:`encode_batch`'s) and generate one batch into
-    RolloutGroups (with an environment: play its episodes, :mod:`rlstream.producers.episodes`).
-    None when it failed (prompts nak'ed)."""
-    if env is not None:
-        return await generate_episodes(comp, backend, consumer, deliveries, spec, sampling, version, env)
-    if encoded is None:
-        encoded = await encode_batch(comp, backend, consumer, deliveries)
-        if encoded is None:
+class NoEvalLane:
+    """No ``eval`` section: no eval prompts ever wait."""
+
+    async def waiting(self) -> bool:
+        return False
+
+    async def take_turn(self, fetching: asyncio.Lock) -> bool:
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+class BatchLanes:
+    """``n`` lanes at once (:func:`lanes`), each a batch at a time: take prompts, generate,
+    publish, ack, then the next. Between batches, a batch first swaps in the newest weights."""
+
+    def __init__(self, producer: Producer, n: int):
+        self.producer, self.n = producer, n
+
+    async def run(self) -> None:
+        pr = self.producer
+        await lanes(self.n, self.lane, name=f"producer-{pr.comp.component_id}", stop=pr.comp.stop,
+                    drain_s=pr.cfg.producer.drain_timeout_s, give_back=pr.give_back)
+
+    async def lane(self, fetching: asyncio.Lock) -> None:
+        """A batch at a time: fetch, generate, publish, ack, then the next."""
+        pr = self.producer
+        phases = Phases("producer")  # one pass of this lane: pacing, fetch, weight_reload, generate, publish
+        while (deliveries := await pr.take_prompts(fetching, phases, pr.cfg.producer.batch_prompts)) is not None:
+            if deliveries:
+                await pr.produce_held(deliveries, phases, self.generate_held)
+
+    async def generate_held(self, deliveries: list, phases: Phases) -> list[RolloutGroup] | None:
+        """The newest weights, then generation (None: it failed, the prompts nak'ed). Raises
+        :class:`Stopped` when a stop comes before the generation has begun."""
+        pr = self.producer
+        if not pr.weights.in_flight:  # after the fetch (which may have waited) and before generating: the newest weights
+            await unless_stopped(pr.comp.stop, pr.weights.newest(phases))
+        with phases.time("generate"):
+            async with pr.gate.generation(pr.comp.stop):
+                return await pr.generate(deliveries)
+
+
+class ContinuousSlots:
+    """In flight on a continuous engine: ``slots`` prompt groups in the engine at all times
+    (:func:`refilled`), each its own request, published and acked as soon as it is done and its
+    slot refilled at once; :func:`ready_groups` more are held ready, fetched and tokenised,
+    each waiting for an engine slot."""
+
+    def __init__(self, producer: Producer, slots: int):
+        self.producer, self.slots = producer, slots
+        self.engine_slots = asyncio.Semaphore(slots)  # groups in the engine; the ready ones wait here
+        self.feeding = asyncio.Lock()
+        self.feed_phases = Phases("producer")
+        self.settled = asyncio.Event()  # a group in hand was stored or failed
+        producer.comp.reporter.info["groups_in_flight"] = slots
+        producer.comp.reporter.info["groups_ready"] = ready_groups(slots)
+
+    async def run(self) -> None:
+        pr = self.producer
+        await refilled(self.slots + ready_groups(self.slots), self.take, self.work, name=f"producer-{pr.comp.component_id}",
+                       stop=pr.comp.stop, drain_s=pr.cfg.producer.drain_timeout_s, give_back=pr.give_back)
+
+    async def take(self, free: int) -> list | None:
+        """Prompts for the free slots, each generated, published and acked on its own."""
+        pr = self.producer
+        while (pr.max_groups is not None and not pr.comp.stop.is_set()
+               and pr.stats.groups < pr.max_groups <= pr.stats.groups + pr.pacing.pending):
+            self.settled.clear()  # the groups in hand may reach max_groups; a failed one is taken again
+            await self.settled.wait()
+        deliveries = await pr.take_prompts(self.feeding, self.feed_phases, free)
+        if deliveries is None:
             return None
-    t0 = time.monotonic()
-    timeout_s = comp.cfg.producer.generation_timeout_s
-    try:
-        completions = await asyncio.wait_for(backend.generate([ids for ids, _ in encoded], spec), timeout_s)
-    except asyncio.TimeoutError:
-        reason = (f"generation timed out after {timeout_s:g}s (producer.generation_timeout_s): "
-                  f"the {backend.name} backend is hung")
-        log.error("producer %s: %s; nak'ing %d prompts (%s)", comp.component_id, reason, len(deliveries),
-                  ", ".join(d.record.id for d in deliveries[:8]))
-        comp.reporter.inc("alert/generation_timeouts")
-        for d in deliveries:
-            await consumer.fail(d, reason)
+        held = [[d] for d in deliveries]
+        for h in held:  # in hand from now: a drain gives back even one whose task has not started
+            pr.held.add(h)
+        return held
+
+    async def work(self, held: list, release: Callable[[], None]) -> None:
+        phases = Phases("producer")
+        phases.seconds.update(self.feed_phases.seconds)  # the pacing and fetch that brought it in
         try:
-            await comp.reporter.emit(dict(comp.reporter.values))
-        except Exception as exc:  # the broker away: the log line is the record
-            log.debug("alert not published: %s", exc)
-        raise GenerationTimeout(reason) from None
-    except Exception as exc:  # generation failed: nak with backoff, dead-letter after max_deliver
-        log.error("producer %s: generation failed: %s", comp.component_id, exc)
-        for d in deliveries:
-            await consumer.fail(d, format_exception(exc))
-        return None
-    generate_s = time.monotonic() - t0
-    groups = []
-    for d, (ids, text), samples in zip(deliveries, encoded, completions):
-        prompt: Prompt = d.record
-        groups.append(RolloutGroup.from_samples(
-            id=prompt.id, prompt_id=prompt.id, prompt_text=text, prompt_ids=np.asarray(ids, np.int32),
-            samples=[Sample(c.token_ids, c.logprobs, c.finish_reason, c.text, c.versions) for c in samples],
-            policy_version=version, producer_id=comp.component_id, columns=prompt.columns,
-            sampling=sampling, run=comp.layout.run, timings={"generate": generate_s},
-            prompt_messages=prompt.messages,
-        ))
-    return groups
+            await self.producer.produce_held(held, phases, functools.partial(self.generate_held, release=release))
+        finally:
+            self.settled.set()
 
+    async def generate_held(self, deliveries: list, phases: Phases, release: Callable[[], None]) -> list[RolloutGroup] | None:
+        """Generation, then the slot given up (the next ready group is taken while this one
+        publishes). Raises :class:`Stopped` when stopped before it had a slot."""
+        reached, groups = await self._in_a_slot(deliveries, phases)
+        release()
+        if not reached:
+            raise Stopped
+        return groups
 
-async def generate_episodes(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries,
-                            spec: SamplingSpec, sampling: dict[str, Any], version: int, env) -> list[RolloutGroup] | None:
-    """One batch of prompts played as episodes. A prompt whose episodes could not start and that
-    cannot be tokenised is failed alone (dead-lettered after max_deliver); the rest are published."""
-    from rlstream.producers.episodes import run_batch
-
-    t0 = time.monotonic()
-    timeout_s = comp.cfg.producer.generation_timeout_s
-    sampling = {**sampling, "max_turns": comp.cfg.env.max_turns, "env": comp.cfg.env.name}
-    try:
-        results, aborts = await asyncio.wait_for(
-            run_batch(env, backend, [d.record for d in deliveries], spec, comp.cfg.env, policy_version=version,
-                      producer_id=comp.component_id, sampling=sampling, run=comp.layout.run), timeout_s)
-    except asyncio.TimeoutError:
-        reason = f"episodes timed out after {timeout_s:g}s (producer.generation_timeout_s): the {backend.name} backend is hung"
-        log.error("producer %s: %s; nak'ing %d prompts", comp.component_id, reason, len(deliveries))
-        comp.reporter.inc("alert/generation_timeouts")
-        for d in deliveries:
-            await consumer.fail(d, reason)
-        raise GenerationTimeout(reason) from None
-    except Exception as exc:  # the backend failed: nak with backoff, dead-letter after max_deliver
-        log.error("producer %s: episode generation failed: %s", comp.component_id, exc)
-        for d in deliveries:
-            await consumer.fail(d, format_exception(exc))
-        return None
-    generate_s = time.monotonic() - t0
-    if aborts:
-        comp.reporter.inc("producer/episode_aborts", aborts)
-    groups: list[RolloutGroup] = []
-    for d, result in zip(deliveries, results):
-        if isinstance(result, str):  # publish_batch acks only the prompts whose group it published
-            await consumer.fail(d, result)
-            continue
-        result.timings = {"generate": generate_s}
-        groups.append(result)
-    return groups
-
-
-async def publish_batch(comp: Component, groups: list[RolloutGroup], deliveries, subject: str | None = None) -> None:
-    """Publish the groups (on ``subject``, default the rollouts), wait for JetStream's acks,
-    then ack the prompts. The prompts stay in progress until then; a failure (after the
-    publisher's retries) leaves them unacked, so they come back to some producer."""
-    origin = {ORIGIN_HEADER: f"producer/{comp.component_id}"}
-    out = [Outgoing(subject or comp.layout.rollouts, g.encode(), g.id, origin) for g in groups]
-    await comp.publisher.publish_many(out)
-    published = {g.id for g in groups}
-    for d in deliveries:
-        if d.record.id in published:  # a prompt failed on its own (episodes) was nak'ed instead
-            await d.ack()
+    async def _in_a_slot(self, deliveries: list, phases: Phases) -> tuple[bool, list[RolloutGroup] | None]:
+        """Tokenise, then wait for an engine slot and generate; the slot is given up as soon as
+        the groups are built (publishing them overlaps the next generation). Returns whether it
+        reached the engine (False: stopped before it had a slot, so the prompts are to be given
+        back) and the groups (None: failed, nak'ed)."""
+        pr = self.producer
+        encoded = None
+        if pr.env is None:
+            encoded = await encode_batch(pr.comp, pr.backend, pr.consumer, deliveries)
+            if encoded is None:
+                return True, None
+        async with self.engine_slots:
+            if pr.comp.stop.is_set():
+                return False, None
+            with phases.time("generate"):
+                async with pr.gate.generation():
+                    return True, await pr.generate(deliveries, encoded)
 
 
 async def wait_for_room(comp: Component, bound: int, batch: int, in_flight=lambda: 0, interrupt=None) -> tuple[int, float]:
@@ -813,7 +847,3 @@ async def _sync_weights(comp: Component, backend: GenerationBackend, loaded: int
              dt, fetch_s)
     return announcement.policy_version
 
-
-async def fetch_weights_with_retries(comp: Component, announcement: WeightsAnnouncement) -> WeightsSource:
-    """:func:`rlstream.producers.weights.receive_weights` (kept under this name)."""
-    return await receive_weights(comp, announcement)
