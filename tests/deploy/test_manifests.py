@@ -16,6 +16,7 @@ import yaml
 from helpers.kustomize import RenderError, build, find, pod_specs
 
 from rlstream.broker.layout import Layout
+from rlstream.broker.passwords import ROLES as PASSWORD_ROLES
 from rlstream.cli import build_parser
 from rlstream.config import load_config, parse_config
 
@@ -27,7 +28,7 @@ TARGETS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "spot": K8S / 
            "scheduled": K8S / "overlays" / "scheduled", "backup": K8S / "overlays" / "backup",
            "distill": K8S / "overlays" / "distill"}
 # Created outside the kustomization (cert-manager or by hand, docs/deploy.md).
-EXTERNAL_SECRETS = {"nats-tls", "reward-tls", "rlstream-backup-s3", "rlstream-nats-users", "rlstream-reward-token"}
+EXTERNAL_SECRETS = {"nats-tls", "reward-tls", "rlstream-backup-s3", "rlstream-nats-users", "rlstream-nats-bcrypt", "rlstream-reward-token"}
 
 
 def documented_secret_keys() -> dict[str, set[str]]:
@@ -39,7 +40,10 @@ def documented_secret_keys() -> dict[str, set[str]]:
         loop = re.search(r"for r in ([a-z ]+); do", body)
         got = set(loop.group(1).split()) if loop else set()
         got |= set(re.findall(r"--from-literal=(\w+)=", body)) - {"r"}
-        got |= {Path(f).name for f in re.findall(r"--from-file=(\S+)", body)}
+        for f in re.findall(r"--from-file=(\S+)", body):
+            key, _, path = f.rpartition("=") if "=" in f else (Path(f).name, "", f)
+            # a folder of python -m rlstream.broker.passwords: one key per role
+            got |= set(PASSWORD_ROLES) if Path(path).name in ("users", "bcrypt") else {key}
         keys[m.group(1)] = got
     return keys
 CRD_GROUPS = {"keda.sh", "kubeflow.org"}

@@ -19,6 +19,7 @@ from rlstream.broker import BrokerError, EmbeddedServer, connect, ensure_layout
 from rlstream.broker.cluster import LocalCluster
 from rlstream.broker.connection import connect_state
 from rlstream.broker.layout import Layout, bind_layout
+from rlstream.broker.passwords import bcrypt_value
 from rlstream.broker.server import free_ports, nats_server_binary
 from rlstream.config import NatsConfig, NatsTLS
 
@@ -100,7 +101,7 @@ def deployed(tmp_path_factory):
     source = (NATS / "nats-server.conf").read_text()
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():
-        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
+        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", bcrypt_value(pw, cost=4))  # as the NATS pods get it
     try:
         for attempt in range(3):  # a free port can be taken by another process before the server binds it
             try:

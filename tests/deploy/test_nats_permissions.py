@@ -26,6 +26,7 @@ from rlstream.broker import BrokerError, RunState, connect, ensure_layout, get_o
 from rlstream.broker.cluster import LocalCluster
 from rlstream.broker.connection import connect_state
 from rlstream.broker.layout import ANNOTATORS, LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, RUN_STATUS, WEIGHTS_LATEST, Layout
+from rlstream.broker.passwords import bcrypt_value
 from rlstream.broker.state import FOLLOWED_KEYS, BrokerUnavailable
 from rlstream.config import NatsConfig
 
@@ -63,7 +64,7 @@ def secured(tmp_path):
     passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():
-        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
+        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", bcrypt_value(pw, cost=4))  # as the NATS pods get it
     server = LocalCluster(tmp_path / "secured", size=1, accounts_file=ACCOUNTS)
     try:
         server.start()
@@ -581,7 +582,7 @@ async def test_with_a_curriculum_only_the_learner_gains_publishing_prompts(tmp_p
     passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
     mp = pytest.MonkeyPatch()
     for role, pw in passwords.items():
-        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", pw)
+        mp.setenv(f"RLSTREAM_{role.upper()}_PASSWORD", bcrypt_value(pw, cost=4))  # as the NATS pods get it
     conf = tmp_path / "accounts.conf"
     conf.write_text("\n".join(cur) + "\n")
     servers = {"curriculum": LocalCluster(tmp_path / "cur", size=1, accounts_file=conf),

@@ -21,6 +21,7 @@ from rlstream.broker import RunState, connect
 from rlstream.broker.cluster import LocalCluster
 from rlstream.broker.connection import connect_state
 from rlstream.broker.layout import Layout
+from rlstream.broker.passwords import bcrypt_value
 from rlstream.config import NatsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_rlstream_run_keeps_its_state_in_the_state_account(tmp_path, tiny_model_
 
     run = shipped_run()
     passwords = {role: "pw" + secrets.token_hex(16) for role in ROLES}
-    server_env = {f"RLSTREAM_{role.upper()}_PASSWORD": pw for role, pw in passwords.items()}
+    server_env = {f"RLSTREAM_{role.upper()}_PASSWORD": bcrypt_value(pw, cost=4) for role, pw in passwords.items()}
     mp = pytest.MonkeyPatch()
     for k, v in server_env.items():
         mp.setenv(k, v)

@@ -9,6 +9,7 @@ import pytest
 from helpers.kustomize import build, find, pod_specs
 
 from rlstream.broker import BrokerError, EmbeddedServer, connect
+from rlstream.broker.passwords import bcrypt_value
 from rlstream.config import ConfigError, NatsConfig, secret_from_env
 from rlstream.scorers import reward_server
 
@@ -49,7 +50,8 @@ def _nats_entry(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     (fake / "nats-server").chmod(0o755)
     names = [e["name"] for e in c["env"] if e["name"].endswith("_PASSWORD")]
     assert len(names) >= 8, names
-    return c["command"] + c.get("args", []), {"PATH": f"{fake}:{os.environ['PATH']}"} | {n: f"pw{os.urandom(12).hex()}" for n in names}
+    hashes = {n: bcrypt_value(f"pw{os.urandom(12).hex()}", cost=4) for n in names}  # what rlstream-nats-bcrypt holds
+    return c["command"] + c.get("args", []), {"PATH": f"{fake}:{os.environ['PATH']}"} | hashes
 
 
 def test_the_nats_pod_starts_with_real_passwords(tmp_path):
@@ -58,8 +60,10 @@ def test_the_nats_pod_starts_with_real_passwords(tmp_path):
     assert out.returncode == 0 and "nats-server started with --config /etc/nats/config/nats-server.conf" in out.stdout, out
 
 
-@pytest.mark.parametrize("value", PLACEHOLDERS + ["pwshort"])
+@pytest.mark.parametrize("value", PLACEHOLDERS + ["pwshort", "pw" + "7" * 40, '"$2b$11$short"', "$2b$11$" + "a" * 53])
 def test_the_nats_pod_refuses_a_placeholder_empty_or_short_password(tmp_path, value):
+    """Anything but a quoted bcrypt hash: a placeholder, a password in clear however long (the
+    NATS pods must hold none), a truncated or unquoted hash."""
     argv, env = _nats_entry(tmp_path)
     env["RLSTREAM_OPERATOR_PASSWORD"] = value
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
