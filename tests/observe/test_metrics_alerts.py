@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 import shutil
@@ -106,15 +107,47 @@ def _text_with(port: int, name: str, value: float):
 # ---- alert rules ---------------------------------------------------------------------------
 
 
+KEY = re.compile(r"[a-z][a-z0-9_]*(?:/[a-z0-9_.]+)+")
+SETTERS = {"inc", "update", "set", "observe", "add", "time", "gauge", "event"}
+"""Reporter and metric-dict calls that set a key (``reporter.inc("alert/x")``, ``m.update({...})``)."""
+
+
+def emitted_in(source: str) -> set[str]:
+    """The metric keys a module sets: a key of a dict literal, an index assigned to
+    (``m["a/b"] = v``), or an argument of a setter call; not any quoted "a/b" (a docstring, a
+    log line, a path)."""
+    tree = ast.parse(source)
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            found += [k for k in node.keys if k is not None]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            found.append(node.slice)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SETTERS:
+            found += node.args[:1]
+    keys = set()
+    for node in found:
+        for const in ast.walk(node):
+            if isinstance(const, ast.Constant) and isinstance(const.value, str) and KEY.fullmatch(const.value):
+                keys.add(const.value)
+    return keys
+
+
 def _emitted_keys() -> set[str]:
-    """Metric keys the components set: quoted "a/b" strings in the package source, outside
-    the operator tools (which only read them)."""
+    """Metric keys the components set (:func:`emitted_in`), outside the operator tools (which
+    only read them)."""
     keys = set()
     for path in (REPO / "rlstream").rglob("*.py"):
-        if "observe" in path.parts:
-            continue
-        keys.update(re.findall(r"[\"']([a-z][a-z0-9_]*(?:/[a-z0-9_.]+)+)[\"']", path.read_text()))
+        if "observe" not in path.parts:
+            keys |= emitted_in(path.read_text())
     return keys
+
+
+def test_only_keys_a_component_sets_count_as_emitted():
+    source = ('"""Sets "doc/string" nowhere."""\nlog.info("see docs/deploy.md")\nm = {"loss/total": 1.0}\n'
+              'm["grad/norm"] = 2.0\nrep.inc("alert/weights_mismatch")\nrep.update({"producer/policy_version": 3})\n'
+              'path = "deploy/nats"\n')
+    assert emitted_in(source) == {"loss/total", "grad/norm", "alert/weights_mismatch", "producer/policy_version"}
 
 
 def test_alert_rules_parse_and_name_emitted_metrics():

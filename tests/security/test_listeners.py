@@ -90,10 +90,23 @@ async def test_broker_on_a_public_address_takes_credentials_from_the_environment
 
 
 def test_broker_on_loopback_needs_no_credentials(tmp_path):
+    """`rlstream broker` on 127.0.0.1 without credentials: a client with none connects and a
+    message makes the round trip (a laptop's broker; the public-address tests above refuse this)."""
     port = free_port()
     proc = _broker(tmp_path, "--port", str(port), env=_env())
+
+    async def round_trip() -> bytes:
+        nc = await connect(NatsConfig(url=f"nats://127.0.0.1:{port}"))
+        try:
+            sub = await nc.subscribe("anyone.there")
+            await nc.publish("anyone.there", b"yes")
+            return (await sub.next_msg(timeout=10)).data
+        finally:
+            await nc.close()
+
     try:
         _wait_listening(proc, port)
+        assert asyncio.run(round_trip()) == b"yes"
     finally:
         _stop(proc)
 
