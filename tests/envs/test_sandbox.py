@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 import subprocess
 import time
@@ -247,3 +248,35 @@ async def test_a_function_by_import_path_returns_its_value_and_what_it_printed()
 async def test_a_function_that_raises_reports_the_error():
     r = await run_function("tests.envs.user_tools:fails", {"why": "no such city"}, FAST)
     assert r.extra == {"ok": False, "error": "LookupError: no such city", "printed": "", "printed_dropped": 0}
+
+
+async def test_a_file_past_the_size_limit_is_refused_and_the_working_directory_is_removed():
+    """``max_file_mb``: a write past it fails (EFBIG; Python ignores SIGXFSZ) and the file holds
+    no more than the limit; the child's fresh working directory is gone once the run returns."""
+    code = ("import os\nprint(os.getcwd())\n"
+            "try:\n    open('big', 'wb').write(b'x' * (3 << 20))\nexcept OSError as e:\n    print(e.errno)\n"
+            "print(os.path.getsize('big'))\n")
+    r = await run_python(code, dataclasses.replace(FAST, max_file_mb=1, allow_weak=True))
+    workdir, errno, size = r.stdout.split()
+    assert errno == "27" and int(size) <= 1 << 20, r.stdout + r.stderr  # EFBIG
+    assert workdir.startswith("/") and "rlstream-sandbox-" in workdir and not os.path.exists(workdir)
+    # the control: under the limit the same write succeeds
+    ok = await run_python("open('small', 'wb').write(b'x' * (512 << 10)); print('written')",
+                          dataclasses.replace(FAST, max_file_mb=1, allow_weak=True))
+    assert ok.stdout.split() == ["written"], ok.stdout + ok.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="the kernel exempts root (uid 0 outside any namespace) from RLIMIT_NPROC; "
+                    "the shipped pods run as uid 10001")
+async def test_a_fork_bomb_stops_at_the_process_limit():
+    """``max_processes`` (RLIMIT_NPROC) for a producer that is not root: of 20 forks, at most
+    that many succeed."""
+    code = ("import os, time\nmade = 0\n"
+            "for _ in range(20):\n"
+            "    try:\n        pid = os.fork()\n    except OSError as e:\n        print('refused', e.errno); break\n"
+            "    if pid == 0:\n        time.sleep(2); os._exit(0)\n"
+            "    made += 1\n"
+            "print('made', made)\n")
+    r = await run_python(code, dataclasses.replace(FAST, max_processes=5, allow_weak=True))
+    out = r.stdout.split()
+    assert out[:2] == ["refused", "11"] and out[2] == "made" and int(out[3]) <= 5, r.stdout + r.stderr  # EAGAIN
