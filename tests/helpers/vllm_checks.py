@@ -105,6 +105,9 @@ def engine_checks(model_dir: Path, workdir: Path, timeout_s: float = 1100) -> En
     # the reloaded weights with one tensor left at the base model's: what a loader that skipped it holds
     misloaded = {**reloaded.state_dict(), MISLOADED: base.state_dict()[MISLOADED]}
     (weights / "misloaded.safetensors").write_bytes(safetensors.torch.save(misloaded))
+    # and with that tensor cut in half: a file that passes every digest but does not fit the model
+    misfit = {**reloaded.state_dict(), MISLOADED: reloaded.state_dict()[MISLOADED][: reloaded.state_dict()[MISLOADED].shape[0] // 2]}
+    (weights / "misfit.safetensors").write_bytes(safetensors.torch.save({k: v.contiguous() for k, v in misfit.items()}))
     learner = lora_adapters(model_dir, workdir / "lora-run", weights)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_engine_script.py")), str(model_dir), str(weights), str(out)],

@@ -123,7 +123,15 @@ async def fingerprint(backend, weights: Path) -> dict:
     await backend.load_weights(WeightsSource(2, data=(weights / "misloaded.safetensors").read_bytes()))
     misloaded, _ = await backend.fingerprint()
     await backend.load_weights(WeightsSource(1, data=(weights / "reload.safetensors").read_bytes()))
-    return {"want": list(want), "held": list(held), "dtype": dtype, "misloaded": list(misloaded)}
+    # weights that pass every transfer check but do not fit the model: refused before the engine sees them
+    refused = ""
+    try:
+        await backend.load_weights(WeightsSource(3, data=(weights / "misfit.safetensors").read_bytes()))
+    except Exception as exc:  # noqa: BLE001 (the message is the result)
+        refused = f"{type(exc).__name__}: {exc}"
+    alive, _ = await backend.fingerprint()  # the engine still answers, with the weights it had
+    return {"want": list(want), "held": list(held), "dtype": dtype, "misloaded": list(misloaded), "misfit": refused,
+            "after_misfit": list(alive), "version_after_misfit": backend.policy_version}
 
 
 async def in_flight(backend, weights: Path) -> dict:

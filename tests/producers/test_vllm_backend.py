@@ -47,3 +47,12 @@ def test_the_engines_fingerprint_is_the_learners_and_a_misloaded_tensor_is_caugh
     assert fp["dtype"] == "float32"
     assert matches(tuple(fp["held"]), fp["want"], SAME_DTYPE_REL), fp
     assert not matches(tuple(fp["misloaded"]), fp["want"], SAME_DTYPE_REL), fp
+
+
+def test_weights_that_do_not_fit_are_refused_before_the_engine_reloads_and_it_lives_on(vllm_engine_checks):
+    """A file whose digests hold but whose tensors do not fit the model (one cut in half) is
+    refused from its header, naming the tensor; vLLM's own reload would have left placeholder
+    weights and killed the engine. The engine answers after it, with the weights it had."""
+    fp = vllm_engine_checks.result["fingerprint"]
+    assert fp["misfit"].startswith("ProducerError: weights v3 do not fit the model") and "q_proj" in fp["misfit"], fp["misfit"]
+    assert fp["after_misfit"] == fp["held"] and fp["version_after_misfit"] == 1

@@ -73,6 +73,25 @@ def token_versions(spans, n_tokens: int, default: int) -> np.ndarray:
     return out
 
 
+TIED = frozenset({"lm_head.weight"})
+"""A tensor a checkpoint with tied embeddings may hold or not."""
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors at ``path`` (a file or a folder), from
+    the headers alone."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="np") as fh:
+            for name in fh.keys():
+                out[name] = tuple(fh.get_slice(name).get_shape())
+    return out
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -120,6 +139,9 @@ class VLLMBackend(Backend):
         kwargs["worker_extension_cls"] = "rlstream.producers.backends.vllm_worker.WorkerExtension"
         kwargs.update(engine_kwargs or {})
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.model_path = model_path
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+        """The model's tensors and shapes (its checkpoint's headers), read at the first reload."""
         self.tokenizer = self.engine.get_tokenizer()
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         self.seed = seed
@@ -216,10 +238,27 @@ class VLLMBackend(Backend):
             raise ProducerError("weights source has neither bytes nor a path")
         return source.path
 
+    def _fits(self, target: str, version: int) -> None:
+        """Raise :class:`ProducerError` unless the safetensors at ``target`` hold the model's
+        tensors, shape for shape (their headers only): vLLM's reload of weights that do not fit
+        fails half-way, leaves placeholder weights and kills the engine."""
+        want = self._shapes
+        if want is None:
+            want = self._shapes = tensor_shapes(self.model_path) if Path(self.model_path).exists() else {}
+        if not want:  # a model without local safetensors to compare with
+            return
+        got = tensor_shapes(target)
+        missing, unexpected = sorted(set(want) - set(got) - TIED), sorted(set(got) - set(want) - TIED)
+        wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+        if missing or unexpected or wrong:
+            raise ProducerError(f"weights v{version} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                                f"wrong shapes {[(k, got[k], want[k]) for k in wrong[:5]]}")
+
     async def load_weights(self, source: WeightsSource) -> bool:
         if source.is_adapter:
             return await self._load_adapter(source)
         target = await self._staged(source)
+        await asyncio.to_thread(self._fits, target, source.version)
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": target})
         await self.engine.update_weight_version(str(source.version))
         self.policy_version = source.version
@@ -246,6 +285,7 @@ class VLLMBackend(Backend):
         import time
 
         target = await self._staged(source)
+        await asyncio.to_thread(self._fits, target, source.version)  # before the engine pauses
         core = self.engine.engine_core
         t0 = time.perf_counter()
         try:
