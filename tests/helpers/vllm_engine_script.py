@@ -134,6 +134,29 @@ async def fingerprint(backend, weights: Path) -> dict:
             "after_misfit": list(alive), "version_after_misfit": backend.policy_version}
 
 
+async def gateway(backend) -> dict:
+    """A plain ``openai``-client agent through the agent gateway on this engine: two chat calls,
+    the second after the agent appends the reply (as text) and a new question. What the gateway
+    recorded, as one episode trace, and what the client was sent."""
+    import openai
+
+    from rlstream.envs.gateway import Gateway
+    from rlstream.producers.backends.base import SamplingSpec
+
+    async with Gateway(backend, SamplingSpec(n=1, max_new_tokens=8, seed=3), policy_version=lambda: backend.policy_version) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.base_url("ep"), api_key="unused")
+        messages = [{"role": "user", "content": "What is 12 + 34?"}]
+        r1 = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
+        messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "And twice that?"}]
+        r2 = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
+        await client.close()
+        calls = gw.pop("ep")
+    trace = Gateway.trace(calls)
+    return {"token_ids": trace.token_ids.tolist(), "logprobs": trace.logprobs.tolist(), "mask": trace.mask.tolist(),
+            "prompt_len": len(trace.prompt_ids), "turns": [list(t) for t in trace.turns], "versions": trace.policy_versions,
+            "sent": [r.model_extra["rlstream"]["token_ids"][0] for r in (r1, r2)]}
+
+
 async def in_flight(backend, weights: Path) -> dict:
     from rlstream.producers.backends.base import SamplingSpec, WeightsSource
     from rlstream.schemas import Prompt
@@ -170,6 +193,7 @@ async def main(model_dir: str, weights: str, out: str) -> None:
     result["reload"] = await reload(backend, Path(weights))
     result["engine_pids_reloaded"] = children()
     result["fingerprint"] = await fingerprint(backend, Path(weights))
+    result["gateway"] = await gateway(backend)  # on the reload weights (v1)
     result["in_flight"] = await in_flight(backend, Path(weights))
     await backend.close()
     (Path(out) / "result.json").write_text(json.dumps(result))

@@ -56,3 +56,19 @@ def test_weights_that_do_not_fit_are_refused_before_the_engine_reloads_and_it_li
     fp = vllm_engine_checks.result["fingerprint"]
     assert fp["misfit"].startswith("ProducerError: weights v3 do not fit the model") and "q_proj" in fp["misfit"], fp["misfit"]
     assert fp["after_misfit"] == fp["held"] and fp["version_after_misfit"] == 1
+
+
+def test_the_gateway_on_vllm_records_what_the_engine_sampled_with_its_log_probs(vllm_engine_checks):
+    """The agent gateway on the vLLM backend, driven by a plain ``openai`` client over two chat
+    calls: the episode's model tokens are the ids the client was sent, each turn labelled with
+    the loaded version, and their log-probs equal a teacher-forced pass of the loaded model over
+    the whole episode to 1e-4."""
+    gw, model = vllm_engine_checks.result["gateway"], vllm_engine_checks.reloaded
+    ids, lps, mask = np.asarray(gw["token_ids"]), np.asarray(gw["logprobs"]), np.asarray(gw["mask"])
+    (a0, b0), (a1, b1) = gw["turns"]
+    assert ids[a0:b0].tolist() == gw["sent"][0] and ids[a1:b1].tolist() == gw["sent"][1] and gw["versions"] == [1, 1]
+    assert mask[a0:b0].all() and mask[a1:b1].all() and mask.sum() == (b0 - a0) + (b1 - a1) and (lps[mask == 0] == 0).all()
+    n = gw["prompt_len"]
+    forced = teacher_forced(model, ids[:n], ids[n:])
+    model_tokens = mask[n:] == 1
+    np.testing.assert_allclose(lps[n:][model_tokens], forced[model_tokens], atol=1e-4)
