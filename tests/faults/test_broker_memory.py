@@ -38,7 +38,7 @@ async def test_publish_read_prune_cycles_leave_no_consumers_or_tombstones(nats_f
     try:
         ljs = lnc.jetstream()
         lay = await ensure_layout(ljs, run_id)
-        comp = SimpleNamespace(js=ljs, layout=lay)
+        comp = SimpleNamespace(js=ljs, state_js=ljs, layout=lay)
         lcfg = LearnerConfig(keep_versions=KEEP)
         stream = f"OBJ_{lay.weights_bucket}"
         rss = {}
