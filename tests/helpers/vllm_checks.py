@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from helpers.logprobs import teacher_forced  # noqa: F401 (the vLLM tests' import)
 
 RELOAD_SEED, RELOAD_SCALE = 5, 0.05
 """``reload.safetensors``: the tiny model with N(0, 0.05) noise (seed 5) on every parameter."""
@@ -39,16 +39,6 @@ def perturbed(model_dir, seed: int, scale: float):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * scale)
     return model
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    """Each completion token's log-prob under ``model`` given the prompt and the tokens before it."""
-    import torch
-
-    ids = torch.as_tensor(np.concatenate([np.asarray(prompt_ids), np.asarray(completion_ids)]).astype(np.int64))[None]
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1:-1].float(), -1)
-    return lp.gather(-1, torch.as_tensor(np.asarray(completion_ids).astype(np.int64))[:, None]).squeeze(-1).numpy()
 
 
 @dataclass

@@ -12,8 +12,8 @@ import asyncio
 import json
 
 import numpy as np
-import torch
 from helpers.groups import make_cfg, publish_groups, sample_groups
+from helpers.logprobs import teacher_forced
 from transformers import AutoModelForCausalLM
 
 from rlstream.annotators.loop import main as stage_main
@@ -23,13 +23,6 @@ from rlstream.config import dump_resolved, parse_config
 from rlstream.learner.loop import main as learner_main
 from rlstream.learner.replay import replay
 from rlstream.schemas import ScoredGroup
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1:-1].float(), -1)
-    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
 
 
 async def _read_stream(url, cfg, stream: str) -> list[ScoredGroup]:

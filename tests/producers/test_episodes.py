@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 from helpers.broker import layout_for, read_rollouts
+from helpers.logprobs import teacher_forced
 
 from rlstream.broker import Component
 from rlstream.config import ConfigError, parse_config
@@ -257,17 +258,6 @@ async def test_a_version_loaded_between_turns_labels_each_turns_tokens_through_t
     m = rl_step(learner, scored, collated)
     assert m["buffer/staleness_max"] == 2.0
     assert m["buffer/staleness_mean"] == pytest.approx(float(np.mean(2 - g.token_versions())))
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
-    import torch
-
-    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
-    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
 
 
 async def test_a_backend_that_does_not_track_its_version_keeps_the_batch_version(tiny_model_dir):

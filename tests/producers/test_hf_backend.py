@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.logprobs import teacher_forced
 from transformers import AutoModelForCausalLM
 
 from rlstream.producers.backends.base import SamplingSpec, WeightsSource
@@ -15,15 +16,6 @@ from rlstream.schemas import Prompt
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir):
     return HFBackend(str(tiny_model_dir), seed=0)
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
-    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
-    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
 
 
 async def test_logprobs_match_teacher_forcing(backend, tiny_model_dir):

@@ -10,20 +10,12 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from helpers.logprobs import teacher_forced
 from transformers import AutoModelForCausalLM
 
 from rlstream.producers.backends.base import ProducerError, SamplingSpec, WeightsSource
 from rlstream.producers.backends.hf import HFBackend
 from rlstream.schemas import Prompt, RolloutGroup, Sample
-
-
-def teacher_forced(model, prompt_ids, completion_ids) -> np.ndarray:
-    """log p(completion_t | prompt, completion_<t) from one forward pass, at temperature 1."""
-    ids = torch.as_tensor(np.concatenate([prompt_ids, completion_ids]).astype(np.int64))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
-    return lp.gather(-1, torch.as_tensor(completion_ids.astype(np.int64))[:, None]).squeeze(-1).numpy()
 
 
 @pytest.fixture(scope="module")
