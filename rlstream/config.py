@@ -43,8 +43,6 @@ def mask_secrets(text: str) -> str:
     return _USERINFO.sub(r"\1***@", text) if "@" in text else text
 
 
-mask_url = mask_secrets
-
 
 OVERRIDES_ENV = "RLSTREAM_RUN_OVERRIDES"
 """``rlstream run`` hands its ``--set`` overrides to its components in this variable (a JSON
