@@ -48,7 +48,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from rlstream.learner import critic
 from rlstream.rundir import RunDir
 
 STATE_FILE = "learner_state.json"
@@ -268,8 +267,7 @@ def _write(learner, state: LearnerState, tmp: Path, final: Path, base: Path) -> 
             tensors, meta = engine.optimizer_tensors()
             save_file(tensors, str(trainer_dir / "optimizer.safetensors"))
         extra: dict[str, Any] = {"optimizer": meta, "engine": engine.name}
-        if learner.critic is not None:
-            extra[critic.META_KEY] = learner.critic.save(trainer_dir)
+        extra.update(learner.critic.save(trainer_dir))
         state.rng = capture_rng()
         doc = {**state.to_json(), "extra": extra, "saved_at": time.time()}
         (tmp / STATE_FILE).write_text(json.dumps(doc))
@@ -336,8 +334,7 @@ def load_checkpoint(learner, step_dir: Path) -> LearnerState:
         engine.load_optimizer_tensors(*load_optimizer_shard(trainer_dir / optimizer_shard_name(engine.rank)))
     elif opt_file.exists() and opt_meta:
         engine.load_optimizer_tensors(load_file(str(opt_file)), opt_meta)
-    if learner.critic is not None:
-        learner.critic.load(trainer_dir, extra.get(critic.META_KEY, {}))
+    learner.critic.load(trainer_dir, extra)
     restore_rng(state.rng)
     learner.state = state
     return state

@@ -6,6 +6,10 @@ value model needs, from the values before the update (and GAE on them) to its op
 gradient averaging over ranks and its checkpoint files, is a method here; the training
 step, the data-parallel shard and the checkpoint only call them.
 
+Algorithms without a value model get :class:`NoCritic`, which fixes nothing before the
+update and has nothing to step or save, so the step and the checkpoint call the same methods
+either way.
+
 Files (in a checkpoint's ``trainer/``, so the directory stays loadable by vLLM):
 ``value_head.safetensors``, ``value_optimizer.safetensors``; the optimizer's JSON meta goes
 in ``learner_state.json`` under ``extra.value_optimizer``.
@@ -32,14 +36,16 @@ META_KEY = "value_optimizer"
 
 @dataclass
 class ValueTargets:
-    """What the value model fixes before a PPO update, per micro-batch ([B, T] each)."""
+    """What the value model fixes before a PPO update, per micro-batch ([B, T] each; None:
+    nothing fixed, without a value model)."""
 
-    prox_logprobs: list[torch.Tensor]
+    prox_logprobs: list[torch.Tensor | None]
     """The policy's log-probs before the update (this forward pass gave them for free)."""
-    old_values: list[torch.Tensor]
-    advantages: list[torch.Tensor]
-    """GAE on the terminal reward, whitened over the whole step."""
-    returns: list[torch.Tensor]
+    old_values: list[torch.Tensor | None]
+    advantages: list[torch.Tensor | None]
+    """GAE on the terminal reward, whitened over the whole step (without a value model: the
+    batch's own token advantages, if any)."""
+    returns: list[torch.Tensor | None]
 
 
 def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -49,6 +55,9 @@ def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 class ValueHead:
     """The critic: ``values(hidden)`` plus its optimizer, lr, gradient and file handling."""
+
+    needs_hidden = True
+    """The policy's forward returns its last hidden state, which :meth:`values` reads."""
 
     def __init__(self, hidden_size: int, device: torch.device, lr: float, base_lr: float, betas: tuple[float, float]):
         self.head = torch.nn.Linear(hidden_size, 1).to(device)
@@ -63,8 +72,10 @@ class ValueHead:
         return self.head(hidden.detach().float()).squeeze(-1)
 
     @torch.no_grad()
-    def targets(self, module: torch.nn.Module, tbs: list[TokenBatch], gamma: float, lam: float) -> ValueTargets:
-        """Values before the update, then GAE on the terminal reward, whitened over the whole step."""
+    def targets(self, module: torch.nn.Module, tbs: list[TokenBatch], params) -> ValueTargets:
+        """Values before the update, then GAE (``params.gamma``, ``params.lam``) on the terminal
+        reward, whitened over the whole step."""
+        gamma, lam = params.gamma, params.lam
         prox, old_values, token_adv, returns = [], [], [], []
         for tb in tbs:
             out = forward_logprobs(module, tb, hidden=True)
@@ -103,15 +114,50 @@ class ValueHead:
     # ---- checkpoint files ---------------------------------------------------------------------
 
     def save(self, trainer_dir: Path) -> dict[str, Any]:
-        """Write the head and its optimizer under ``trainer_dir``; returns the JSON meta to keep."""
+        """Write the head and its optimizer under ``trainer_dir``; returns what the checkpoint's
+        ``extra`` keeps (the optimizer's JSON meta under :data:`META_KEY`)."""
         save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(trainer_dir / HEAD_FILE))
         tensors, meta = optimizer_to_tensors(self.optimizer)
         save_file(tensors, str(trainer_dir / OPTIMIZER_FILE))
-        return meta
+        return {META_KEY: meta}
 
-    def load(self, trainer_dir: Path, meta: dict[str, Any]) -> None:
-        """Restore what :meth:`save` wrote (a checkpoint without the files keeps the fresh head)."""
+    def load(self, trainer_dir: Path, extra: dict[str, Any]) -> None:
+        """Restore what :meth:`save` wrote (``extra``: the checkpoint's; a checkpoint without the
+        files keeps the fresh head)."""
         if not (trainer_dir / HEAD_FILE).exists():
             return
         self.head.load_state_dict(load_file(str(trainer_dir / HEAD_FILE)))
-        optimizer_from_tensors(self.optimizer, load_file(str(trainer_dir / OPTIMIZER_FILE)), meta)
+        optimizer_from_tensors(self.optimizer, load_file(str(trainer_dir / OPTIMIZER_FILE)), extra.get(META_KEY, {}))
+
+
+class NoCritic:
+    """No value model (every algorithm but PPO): nothing fixed before the update, nothing to step or save."""
+
+    needs_hidden = False
+
+    def values(self, hidden: torch.Tensor | None) -> None:
+        return None
+
+    def targets(self, module: torch.nn.Module, tbs: list[TokenBatch], params) -> ValueTargets:
+        """The batch's own token advantages (multi-turn episodes carry them; else None: the rows')."""
+        n = len(tbs)
+        return ValueTargets([None] * n, [None] * n, [tb.token_advantages for tb in tbs], [None] * n)
+
+    def average_grads(self, world: int) -> None:
+        return None
+
+    def clip_grads(self, max_norm: float | None) -> float:
+        return 0.0
+
+    def step(self, policy_lr: float, ok: bool) -> None:
+        return None
+
+    def save(self, trainer_dir: Path) -> dict[str, Any]:
+        return {}
+
+    def load(self, trainer_dir: Path, extra: dict[str, Any]) -> None:
+        return None
+
+
+Critic = ValueHead | NoCritic
+"""The learner's value model, or its absence."""

@@ -14,6 +14,9 @@ A round evaluates one policy version ``V`` (see :mod:`rlstream.evaluation` for t
 4. once every prompt of the round is scored, its figures go to ``metrics.jsonl`` as a row
    ``{"kind": "eval", "step", "policy_version", "eval/...": ...}``, to the metrics subject
    and ``/metrics`` (the learner's MetricEvents), to the ``report_to`` sinks, and to the log.
+
+A run without rounds (no ``eval`` section, or no broker) has :class:`NoEvaluation`, which the
+loop asks the same questions.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class Round:
 class Evaluator:
     """Evaluation rounds of one learner process (rank 0), over the broker."""
 
+    wants_final_weights = True
+    """The weights after the last step are published (for the final round) whatever ``publish_every`` says."""
+
     def __init__(self, cfg, comp, metrics_path: Path, reports=None):
         self.cfg = cfg
         self.reports = reports
@@ -78,7 +84,16 @@ class Evaluator:
         if self.consumer is not None and self.consumer.sub is not None:
             await self.consumer.sub.unsubscribe()
 
+    def summary(self) -> dict[str, int]:
+        """The learner summary's part: how many rounds were summed up."""
+        return {"eval_rounds": len(self.results)}
+
     # ---- rounds ----------------------------------------------------------------------------
+
+    async def at_start(self, version: int, step: int) -> None:
+        """A round of the starting weights (``eval.at_start``), on a fresh run only."""
+        if self.ecfg.at_start and step == 0:
+            await self.begin(version, step)
 
     async def begin(self, version: int, step: int) -> None:
         """Publish a round of the held-out prompts pinned to ``version``."""
@@ -178,3 +193,37 @@ class Evaluator:
         shown = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/pass@", "eval/reward/"))}
         log.info("evaluation of policy v%d (step %d): %s", r.version, r.step, shown)
         self._changed.set()
+
+
+class NoEvaluation:
+    """No evaluation rounds (no ``eval`` section, or a run without the broker): nothing begins, nothing holds a publish."""
+
+    wants_final_weights = False
+
+    async def close(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, int]:
+        return {}
+
+    async def at_start(self, version: int, step: int) -> None:
+        return None
+
+    async def begin(self, version: int, step: int) -> None:
+        return None
+
+    def due(self, version: int) -> bool:
+        return False
+
+    async def holding(self) -> bool:
+        return False
+
+    async def wait_generated(self, stop: asyncio.Event) -> None:
+        return None
+
+    async def finish(self, version: int, step: int, stop: asyncio.Event) -> None:
+        return None
+
+
+Evaluation = Evaluator | NoEvaluation
+"""The learner's evaluation rounds, or their absence."""

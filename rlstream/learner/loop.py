@@ -8,13 +8,22 @@
 - the **step runner** (:mod:`rlstream.learner.runner`): this process, or rank 0 of a
   data-parallel group telling its followers what to do; it owns ``train_step``
   (:mod:`rlstream.learner.steps`), the full state dict and saving;
-- **weights** (:mod:`rlstream.learner.publish`) and **checkpoints**
+- the **weights policy** (:mod:`rlstream.learner.weights_policy`): when a new policy version
+  goes out (every ``publish_every`` steps, held for an eval round), what (full weights or the
+  LoRA adapter, in the producers' dtype) and how (inline, or beside the next step); bytes and
+  transports are :mod:`rlstream.learner.publish`'s; and **checkpoints**
   (:mod:`rlstream.learner.checkpoint`);
 - **collate ahead** (:class:`CollateAhead`, RL modes): the next batch's tensors are built
   in a thread while the current batch trains; ``take`` still decides what is trained;
 - **held-out evaluation** (:mod:`rlstream.learner.evaluation`, with an ``eval`` section):
   rounds pinned to a policy version, begun at the start, after every ``eval.every``-th
   publish and after the last step; a round still generating holds the next publish.
+
+A part a run does not have is a stand-in with the same methods, chosen once in :func:`main`,
+so :func:`_train` reads take -> step -> publish -> log -> checkpoint without asking what is
+there: :class:`OfflineComponent` (no broker), :class:`~rlstream.learner.evaluation.NoEvaluation`,
+:class:`~rlstream.learner.weights_policy.NoWeights`, :class:`NothingAhead`, and in the step
+:class:`~rlstream.learner.critic.NoCritic`. :class:`LearnerRun` holds the parts.
 
 Guarantees kept here:
 
@@ -35,18 +44,22 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlstream import compute
-from rlstream.broker.component import signals_to
+from rlstream.broker.component import Component, signals_to
+from rlstream.broker.layout import LEARNER_STEP
 from rlstream.config import Config
 from rlstream.learner import distributed as dist
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint
+from rlstream.learner.evaluation import Evaluation, Evaluator, NoEvaluation
 from rlstream.learner.runner import LocalRunner, StepRunner, make_runner
 from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, StreamSource, Taken
 from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
 from rlstream.learner.warmup import warm_up
+from rlstream.learner.weights_policy import NoWeights, Weights, open_weights
 from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
 from rlstream.rundir import RunDir, default_run_dir, rewrite_jsonl, write_json
 
@@ -71,15 +84,49 @@ def _json_safe(v: Any) -> Any:
 # ---- the parts --------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _maybe_component(cfg: Config, nats_url: str | None, component_id: str):
-    if nats_url is None:
-        yield None
-        return
-    from rlstream.broker.component import Component
+class NoReporter:
+    """The metrics reporter of a learner without the broker: figures are kept, never sent."""
 
-    async with Component(cfg, nats_url, "learner", component_id) as comp:
-        yield comp
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def set(self, key: str, value: float) -> None:
+        self.values[key] = float(value)
+
+    def inc(self, key: str, n: float = 1.0) -> None:
+        self.set(key, self.values.get(key, 0.0) + n)
+
+    async def emit(self, values: dict[str, float], step: int = -1) -> None:
+        return None
+
+
+class NoRunState:
+    """The run state (KV) of a learner without the broker: nothing is stored."""
+
+    async def put_int(self, key: str, value: int) -> None:
+        return None
+
+
+class OfflineComponent:
+    """The :class:`~rlstream.broker.component.Component` stand-in of a learner on an offline
+    dataset without a NATS URL: no reporter, no run state; SIGTERM/SIGINT set ``stop``."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.reporter = NoReporter()
+        self.state = NoRunState()
+        self._signals = contextlib.ExitStack()
+
+    async def __aenter__(self) -> "OfflineComponent":
+        self._signals.enter_context(signals_to(self.stop))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self._signals.close()
+
+
+def _component(cfg: Config, nats_url: str | None, component_id: str) -> Component | OfflineComponent:
+    return OfflineComponent() if nats_url is None else Component(cfg, nats_url, "learner", component_id)
 
 
 @contextlib.asynccontextmanager
@@ -92,6 +139,14 @@ async def open_source(learner: Learner, comp):
         yield await ShardSource.open(learner)
     else:
         yield await OfflineSource.open(learner)
+
+
+async def _open_evaluation(cfg: Config, comp, metrics_path: Path, reports: Reports) -> Evaluation:
+    """Evaluation rounds when the run streams scored groups (so it has the broker) and has an
+    ``eval`` section, else none."""
+    if cfg.is_online and cfg.evaluates:
+        return await Evaluator(cfg, comp, metrics_path, reports).start()
+    return NoEvaluation()
 
 
 class Checkpoints:
@@ -114,9 +169,8 @@ class Checkpoints:
         if path is None:
             return False
         self.last_step = self.state.step
-        if self.comp is not None:
-            self.comp.reporter.set("checkpoint/unacked_records", 0)
-            self.comp.reporter.set("checkpoint/last_step", self.state.step)
+        self.comp.reporter.set("checkpoint/unacked_records", 0)
+        self.comp.reporter.set("checkpoint/last_step", self.state.step)
         return True
 
     async def final(self) -> bool:
@@ -136,12 +190,11 @@ class Checkpoints:
             held = self.source.held
             log.error("checkpoint at step %d failed: %s; %d trained records stay unacked (held in progress) "
                       "until a checkpoint succeeds; retrying at the next interval", self.state.step, exc, held)
-            if self.comp is not None:
-                reporter = self.comp.reporter
-                reporter.inc("alert/checkpoint_failures")
-                reporter.set("checkpoint/unacked_records", held)
-                await reporter.emit({"alert/checkpoint_failures": reporter.values["alert/checkpoint_failures"],
-                                     "checkpoint/unacked_records": float(held)}, self.state.step)
+            reporter = self.comp.reporter
+            reporter.inc("alert/checkpoint_failures")
+            reporter.set("checkpoint/unacked_records", held)
+            await reporter.emit({"alert/checkpoint_failures": reporter.values["alert/checkpoint_failures"],
+                                 "checkpoint/unacked_records": float(held)}, self.state.step)
             return None
 
 
@@ -174,65 +227,38 @@ class CollateAhead:
         return await self._task
 
 
+class NothingAhead:
+    """No batch collated ahead (SFT and DPO, ``collate_ahead`` off, the last step, before the first)."""
+
+    async def result(self) -> None:
+        return None
+
+
 def _version_after_step(cfg: Config, state: LearnerState) -> int:
     """The policy version after the step now starting, if it publishes as scheduled (a step
     skipped as nonfinite, or a publish held for an eval round, leaves it one lower)."""
     return state.policy_version + (1 if (state.step + 1) % cfg.learner.publish_every == 0 else 0)
 
 
-async def _publish(runner: StepRunner, source: BatchSource, comp, config_json: str, publisher=None,
-                   adapter_config: str | None = None) -> dict[str, float]:
-    """A new policy version: the full weights (or the LoRA adapter) out, then the version
-    announced (with a ``publisher``, only the snapshot here; the rest in its background task)."""
-    from rlstream.learner.publish import publish_weights, wire_dtype
-
-    state = runner.learner.state
-    state.policy_version += 1
-    full = await compute.run(runner.full_state_dict)
-    if publisher is not None:
-        m = await publisher.submit(full, version=state.policy_version, step=state.step)
-        return {"time/publish_s": m["publish/snapshot_s"], **m}
-    cfg = runner.learner.cfg
-    pub = await publish_weights(comp, cfg.learner, full, version=state.policy_version, step=state.step,
-                                config_json=config_json, adapter_config=adapter_config, wire=wire_dtype(cfg))
-    await source.published()
-    return {"time/publish_s": pub.seconds, "publish/mb_per_s": pub.bytes / 2**20 / max(pub.seconds, 1e-9),
-            "publish/sent_mb": pub.sent / 2**20}
+def _collate_next(learner: Learner, source: BatchSource, training: Taken, limit: int) -> CollateAhead | NothingAhead:
+    """While ``training`` trains: the batch after it, when the algorithm collates ahead and
+    there is a next step."""
+    cfg, state = learner.cfg, learner.state
+    if collates_ahead(cfg) and state.step + 1 < limit:
+        return CollateAhead(learner, source, training, _version_after_step(cfg, state))
+    return NothingAhead()
 
 
-async def _weights_out(runner: StepRunner, publisher, stop: asyncio.Event) -> None:
-    """Train no further than producers can follow: the next step's groups must be sampled by
-    version ``policy_version - max_staleness`` or newer, so that version must be out. Where
-    publishes fail (the broker's weights store away: a node lost, a leader election), the
-    learner waits here and publishes its current weights again, with backoff, instead of
-    stepping on: every group producers make with the old weights would be dropped as too
-    stale, and the pacing room each drop gives back would be spent the same way, until the
-    dataset ran out. ``MAX_PUBLISH_FAILURES`` failures in a row stop the run (``submit``)."""
-    state, cfg = runner.learner.state, runner.learner.cfg
-    oldest = state.policy_version - cfg.max_staleness
-    delay = 1.0
-    while publisher.out_version < oldest and not stop.is_set():
-        await publisher.flush()  # what is queued is out, or failed
-        if publisher.out_version >= oldest:
-            return
-        log.warning("weights v%d are not out (the last publish failed: %s); producers hold v%d, and groups they sample "
-                    "from it would be too stale to train (max_staleness %d): publishing again in %.0fs",
-                    state.policy_version, publisher.error, publisher.out_version, cfg.max_staleness, delay)
-        try:
-            await asyncio.wait_for(stop.wait(), delay)
-            return
-        except asyncio.TimeoutError:
-            pass
-        delay = min(delay * 2, 30.0)
-        # no step was taken since that version's snapshot: the weights now are its weights
-        full = await compute.run(runner.full_state_dict)
-        await publisher.submit(full, version=state.policy_version, step=state.step)
+def _collated_for(taken: Taken, collated: Collated | None) -> tuple[Collated | None, dict[str, float]]:
+    """The tensors collated ahead when they are ``taken``'s (else None: the step collates its
+    own), and the step's metrics about them."""
+    if collated is None or collated.ids != taken.ids:
+        return None, {"learner/collated_ahead": 0.0, "time/collate_ahead_s": 0.0}
+    return collated, {"learner/collated_ahead": 1.0, "time/collate_ahead_s": collated.seconds}
 
 
 async def _log(m: dict[str, float], taken: Taken, source: BatchSource, state: LearnerState, metrics_file, comp) -> None:
     """One line of ``metrics.jsonl``, the metric event, the KV step and the log line."""
-    from rlstream.broker.layout import LEARNER_STEP
-
     m.update({
         **source.metrics(),
         "buffer/dropped_stale": float(state.dropped_stale),
@@ -244,9 +270,8 @@ async def _log(m: dict[str, float], taken: Taken, source: BatchSource, state: Le
               "scored_seqs": taken.stream_seqs, "group_ids": taken.ids}
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
-    if comp is not None:
-        await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
-        await comp.state.put_int(LEARNER_STEP, state.step)
+    await comp.reporter.emit({k: v for k, v in m.items() if isinstance(v, float)}, state.step)
+    await comp.state.put_int(LEARNER_STEP, state.step)
     log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", state.step, m.get("loss/total", float("nan")),
              m.get("reward/mean", float("nan")), m["optim/grad_norm"], m["time/step_s"])
 
@@ -272,131 +297,90 @@ async def _report(reports: Reports, cfg: Config, m: dict[str, float], taken: Tak
 # ---- the loop -----------------------------------------------------------------------------------
 
 
-async def train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,
-                limit: int, metrics_path: Path, reports: Reports, evaluator=None) -> bool:
-    """take -> step -> publish -> log -> checkpoint, until ``limit`` steps, the end of the data
-    or ``stop``; then the final weights' eval round and a final checkpoint. False when that
+@dataclass
+class LearnerRun:
+    """The parts one learner process trains with, chosen once in :func:`main`."""
+
+    runner: StepRunner
+    source: BatchSource
+    checkpoints: Checkpoints
+    comp: Component | OfflineComponent
+    reports: Reports
+    evaluation: Evaluation
+    weights: Weights
+    metrics_path: Path
+    limit: int
+    """Train until this step (or the end of the data, or ``comp.stop``)."""
+
+    @property
+    def stop(self) -> asyncio.Event:
+        return self.comp.stop
+
+
+async def train(run: LearnerRun) -> bool:
+    """take -> step -> publish -> log -> checkpoint, until ``run.limit`` steps, the end of the
+    data or ``stop``; then the final weights' eval round and a final checkpoint. False when that
     one could not be written."""
-    from rlstream.broker.layout import LEARNER_STEP
+    try:
+        ok = await _train(run)
+    finally:
+        await run.weights.close()
+    run.weights.release()
+    return ok
 
-    learner = runner.learner
-    cfg, state = learner.cfg, learner.state
-    config_json = learner.model.config.to_json_string()
-    adapter_config = None
-    if learner.lora:
-        from rlstream.learner import lora
 
-        adapter_config = lora.config_json(learner.model)
-    if comp is not None:
-        await comp.state.put_int(LEARNER_STEP, state.step)
+async def _train(run: LearnerRun) -> bool:
     # A pass of the loop runs from the end of one step's log line to the next's: the checkpoint
     # after a step counts in the next pass (``time/learner/checkpoint_s``). The step adds
     # collate, forward, backward and optimizer (see :func:`rlstream.learner.steps.train_step`);
     # a collation ahead that is still running when the step ends counts as collate too.
-    publisher = None
-    if comp is not None:
-        from rlstream.weights import transport_for
-
-        transport_for(cfg.learner.weights).usable()  # e.g. cuda_ipc without CUDA: refused before the first step
-    if comp is not None and cfg.learner.publish_in_background:
-        from rlstream.learner.publish import BackgroundPublisher, wire_dtype
-
-        async def published(_pub) -> None:
-            await source.published()
-
-        publisher = BackgroundPublisher(comp, cfg.learner, config_json, published, adapter_config, out_version=state.policy_version,
-                                        wire=wire_dtype(cfg))
-    try:
-        ok = await _train(runner, source, checkpoints, comp, stop, limit, metrics_path, reports, publisher, config_json,
-                          evaluator, adapter_config)
-    finally:
-        if publisher is not None:
-            await publisher.close()
-    if comp is not None:
-        from rlstream.learner.publish import release_weights
-
-        release_weights(cfg.learner, comp.layout.run)
-    return ok
-
-
-async def _train(runner: StepRunner, source: BatchSource, checkpoints: Checkpoints, comp, stop: asyncio.Event,  # noqa: C901
-                 limit: int, metrics_path: Path, reports: Reports, publisher, config_json: str, evaluator=None,
-                 adapter_config: str | None = None) -> bool:
+    runner, source, weights, stop = run.runner, run.source, run.weights, run.stop
     learner = runner.learner
-    cfg, state = learner.cfg, learner.state
-    phases = learner.phases
-    deferred = False  # a publish held back by an eval round still generating
-    if evaluator is not None and cfg.eval.at_start and state.step == 0:
-        await evaluator.begin(state.policy_version, state.step)
+    cfg, state, phases = learner.cfg, learner.state, learner.phases
+    await run.evaluation.at_start(state.policy_version, state.step)
     phases.start()
-    ahead: CollateAhead | None = None
-    with open(metrics_path, "a") as metrics_file:
+    ahead: CollateAhead | NothingAhead = NothingAhead()
+    with open(run.metrics_path, "a") as metrics_file:
         try:
-            while state.step < limit and not stop.is_set():
+            while state.step < run.limit and not stop.is_set():
                 t_wait = time.perf_counter()
-                collated = await ahead.result() if ahead is not None else None  # waits only for a collation under way
+                collated = await ahead.result()  # waits only for a collation under way
                 t_take = time.perf_counter()
-                if publisher is not None and cfg.is_online:
-                    await _weights_out(runner, publisher, stop)
+                await weights.catch_up(stop)
                 taken = await source.take(stop)
-                if taken is None:
+                if taken is None:  # the data is used up, or stop
                     break
                 t_step = time.perf_counter()
                 phases.add("collate", t_take - t_wait)
                 phases.add("wait", t_step - t_take)
                 trained_at = state.policy_version  # the version the batch's staleness is measured against
-                if collated is not None and collated.ids != taken.ids:
-                    collated = None  # not the batch foreseen: the step collates its own
-                ahead = (CollateAhead(learner, source, taken, _version_after_step(cfg, state))
-                         if collates_ahead(cfg) and state.step + 1 < limit else None)
+                collated, ahead_metrics = _collated_for(taken, collated)
+                ahead = _collate_next(learner, source, taken, run.limit)
                 m = await compute.run(runner.step, taken.records, collated)  # forward, loss, backward, update
                 m["time/step_s"] = time.perf_counter() - t_step
                 m["time/wait_data_s"] = t_step - t_take
-                m["learner/collated_ahead"] = float(collated is not None)
-                m["time/collate_ahead_s"] = collated.seconds if collated is not None else 0.0
+                m.update(ahead_metrics)
                 source.hold(taken)
                 m["time/publish_s"] = 0.0  # never the weights of a skipped, nonfinite step
-                last = state.step >= limit  # with evaluation, the final weights are published for their round
-                due = m["optim/stepped"] > 0 and (state.step % cfg.learner.publish_every == 0 or deferred
-                                                   or (evaluator is not None and last))
-                if evaluator is not None and due:
-                    if last:
-                        await evaluator.wait_generated(stop)
-                    deferred = await evaluator.holding()
-                    due = not deferred
-                if comp is not None and deferred and not due:
-                    # the round holds the weights, not the producers: without new weights the
-                    # policy version stands, so what they sample now is no staler; admitting by
-                    # consumption keeps them sampling (else a learner that used up the pacing
-                    # window while the round was generated would wait for groups for good)
-                    await source.published()
-                if comp is not None and due:
-                    with phases.time("publish"):
-                        m.update(await _publish(runner, source, comp, config_json, publisher, adapter_config))
-                    if evaluator is not None and evaluator.due(state.policy_version):
-                        if publisher is not None:  # the round's version is announced (never superseded) before its prompts
-                            await publisher.flush()
-                        await evaluator.begin(state.policy_version, state.step)
+                m.update(await weights.after_step(m, state.step >= run.limit, stop))
                 m.update(phases.finish())
                 if cfg.is_online:
                     m.update(reward_term_metrics(taken.records))
-                await _log(m, taken, source, state, metrics_file, comp)
-                await _report(reports, cfg, m, taken, state, trained_at)
+                await _log(m, taken, source, state, metrics_file, run.comp)
+                await _report(run.reports, cfg, m, taken, state, trained_at)
                 phases.start()
                 if state.step % cfg.checkpoint.interval == 0:
                     with phases.time("checkpoint"):
-                        await checkpoints.save()
+                        await run.checkpoints.save()
         finally:
-            if ahead is not None:  # it took nothing: there is nothing to put back
-                await ahead.result()
-    if publisher is not None:  # the last version is out before the run reports its end (and its eval round)
-        await publisher.flush()
-    if evaluator is not None and not stop.is_set():
-        await evaluator.finish(state.policy_version, state.step, stop)  # producers and scorers run until we exit
-    return await checkpoints.final()
+            await ahead.result()  # it took nothing: there is nothing to put back
+    await weights.flush()  # the last version is out before the run reports its end (and its eval round)
+    if not stop.is_set():
+        await run.evaluation.finish(state.policy_version, state.step, stop)  # producers and scorers run until we exit
+    return await run.checkpoints.final()
 
 
-def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluator=None) -> dict[str, Any]:
+def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluation: Evaluation) -> dict[str, Any]:
     return {
         "steps": state.step, "samples_trained": state.samples_trained, "tokens_trained": state.tokens_trained,
         "dropped_stale": state.dropped_stale, "dropped_filtered": state.dropped_filtered, "kept_stale": state.kept_stale,
@@ -405,7 +389,7 @@ def _summary(cfg: Config, state: LearnerState, source: BatchSource, evaluator=No
         "groups_consumed": state.groups_consumed, "policy_version": state.policy_version,
         "nan_steps_skipped": state.nan_steps_skipped, "training_mode": cfg.training_mode,
         **source.summary(),
-        **({"eval_rounds": len(evaluator.results)} if evaluator is not None else {}),
+        **evaluation.summary(),
     }
 
 
@@ -447,25 +431,21 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
             stale.unlink(missing_ok=True)
 
     warming = asyncio.create_task(_warm_up(learner))  # beside connecting and waiting for the first rollouts
-    async with _maybe_component(cfg, nats_url, component_id) as comp:
-        stop = comp.stop if comp is not None else asyncio.Event()
-        with signals_to(stop, comp is None):
-            async with open_source(learner, comp) as source:
-                checkpoints = Checkpoints(runner, source, comp, last_step=learner.state.step if latest is not None else -1)
-                reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
-                evaluator = None
-                try:
-                    if comp is not None and cfg.is_online and cfg.evaluates:
-                        from rlstream.learner.evaluation import Evaluator
-
-                        evaluator = await Evaluator(cfg, comp, metrics_path, reports).start()
-                    durable = await train(runner, source, checkpoints, comp, stop, max_steps or cfg.learner.max_steps, metrics_path,
-                                          reports, evaluator)
-                finally:
-                    if evaluator is not None:
-                        await evaluator.close()
-                    await asyncio.to_thread(reports.close)
-                    await compute.run(runner.close)
+    async with _component(cfg, nats_url, component_id) as comp:
+        async with open_source(learner, comp) as source:
+            checkpoints = Checkpoints(runner, source, comp, last_step=learner.state.step if latest is not None else -1)
+            reports = await asyncio.to_thread(Reports, cfg.report_to, cfg.run, run_dir, cfg.model_dump(mode="json"))
+            evaluation: Evaluation = NoEvaluation()
+            try:
+                evaluation = await _open_evaluation(cfg, comp, metrics_path, reports)
+                await comp.state.put_int(LEARNER_STEP, learner.state.step)
+                weights: Weights = NoWeights() if nats_url is None else open_weights(runner, source, comp, evaluation)
+                durable = await train(LearnerRun(runner, source, checkpoints, comp, reports, evaluation, weights, metrics_path,
+                                                 limit=max_steps or cfg.learner.max_steps))
+            finally:
+                await evaluation.close()
+                await asyncio.to_thread(reports.close)
+                await compute.run(runner.close)
     await warming  # done before the first step (both on the torch thread)
 
     if not durable:
@@ -473,5 +453,5 @@ async def main(cfg: Config, nats_url: str | None, component_id: str = "learner",
         # the restarted learner, which resumes from that checkpoint (nothing lost, nothing twice)
         log.error("the final checkpoint could not be written; exiting 1 so the learner is restarted with --resume")
         return 1
-    write_json(RunDir(run_dir).learner_summary, _summary(cfg, learner.state, source, evaluator))
+    write_json(RunDir(run_dir).learner_summary, _summary(cfg, learner.state, source, evaluation))
     return 0

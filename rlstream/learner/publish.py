@@ -138,7 +138,7 @@ class BackgroundPublisher:
     (``alert/publish_failures``): producers keep the previous version and the next publish tries
     again; :data:`MAX_PUBLISH_FAILURES` in a row raise from :meth:`submit`.
     :attr:`out_version` is the newest version out; the learner steps no further than
-    ``max_staleness`` past it (it waits and submits its weights again: ``loop._weights_out``).
+    ``max_staleness`` past it (it waits and submits its weights again: ``weights_policy.BackgroundPublish.catch_up``).
     :meth:`flush` waits until everything queued is out.
     """
 

@@ -51,7 +51,7 @@ from rlstream.learner.batching import (
     split_rows,
 )
 from rlstream.learner.checkpoint import LearnerState
-from rlstream.learner.critic import ValueHead
+from rlstream.learner.critic import Critic, NoCritic, ValueHead
 from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
 from rlstream.rundir import default_run_dir
 from rlstream.schemas import PreferencePair, ScoredGroup, SFTExample
@@ -71,8 +71,8 @@ class Learner:
     tokenizer: Any
     ref_model: torch.nn.Module | None
     """The frozen reference (None: no reference, or LoRA's, which is the policy with its adapter disabled)."""
-    critic: ValueHead | None
-    """PPO's value model (None for algorithms without one)."""
+    critic: Critic
+    """PPO's value model (:class:`~rlstream.learner.critic.NoCritic` for algorithms without one)."""
     state: LearnerState = field(default_factory=LearnerState)
     device: torch.device = torch.device("cpu")
     pad_id: int = 0
@@ -158,7 +158,7 @@ def build_learner(cfg: Config, run_dir: Path | None = None) -> Learner:
         ref_model.to(device).eval().requires_grad_(False)
         if mixed:  # the same arithmetic as the policy's, so the KL starts at 0
             autocast_forward(ref_model, torch.bfloat16)
-    critic = None
+    critic: Critic = NoCritic()
     if params.needs_value_model:
         critic = ValueHead(model.config.hidden_size, device, lr=params.value_lr or lcfg.lr, base_lr=lcfg.lr, betas=tuple(lcfg.betas))
     engine = build_engine(model, lcfg, cfg.accumulation_steps)
@@ -207,7 +207,7 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
             with phases.time("backward"):
                 engine.backward(loss, last=i == len(passes) - 1)
     t_opt = time.perf_counter()
-    value_norm = critic.clip_grads(learner.cfg.learner.max_grad_norm) if critic is not None else 0.0
+    value_norm = critic.clip_grads(learner.cfg.learner.max_grad_norm)
     if not finite:
         engine.zero_grad()
         grad_norm, stepped = float("nan"), False
@@ -215,8 +215,7 @@ def _update(learner: Learner, backward_passes) -> tuple[float, bool]:
         grad_norm, stepped = engine.step()
     if stepped and not math.isfinite(value_norm):
         stepped = False  # the policy already moved; the value head skips (its grads are zeroed below)
-    if critic is not None:
-        critic.step(lr, ok=finite and math.isfinite(value_norm))
+    critic.step(lr, ok=finite and math.isfinite(value_norm))
     if not (finite and math.isfinite(grad_norm)):
         learner.state.nan_steps_skipped += 1
         stepped = False
@@ -241,8 +240,7 @@ def _backward_shard(learner: Learner, passes: list) -> bool:
             finite = finite and bool(torch.isfinite(loss.detach()).all())
             with learner.phases.time("backward"):
                 engine.backward(loss * (world if real else 0.0), last=last)
-    if learner.critic is not None:
-        learner.critic.average_grads(world)
+    learner.critic.average_grads(world)
     return dist.all_true(finite)
 
 
@@ -336,18 +334,16 @@ class _Targets:
 
 
 def _targets(learner: Learner, tbs: list[TokenBatch]) -> _Targets:
-    n = len(tbs)
     params = learner.cfg.algorithm_params
     if not learner.has_reference and params.needs_reference and any(tb.ref_logprobs is None for tb in tbs):
         raise LearnerError("kl_coefficient > 0 without an in-learner reference model: every group needs ref_logprobs "
                            "(is the reference stage running, and does the learner read its subject?)")
     # the reference stage's recorded log-probs, else filled on first use from the in-learner model
     ref = [tb.ref_logprobs if not learner.has_reference else None for tb in tbs]
-    if learner.critic is not None:
-        v = learner.critic.targets(learner.engine.module, tbs, gamma=params.gamma, lam=params.lam)
-        return _Targets(ref, list(v.prox_logprobs), list(v.advantages), list(v.old_values), list(v.returns))
-    token_adv = [distill_token_advantages(params, tb) for tb in tbs] if params.distills else [tb.token_advantages for tb in tbs]
-    return _Targets(ref, [None] * n, token_adv, [None] * n, [None] * n)
+    v = learner.critic.targets(learner.engine.module, tbs, params)
+    # DISTILL has no value model: its advantages are the teacher's
+    token_adv = [distill_token_advantages(params, tb) for tb in tbs] if params.distills else list(v.advantages)
+    return _Targets(ref, list(v.prox_logprobs), token_adv, list(v.old_values), list(v.returns))
 
 
 def distill_token_advantages(params, tb: TokenBatch) -> torch.Tensor:
@@ -418,7 +414,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup], collated: Collated | No
             def run(record: bool = True) -> torch.Tensor:
                 if learner.has_reference and t.ref[i] is None:
                     t.ref[i] = reference_logprobs(learner, tb)
-                out = forward_logprobs(module, tb, keep_logits=True, hidden=critic is not None)
+                out = forward_logprobs(module, tb, keep_logits=True, hidden=critic.needs_hidden)
                 if t.prox[i] is None:
                     t.prox[i] = out.logprobs.detach()
                 with torch.no_grad():
@@ -427,7 +423,7 @@ def rl_step(learner: Learner, groups: list[ScoredGroup], collated: Collated | No
                     logprobs=out.logprobs, old_logprobs=tb.old_logprobs,
                     advantages=t.advantages[i] if t.advantages[i] is not None else tb.advantages, mask=tb.mask,
                     ref_logprobs=t.ref[i], prox_logprobs=t.prox[i], entropy=entropy,
-                    values=critic.values(out.hidden) if critic is not None else None,
+                    values=critic.values(out.hidden),
                     old_values=t.old_values[i], returns=t.returns[i],
                     token_normalizer=token_norm, seq_normalizer=seq_norm, max_tokens=max_tokens,
                     lag=learner.state.policy_version - tb.policy_versions,
