@@ -447,8 +447,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlstream-bench-weights-") as store, \
             tempfile.TemporaryDirectory(prefix="rlstream-bench-weights-", dir=shm) as tmp_shm, \
             EmbeddedServer(Path(store) / "nats") as server:
-        tmp = Path(store)
-        (tmp / "shm").symlink_to(tmp_shm)  # local: shared memory; shared_path: the disk under the store
+        # local: a folder of its own in shared memory (it refuses a link); shared_path: the disk
+        # under the store, through a link, which it resolves
+        tmp = Path(tmp_shm)
+        (Path(store) / "shared").mkdir()
+        (tmp / "shared").symlink_to(Path(store) / "shared")
         for n in counts:
             rows += asyncio.run(measure(server.url, f"bench{n}", tmp, sizes, n, repeats))
         cost = inline_and_pause(server.url, tmp, args.inline_mb or (32 if args.quick else 1024), repeats)
