@@ -95,3 +95,36 @@ async def test_min_new_tokens_masks_the_end_tokens_and_keeps_raw_logprobs(tiny_m
     assert SamplingSpec.from_config(cfg).min_new_tokens == 128
     with pytest.raises(ConfigError, match=r"min_new_tokens=129 exceeds producer.max_new_tokens=128"):
         parse_config({"model_checkpoint_path": "m", "training_mode": "RL_GRPO", "producer": {"max_new_tokens": 128, "min_new_tokens": 129}})
+
+
+def _perturbed_state(tiny_model_dir, seed: int) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+async def test_a_staged_version_is_swapped_in_on_cpu_without_copying_and_the_next_stages_beside_it(tiny_model_dir):
+    import safetensors.torch
+
+    backend = HFBackend(str(tiny_model_dir), seed=1)
+    v1, v2 = _perturbed_state(tiny_model_dir, 1), _perturbed_state(tiny_model_dir, 2)
+    staged = await backend.stage_weights(WeightsSource(version=1, data=safetensors.torch.save(v1)))
+    where = {k: t.data_ptr() for k, t in staged.tensors.items()}
+    await backend.load_weights(staged)
+    live = backend.model.state_dict()
+    assert all(torch.equal(live[k], v) for k, v in v1.items()) and backend.policy_version == 1
+    # the swap moved no bytes: the parameters are now the tensors v1 was staged into
+    assert {k: live[k].data_ptr() for k in where} == where
+    # v2 stages into the storage v1 replaced, never into the live parameters
+    staged = await backend.stage_weights(WeightsSource(version=2, data=safetensors.torch.save(v2)))
+    assert not set(where.values()) & {t.data_ptr() for t in staged.tensors.values()}
+    assert all(torch.equal(backend.model.state_dict()[k], v) for k, v in v1.items())  # still v1 until the swap
+    await backend.load_weights(staged)
+    ids, _ = backend.encode_prompt(Prompt(id="e", text="the reward"))
+    c = (await backend.generate([ids], SamplingSpec(n=1, max_new_tokens=8)))[0][0]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model.load_state_dict(v2)
+    np.testing.assert_allclose(c.logprobs, teacher_forced(model, ids, c.token_ids), atol=1e-5)

@@ -44,10 +44,10 @@ class MisloadingHF(HFBackend):
     """A loader that leaves one tensor at its old value from version 2 on (as a loader that
     skipped it would)."""
 
-    def _load_state(self, state: dict, version: int) -> None:
+    def load_weights_sync(self, source) -> None:  # after a swap of a staged version or a copy
         kept = self.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
-        super()._load_state(state, version)
-        if version >= 2:
+        super().load_weights_sync(source)
+        if source.version >= 2:
             with torch.no_grad():
                 self.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].copy_(kept)
 

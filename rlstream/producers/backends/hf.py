@@ -14,8 +14,9 @@ padded prompt gives the same log-probs as the unpadded one fed alone.
 
 **Weights staged between batches** (:meth:`HFBackend.stage_weights`): a received version is
 copied, while a batch generates, into a second set of host tensors in the model's dtypes (pinned
-on CUDA), allocated once and reused; the swap at the batch boundary is ``load_state_dict`` from
-them, a copy into the parameters (one host-to-device DMA per tensor on CUDA). Device tensors
+on CUDA), allocated once and reused. The swap at the batch boundary moves no bytes on CPU: the
+staged tensors become the parameters, and the old parameters the next second buffer. On CUDA it
+is ``load_state_dict`` from them, one host-to-device DMA per tensor. Device tensors
 (``cuda_ipc``, already a copy of this producer's) and adapters are swapped in as received.
 
 **In-flight weight updates** (``producer.weight_update: in_flight``): generation is our own
@@ -305,7 +306,27 @@ class HFBackend(Backend):
             return
         state = self._read_state(source)
         with self._staging, self._lock:
-            self._load_state(state, source.version)
+            if not self._swap_staged(state, source.version):
+                self._load_state(state, source.version)
+
+    def _swap_staged(self, state: dict, version: int) -> bool:
+        """A staged version on a CPU model: its tensors become the parameters, and the
+        parameters' storage the next second buffer, so the swap moves no bytes. False (nothing
+        touched) unless every tensor is this backend's staged one, of its parameter's shape,
+        dtype and device; the caller then copies (on CUDA: host to device)."""
+        live = self.model.state_dict(keep_vars=True)
+        staged = self._stage_buffer
+        if not state or any(k not in live or staged.get(k) is not v or v.device != live[k].device
+                            or v.shape != live[k].shape or v.dtype != live[k].dtype for k, v in state.items()):
+            return False
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if set(live) - set(state) - tied:
+            return False  # a partial version: load_state_dict refuses it, with the keys named
+        with self.torch.no_grad():
+            for k, v in state.items():
+                staged[k], live[k].data = live[k].data, v
+        self.policy_version = version
+        return True
 
     async def stage_weights(self, source: WeightsSource) -> WeightsSource:
         if source.is_adapter or source.tensors is not None:
