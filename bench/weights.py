@@ -25,14 +25,15 @@ the consecutive versions of a real training run (the tiny model, or a wider one 
 ``--hidden``/``--layers``, trained by plain AdamW on its language-modelling loss), for
 float32 and bfloat16 producers; every received file is compared with the learner's bitwise.
 
-And, for one version of ``--inline-mb`` (1 GB; ``--quick`` 32 MB), what a version costs the two
-sides that should never stop for one: the learner's inline seconds (the copy into its reused
-snapshot buffers, which is all its step waits for under background publishing) and a
-producer's pause: the swap at a batch boundary, during which it does not generate. Receiving
+And, for one version of a Llama of ``--inline-mb`` (1 GB, the GPU race's 269M-parameter model;
+``--quick`` 32 MB), what a version costs the two sides that should never stop for one: the
+learner's inline seconds (the copy into its reused snapshot buffers, which is all its step
+waits for under background publishing) and a producer's pause: the swap at a batch boundary,
+during which it does not generate, in the product's HF backend holding that model. Receiving
 through ``local``, checking every chunk and staging into the second buffer happen before it,
-while batches generate (the product's ``WeightsFollower``, which the receivers here run; the
-all-loaded column above counts them). Each is set beside a plain host memcpy of the same bytes
-measured in the same run. The issue's goal on CPU: each <= 1.2x the memcpy.
+while batches generate (the product's ``WeightsFollower``, which the receivers here run).
+Each is set beside a plain host memcpy of the same bytes measured in the same run. The issue's
+goal on CPU: each <= 1.2x the memcpy.
 """
 
 from __future__ import annotations
@@ -145,15 +146,23 @@ async def learners_settings(comp, run: str, url: str, tmp: Path):
     return config(run, url, tmp, transport).learner.weights
 
 
-async def receiver(url: str, run: str, tmp: Path, ident: str) -> None:
-    """A producer's weights path with no model: the product's follower receives, checks and
-    stages each version (in a producer, while a batch generates), then swaps it in (the pause)."""
+async def receiver(url: str, run: str, tmp: Path, ident: str, model: str | None = None) -> None:
+    """A producer's weights path: the product's follower receives, checks and stages each
+    version (in a producer, while a batch generates), then swaps it in (the pause). With
+    ``model``, the product's HF backend on that model does the staging and the swap; without,
+    a stand-in that holds tensors of any shape does them as the HF backend does on CUDA."""
     from rlstream.broker import Component
     from rlstream.producers.loop import ProducerStats
     from rlstream.producers.weights import WeightsFollower
 
     cfg = config(run, url, tmp)
-    backend, stats, loaded = TensorBackend(), ProducerStats(), 0
+    if model is not None:
+        from rlstream.producers.backends.hf import HFBackend
+
+        backend = HFBackend(model)
+    else:
+        backend = TensorBackend()
+    stats, loaded = ProducerStats(), 0
     async with Component(cfg, url, "producer", ident, handle_signals=False) as comp:
         follower = WeightsFollower(comp, backend, stats, poll_s=0.005)
         await comp.nc.publish(LOADED_SUBJECT, json.dumps({"id": ident, "version": 0}).encode())
@@ -205,31 +214,55 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
     return best
 
 
+def llama_of(out: Path, mb: int) -> Path:
+    """A randomly initialised float32 Llama of about ``mb`` MiB, the demo's 320-token vocabulary:
+    at 1024 MiB the 269M-parameter model of the GPU race (hidden 1024, intermediate 4096, 16
+    layers of 64 MiB); below 64 MiB, layers of 4 MiB (hidden 256)."""
+    from rlstream.tiny import build_tiny_model
+
+    hidden = 1024 if mb >= 64 else 256
+    layers = max(1, round(mb / (64 if mb >= 64 else 4)))
+    return build_tiny_model(out, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
+                            intermediate_size=4 * hidden, vocab_size=320)
+
+
+def held_state(model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model / "model.safetensors"))
+
+
 def inline_and_pause(url: str, tmp: Path, mb: int, repeats: int) -> dict:
-    """One version of ``mb`` MiB: the learner's inline seconds and a producer's pause (through
-    ``local``), beside a host memcpy of the same bytes, all measured here and now."""
+    """One version of a Llama of about ``mb`` MiB: the learner's inline seconds and a producer's
+    pause (the product's HF backend, through ``local``), beside a host memcpy of the same
+    bytes, all measured here and now."""
     from rlstream.learner.snapshot import FileLayout
 
-    sd = state_dict(mb, seed=7)
+    model = llama_of(tmp / "inline-model", mb)
+    sd = held_state(model)
     nbytes = FileLayout.of(sd).size
     memcpy_s = memcpy_seconds(nbytes, max(3, repeats))
     inline_s = inline_seconds(sd, max(3, repeats))
     del sd
-    row = asyncio.run(measure(url, "inline", tmp, [mb], 1, repeats, transports=("local",)))[0]
+    row = asyncio.run(measure(url, "inline", tmp, [mb], 1, repeats, transports=("local",), model=model))[0]
     shutil.rmtree(tmp / "shm" / "inline", ignore_errors=True)
     return {"mb": nbytes / 2**20, "memcpy_s": memcpy_s, "inline_s": inline_s, "pause_s": row["pause_s"],
             "inline_x_memcpy": inline_s / memcpy_s, "pause_x_memcpy": row["pause_s"] / memcpy_s}
 
 
 async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: int, repeats: int,  # noqa: C901
-                  transports: tuple[str, ...] = TRANSPORTS) -> list[dict]:
-    """Per size and transport, the best of ``repeats`` round trips; ratios against the first transport."""
+                  transports: tuple[str, ...] = TRANSPORTS, model: Path | None = None) -> list[dict]:
+    """Per size and transport, the best of ``repeats`` round trips; ratios against the first
+    transport. With ``model`` (one size), its own tensors are the version, and the producers
+    hold it in the HF backend."""
     from rlstream.broker import Component
     from rlstream.broker.weights import delete_object, list_objects
     from rlstream.learner.publish import publish_weights
     from rlstream.learner.snapshot import FileLayout
 
-    procs = [subprocess.Popen([sys.executable, __file__, "--receiver", url, run, str(tmp), f"p{i}"]) for i in range(producers)]
+    held = [str(model)] if model is not None else []
+    procs = [subprocess.Popen([sys.executable, __file__, "--receiver", url, run, str(tmp), f"p{i}", *held])
+             for i in range(producers)]
     rows = []
     try:
         base = Component(config(run, url, tmp), url, "learner", "bench", handle_signals=False)
@@ -263,7 +296,7 @@ async def measure(url: str, run: str, tmp: Path, sizes: list[int], producers: in
                         max(r["swap_s"] for r in got.values()))
 
             for mb in sizes:
-                sd = state_dict(mb, seed=mb)
+                sd = held_state(model) if model is not None else state_dict(mb, seed=mb)
                 await round_trip(transports[0], sd)  # warm-up: the producers allocate this size
                 best = {t: (float("inf"),) * 4 for t in transports}
                 for rep in range(repeats):
@@ -436,8 +469,8 @@ def delta_main(args) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--receiver":
-        url, run, tmp, ident = sys.argv[2:6]
-        asyncio.run(receiver(url, run, Path(tmp), ident))
+        url, run, tmp, ident, *model = sys.argv[2:7]
+        asyncio.run(receiver(url, run, Path(tmp), ident, *model))
         return
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help="MiB, comma-separated (default 8,64,512; --quick 4,32)")

@@ -118,6 +118,15 @@ async def test_a_staged_version_is_swapped_in_on_cpu_without_copying_and_the_nex
     assert all(torch.equal(live[k], v) for k, v in v1.items()) and backend.policy_version == 1
     # the swap moved no bytes: the parameters are now the tensors v1 was staged into
     assert {k: live[k].data_ptr() for k in where} == where
+    # its fingerprint was taken as it was staged, and holds while the parameters stay put
+    from rlstream.weights import fingerprint as fingerprints
+
+    names = [k for k, _ in backend.model.named_parameters()]
+    assert fingerprints.matches((await backend.fingerprint())[0], fingerprints.of_tensors((k, v1[k]) for k in names))
+    q = backend.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    q.data = q.data + 1  # a parameter no longer where the swap put it: the sums are read from the model again
+    assert not fingerprints.matches((await backend.fingerprint())[0], fingerprints.of_tensors((k, v1[k]) for k in names))
+    q.data = staged.tensors["model.layers.0.self_attn.q_proj.weight"]
     # v2 stages into the storage v1 replaced, never into the live parameters
     staged = await backend.stage_weights(WeightsSource(version=2, data=safetensors.torch.save(v2)))
     assert not set(where.values()) & {t.data_ptr() for t in staged.tensors.values()}

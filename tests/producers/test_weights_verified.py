@@ -41,15 +41,15 @@ def test_the_fingerprint_is_the_sums_of_abs_and_squares_worked_by_hand():
 
 
 class MisloadingHF(HFBackend):
-    """A loader that leaves one tensor at its old value from version 2 on (as a loader that
-    skipped it would)."""
+    """A loader that skips one tensor from version 2 on: the parameter keeps its old storage
+    and values (on CPU the swap of a staged version would have replaced both)."""
 
-    def load_weights_sync(self, source) -> None:  # after a swap of a staged version or a copy
-        kept = self.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
+    def load_weights_sync(self, source) -> None:
+        param = self.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+        kept = param.data.clone()
         super().load_weights_sync(source)
         if source.version >= 2:
-            with torch.no_grad():
-                self.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].copy_(kept)
+            param.data = kept
 
 
 async def test_the_engine_holds_the_learners_weights_and_a_misloaded_tensor_stops_the_producer(

@@ -93,6 +93,11 @@ class HFBackend(Backend):
         self._staging = threading.Lock()  # the second buffer is written by staging or read by a swap, never both
         self._stage_buffer: dict = {}
         """The second buffer: name -> host tensor of the parameter's shape and dtype (pinned on CUDA)."""
+        self._staged_fp: fingerprints.Fingerprint | None = None
+        """The fingerprint of the second buffer's parameters, taken as it was staged (off the step)."""
+        self._held: tuple[fingerprints.Fingerprint, dict[str, int]] | None = None
+        """After a swap: the fingerprint the model's parameters had when staged, and where each
+        one's storage is; :meth:`fingerprint` answers with it while every parameter is still there."""
 
     @classmethod
     def from_config(cls, cfg) -> "HFBackend":
@@ -325,6 +330,9 @@ class HFBackend(Backend):
         with self.torch.no_grad():
             for k, v in state.items():
                 staged[k], live[k].data = live[k].data, v
+        params = dict(self.model.named_parameters())
+        self._held = None if self._staged_fp is None else (self._staged_fp, {k: p.data_ptr() for k, p in params.items()})
+        self._staged_fp = None
         self.policy_version = version
         return True
 
@@ -340,8 +348,15 @@ class HFBackend(Backend):
         return await compute.run(self._fingerprint_sync)
 
     def _fingerprint_sync(self) -> tuple[fingerprints.Fingerprint, str]:
+        """After a swap with every parameter's storage where the swap put it, the fingerprint
+        those tensors had when staged (nothing to read again, so the check is off the pause);
+        otherwise the sums over the model as it is."""
         with self._lock:
             dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+            params = dict(self.model.named_parameters())
+            held = self._held
+            if held is not None and {k: p.data_ptr() for k, p in params.items()} == held[1]:
+                return held[0], str(dtype).removeprefix("torch.")
             return fingerprints.of_model(self.model), str(dtype).removeprefix("torch.")
 
     def stage_weights_sync(self, source: WeightsSource) -> WeightsSource:
@@ -358,11 +373,15 @@ class HFBackend(Backend):
                                 f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}")
         pin = str(self.device).startswith("cuda")
         with self._staging, torch.no_grad():
+            self._staged_fp = None
             for k, v in state.items():
                 buf = self._stage_buffer.get(k)
                 if buf is None or buf.shape != model[k].shape or buf.dtype != model[k].dtype:
                     buf = self._stage_buffer[k] = torch.empty(model[k].shape, dtype=model[k].dtype, pin_memory=pin)
                 buf.copy_(v)
+            names = [k for k, _ in self.model.named_parameters()]
+            if not pin and set(names) <= set(state):  # swapped in whole on CPU: the sums of what the model will hold
+                self._staged_fp = fingerprints.of_tensors((k, self._stage_buffer[k]) for k in names)
         return dataclasses.replace(source, data=None, path=None, tensors={k: self._stage_buffer[k] for k in state})
 
     def _load_state(self, state: dict, version: int) -> None:
@@ -376,6 +395,7 @@ class HFBackend(Backend):
             if missing or unexpected:
                 raise ProducerError(f"weights v{version} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
             self.model.load_state_dict(state, strict=False)
+        self._held = None
         self.policy_version = version
 
     # ---- in-flight updates --------------------------------------------------------------
