@@ -7,7 +7,8 @@ when all is well):
 - the model (``model_checkpoint_path``, and ``learner.reference_model_path``) is a local
   directory holding a config and weights, or a Hub id whose config loads (from the local
   Hub cache when ``HF_HUB_OFFLINE=1``); the tokenizer loads;
-- the dataset exists, and its first rows have the columns the training mode reads;
+- the dataset exists, and its first rows have the columns the training mode reads (a
+  reasoning-gym source: the task exists and takes its ``config``, as reasoning-gym judges);
 - every reward function imports, accepts the keyword arguments the scorer will pass it
   (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
   dataset column and the term's ``params``), and returns a reward list when called once on
@@ -156,9 +157,13 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     else:
         try:
             if ds.path.startswith(GYM_PREFIX):
-                from rlstream.envs.gym import rows_for
+                from rlstream.envs import gym
 
-                rows = rows_for(ds, limit=HEAD_ROWS)
+                opts = ds.reasoning_gym
+                problem = gym.source_problem(gym.task_of(ds.path), opts.config if opts else None)
+                if problem:
+                    return [problem], []
+                rows = gym.rows_for(ds, limit=HEAD_ROWS)
             elif ds.path.startswith(VERIFIERS_PREFIX):
                 from rlstream.envs import verifiers_env
 
@@ -196,6 +201,14 @@ def check_eval(cfg: Config) -> list[str]:
     from rlstream.data import DatasetError, check_rows, read_rows
 
     e = cfg.eval
+    if e.path.startswith(GYM_PREFIX):  # generated, not read: the task and its config are what can be wrong
+        from rlstream.evaluation import gym_eval_rows
+
+        try:
+            gym_eval_rows(cfg)
+        except DatasetError as exc:
+            return [str(exc)]
+        return []
     try:
         rows = read_rows(e.path, e.split, min(HEAD_ROWS, e.max_prompts or HEAD_ROWS), name=e.name)
         check_rows(rows, cfg, where=str(e.path))

@@ -76,7 +76,6 @@ from rlstream.config.data import (
     Curriculum,
     DataSource,
     ReasoningGymSource,
-    check_reasoning_gym,
 )
 from rlstream.config.deploy import (
     MetricsConfig,
@@ -199,7 +198,6 @@ __all__ = [
     "Curriculum",
     "DataSource",
     "ReasoningGymSource",
-    "check_reasoning_gym",
     "MetricsConfig",
     "Placement",
     "PlacementConfig",

@@ -17,7 +17,11 @@ GYM_PREFIX = "reasoning_gym:"
 
 
 class ReasoningGymSource(Strict):
-    """How ``data_source.path: reasoning_gym:<task>`` generates its prompts."""
+    """How ``data_source.path: reasoning_gym:<task>`` generates its prompts.
+
+    Whether the task exists and takes ``config`` is reasoning-gym's to say: the preflight check
+    and the first use ask it (:func:`rlstream.envs.gym.source_problem`), so that parsing a
+    config never imports the optional package."""
 
     size: int = Field(1000, ge=1, le=10_000_000)
     seed: int = Field(0, ge=0, le=2**63 - 1)
@@ -26,22 +30,6 @@ class ReasoningGymSource(Strict):
     system_prompt: str | None = None
     """A system turn before each question: ``default`` (reasoning-gym's, which asks for
     ``<answer>...</answer>``), another key of its ``SYSTEM_PROMPTS``, any text, or none."""
-
-
-def check_reasoning_gym(path: str, opts: ReasoningGymSource | None) -> None:
-    """The task exists and takes ``config`` (a ValueError in one line otherwise)."""
-    task = path[len(GYM_PREFIX):]
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ValueError(f"data_source.path {path!r} needs the reasoning-gym package (pip install 'rlstream[gym]')") from None
-    if task not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"data_source.path {path!r}: reasoning-gym has no task {task!r} (e.g. basic_arithmetic, chain_sum, leg_counting)")
-    config = opts.config if opts else {}
-    try:
-        reasoning_gym.create_dataset(task, size=1, seed=0, **config)
-    except Exception as exc:  # the task's own config check: its message, in one line
-        raise ValueError(f"data_source.reasoning_gym.config {config!r} for task {task!r}: {' '.join(str(exc).split())}") from None
 
 
 class Curriculum(Strict):
@@ -113,9 +101,7 @@ class DataSource(Strict):
 
     @model_validator(mode="after")
     def _webdataset(self):
-        if self.path and self.path.startswith(GYM_PREFIX):
-            check_reasoning_gym(self.path, self.reasoning_gym)
-        elif self.reasoning_gym is not None:
+        if self.reasoning_gym is not None and not (self.path and self.path.startswith(GYM_PREFIX)):
             raise ValueError(f"data_source.reasoning_gym is for path '{GYM_PREFIX}<task>' (path is {self.path!r})")
         if self.type == "webdataset" and not self.urls:
             raise ValueError("data_source.type 'webdataset' needs data_source.urls (e.g. 'shards/train-{000000..000009}.tar')")

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlstream.config.base import DAY_S, Strict
-from rlstream.config.data import GYM_PREFIX, VERIFIERS_PREFIX, ReasoningGymSource, check_reasoning_gym
+from rlstream.config.data import GYM_PREFIX, VERIFIERS_PREFIX, ReasoningGymSource
 
 
 class ScorerConfig(Strict):
@@ -145,9 +145,7 @@ class EvalConfig(Strict):
 
     @model_validator(mode="after")
     def _k_within_samples(self):
-        if self.path and self.path.startswith(GYM_PREFIX):
-            check_reasoning_gym(self.path, self.reasoning_gym)
-        elif self.reasoning_gym is not None:
+        if self.reasoning_gym is not None and not (self.path and self.path.startswith(GYM_PREFIX)):
             raise ValueError(f"eval.reasoning_gym is for path '{GYM_PREFIX}<task>' (path is {self.path!r})")
         bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
         if bad:
