@@ -36,7 +36,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from rlstream import chat
-from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, is_hub_id
+from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, ExactMatchTerm, FunctionTerm, MathTerm, is_hub_id
 from rlstream.envs import EnvError
 
 HEAD_ROWS = 4
@@ -259,10 +259,10 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
     columns = [k for k in (rows[0] if rows else {}) if k not in (ds.prompt_column, ds.messages_column) and k not in _TRL_KWARGS]
     for i, term in enumerate(rf.terms if (rf.type != "model_based" or "terms" in rf.model_fields_set) else []):
         where = f"reward_function.terms[{i}] ({term.name})"
-        if term.rule in ("math", "exact_match") and rows and rf.answer_column not in rows[0]:
+        if isinstance(term, (MathTerm, ExactMatchTerm)) and rows and rf.answer_column not in rows[0]:
             problems.append(f"{where}: rule {term.rule!r} reads the reference answer from column {rf.answer_column!r}, "
                             f"which the dataset does not have (columns: {sorted(rows[0])}); set reward_function.answer_column")
-        if term.function is None:
+        if not isinstance(term, FunctionTerm):
             continue
         try:
             fn = load_function(term.function)
@@ -294,12 +294,13 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
         except Exception as exc:  # the function's own failure, reported instead of dead-lettering every group
             problems.append(f"{where}: {term.function} raised {_first_line(exc)} on a trial call with the first "
                             f"{len(rows)} rows (completions = their {rf.answer_column!r} column)")
-    # the rules' parameters: the scorer checks them when it builds its terms
+    # the rules' settings that depend on the rest of the config (overlong's with the algorithm's): the
+    # scorer checks them when it builds its terms
     from rlstream.scorers.scoring import Scorer
 
     local = cfg.model_copy(deep=True)
     local.scorer.processes = 0
-    local.reward_function.terms = [t for t in local.reward_function.terms if t.function is None]
+    local.reward_function.terms = [t for t in local.reward_function.terms if not isinstance(t, FunctionTerm)]
     if rf.type == "model_based":
         local.reward_function.type = "rule_based"
     try:

@@ -8,7 +8,7 @@ import os
 import re
 import reprlib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,7 @@ from rlstream.config.algorithms import (
 from rlstream.config.base import MAX_CONFIG_BYTES, ConfigError, check_expansion
 from rlstream.config.data import GYM_PREFIX, VERIFIERS_PREFIX
 from rlstream.config.producer import PRODUCER_BACKENDS
+from rlstream.config.rewards import RULES
 from rlstream.config.root import Config
 from rlstream.config.weights import WEIGHTS_TRANSPORTS
 
@@ -105,14 +106,22 @@ TRL_NAMES: dict[str, str] = {
 """Names TRL users type, and where the same knob lives here (for "did you mean")."""
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field holds: itself, or inside a list, an optional or a (tagged) union."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _models_in(get_args(annotation)[0])
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
+
+
 def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, info in model.model_fields.items():
         out.append(prefix + name)
-        for sub in (info.annotation, *getattr(info.annotation, "__args__", ())):
-            if isinstance(sub, type) and issubclass(sub, BaseModel):
-                out += _field_paths(sub, prefix + name + ".")
-    return out
+        for sub in _models_in(info.annotation):
+            out += _field_paths(sub, prefix + name + ".")
+    return list(dict.fromkeys(out))
 
 
 def did_you_mean(loc: list[str]) -> str | None:
@@ -135,21 +144,29 @@ def did_you_mean(loc: list[str]) -> str | None:
     return f"did you mean {close[0]}?" if close else None
 
 
-def _describe(err: dict[str, Any]) -> str:
-    loc = [str(p) for p in err["loc"]]
-    # drop the union tag pydantic inserts (algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low)
+def _untagged(loc: list[str]) -> tuple[list[str], str | None]:
+    """An error's location without the union tags pydantic inserts, and the weights transport's tag."""
+    # algorithm_params.RL_GRPO.clip_low -> algorithm_params.clip_low
     if len(loc) >= 2 and loc[0] == "algorithm_params" and loc[1] in ("SFT", "DPO") + RL_MODES:
         loc = [loc[0]] + loc[2:]
-    # and the producer's backend tag (producer.hf.device -> producer.device)
+    # the producer's backend tag (producer.hf.device -> producer.device)
     if len(loc) >= 2 and loc[0] == "producer" and loc[1] in PRODUCER_BACKENDS:
         loc = [loc[0]] + loc[2:]
-    # and the weights transport's tag (learner.weights.broadcast.port -> learner.weights.port)
+    # the weights transport's tag (learner.weights.broadcast.port -> learner.weights.port)
     transport = None
     if len(loc) >= 3 and loc[:2] == ["learner", "weights"] and loc[2] in WEIGHTS_TRANSPORTS:
         transport, loc = loc[2], loc[:2] + loc[3:]
-    # and the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
+    # a reward term's (reward_function.terms.0.format.mode -> reward_function.terms.0.mode)
+    if len(loc) >= 4 and loc[:2] == ["reward_function", "terms"] and loc[3] in (*RULES, "function"):
+        loc = loc[:3] + loc[4:]
+    # the tag of a nested choice (off_policy_correction.tis.cap -> off_policy_correction.cap)
     if len(loc) >= 3 and loc[1] in ("off_policy_correction", "policy_loss") and loc[2] in CORRECTIONS + POLICY_LOSSES:
         loc = loc[:2] + loc[3:]
+    return loc, transport
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc, transport = _untagged([str(p) for p in err["loc"]])
     field = ".".join(loc) or "<config>"
     value = err.get("input")
     kind = err["type"]
@@ -167,6 +184,9 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{field}: {_short(value)} is not allowed; allowed: {ctx.get('expected')}"
     if kind in ("wrong_backend", "renamed"):
         return err["msg"]
+    if kind == "union_tag_invalid" and loc[:2] == ["reward_function", "terms"]:
+        allowed = ", ".join(map(repr, RULES[:-1])) + f" or {RULES[-1]!r}"
+        return f"{field}.rule: {_short(value.get('rule'))} is not allowed; allowed: {allowed}"
     if kind == "union_tag_invalid":
         where = field if loc[-1:] and loc[-1] in ("off_policy_correction", "policy_loss") else "training_mode"
         where = "producer.backend" if loc == ["producer"] else where

@@ -14,7 +14,7 @@ from rlstream.config.deploy import MetricsConfig, PlacementConfig, ProgressConfi
 from rlstream.config.learner import BufferConfig, CheckpointConfig, LearnerConfig
 from rlstream.config.nats import NatsConfig
 from rlstream.config.producer import HFProducerConfig, OpenAIProducerConfig, ProducerSettings
-from rlstream.config.rewards import RewardFunction, RewardTerm
+from rlstream.config.rewards import EnvTerm, RewardFunction, VerifiersTerm
 from rlstream.config.secrets import mask_secrets
 from rlstream.config.stages import EnvConfig, EvalConfig, ReferenceStageConfig, ScorerConfig, TeacherStageConfig
 
@@ -161,7 +161,7 @@ class Config(Strict):
                              "remove the eval section and read the episodes' success from the training reward")
         verifiers = self.env.name.startswith(VERIFIERS_PREFIX)
         if "reward_function" not in self.model_fields_set:
-            self.reward_function = RewardFunction(terms=[RewardTerm(rule="verifiers" if verifiers else "env")])
+            self.reward_function = RewardFunction(terms=[VerifiersTerm() if verifiers else EnvTerm()])
         if verifiers and self.data_source.path is None and self.data_source.type == "on_policy":
             self.data_source.path = self.env.name  # the taskset's tasks are the prompts
 
