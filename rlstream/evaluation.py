@@ -104,7 +104,7 @@ def gym_eval_rows(cfg: Config) -> list[dict[str, Any]]:
         trained = cfg.data_source.reasoning_gym or ReasoningGymSource()
         opts = trained.model_copy(update={"seed": trained.seed + 1})
     return gym.rows(gym.task_of(ecfg.path), size=opts.size, seed=opts.seed, config=opts.config, system=opts.system_prompt,
-                    prompt_column=cfg.data_source.prompt_column, limit=ecfg.max_prompts)
+                    prompt_column=cfg.data_source.prompt_column, limit=ecfg.max_prompts, section="eval")
 
 
 def round_prompts(cfg: Config, rows: list[dict[str, Any]], version: int, *, run: str = "") -> list[Prompt]:

@@ -7,7 +7,8 @@ when all is well):
 - the model (``model_checkpoint_path``, and ``learner.reference_model_path``) is a local
   directory holding a config and weights, or a Hub id whose config loads (from the local
   Hub cache when ``HF_HUB_OFFLINE=1``); the tokenizer loads;
-- the dataset exists, and its first rows have the columns the training mode reads;
+- the dataset exists, and its first rows have the columns the training mode reads (a
+  reasoning-gym source: the task exists and takes its ``config``, as reasoning-gym judges);
 - every reward function imports, accepts the keyword arguments the scorer will pass it
   (TRL's ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, every other
   dataset column and the term's ``params``), and returns a reward list when called once on
@@ -35,7 +36,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from rlstream import chat
-from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, is_hub_id
+from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, ExactMatchTerm, FunctionTerm, MathTerm, is_hub_id
 from rlstream.envs import EnvError
 
 HEAD_ROWS = 4
@@ -156,9 +157,13 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     else:
         try:
             if ds.path.startswith(GYM_PREFIX):
-                from rlstream.envs.gym import rows_for
+                from rlstream.envs import gym
 
-                rows = rows_for(ds, limit=HEAD_ROWS)
+                opts = ds.reasoning_gym
+                problem = gym.source_problem(gym.task_of(ds.path), opts.config if opts else None)
+                if problem:
+                    return [problem], []
+                rows = gym.rows_for(ds, limit=HEAD_ROWS)
             elif ds.path.startswith(VERIFIERS_PREFIX):
                 from rlstream.envs import verifiers_env
 
@@ -196,6 +201,14 @@ def check_eval(cfg: Config) -> list[str]:
     from rlstream.data import DatasetError, check_rows, read_rows
 
     e = cfg.eval
+    if e.path.startswith(GYM_PREFIX):  # generated, not read: the task and its config are what can be wrong
+        from rlstream.evaluation import gym_eval_rows
+
+        try:
+            gym_eval_rows(cfg)
+        except DatasetError as exc:
+            return [str(exc)]
+        return []
     try:
         rows = read_rows(e.path, e.split, min(HEAD_ROWS, e.max_prompts or HEAD_ROWS), name=e.name)
         check_rows(rows, cfg, where=str(e.path))
@@ -246,10 +259,10 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
     columns = [k for k in (rows[0] if rows else {}) if k not in (ds.prompt_column, ds.messages_column) and k not in _TRL_KWARGS]
     for i, term in enumerate(rf.terms if (rf.type != "model_based" or "terms" in rf.model_fields_set) else []):
         where = f"reward_function.terms[{i}] ({term.name})"
-        if term.rule in ("math", "exact_match") and rows and rf.answer_column not in rows[0]:
+        if isinstance(term, (MathTerm, ExactMatchTerm)) and rows and rf.answer_column not in rows[0]:
             problems.append(f"{where}: rule {term.rule!r} reads the reference answer from column {rf.answer_column!r}, "
                             f"which the dataset does not have (columns: {sorted(rows[0])}); set reward_function.answer_column")
-        if term.function is None:
+        if not isinstance(term, FunctionTerm):
             continue
         try:
             fn = load_function(term.function)
@@ -281,12 +294,13 @@ def check_rewards(cfg: Config, rows: list[dict[str, Any]]) -> list[str]:
         except Exception as exc:  # the function's own failure, reported instead of dead-lettering every group
             problems.append(f"{where}: {term.function} raised {_first_line(exc)} on a trial call with the first "
                             f"{len(rows)} rows (completions = their {rf.answer_column!r} column)")
-    # the rules' parameters: the scorer checks them when it builds its terms
+    # the rules' settings that depend on the rest of the config (overlong's with the algorithm's): the
+    # scorer checks them when it builds its terms
     from rlstream.scorers.scoring import Scorer
 
     local = cfg.model_copy(deep=True)
     local.scorer.processes = 0
-    local.reward_function.terms = [t for t in local.reward_function.terms if t.function is None]
+    local.reward_function.terms = [t for t in local.reward_function.terms if not isinstance(t, FunctionTerm)]
     if rf.type == "model_based":
         local.reward_function.type = "rule_based"
     try:

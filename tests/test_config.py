@@ -414,3 +414,62 @@ def test_stale_policy_and_stale_cap():
     refused({"stale_policy": "correct", "stale_cap": 1}, r"stale_cap \(1\) must be greater than max_staleness \(1\)")
     refused({"stale_cap": 3}, r"stale_cap \(3\) applies with stale_policy 'correct' only")
     refused({"stale_policy": "correct", "off_policy_correction": "none"}, r"stale_policy 'correct' needs an off_policy_correction other than 'none'")
+
+
+RULES_ALLOWED = "'exact_match', 'math', 'format', 'length_penalty', 'overlong', 'reasoning_gym', 'env' or 'verifiers'"
+
+
+def _terms(terms):
+    return parse_config({"training_mode": "RL_GRPO", "model_checkpoint_path": "m", "reward_function": {"terms": terms}})
+
+
+def test_each_reward_rule_is_a_class_with_its_own_settings():
+    from rlstream.config import ExactMatchTerm, FormatTerm, FunctionTerm, MathTerm, OverlongTerm
+
+    cfg = _terms([{"rule": "math"}, {"rule": "exact_match", "params": {"extract": True}, "weight": 0.5},
+                  {"rule": "format", "pattern": "<a>.*", "mode": "search", "name": "tags"},
+                  {"rule": "overlong", "max_length": 100}, {"function": "pkg.mod:brevity", "params": {"target": 20}}])
+    math, exact, fmt, overlong, fn = cfg.reward_function.terms
+    assert isinstance(math, MathTerm) and (math.name, math.weight) == ("math", 1.0)
+    assert isinstance(exact, ExactMatchTerm) and (exact.extract, exact.case_sensitive, exact.weight) == (True, False, 0.5)
+    assert isinstance(fmt, FormatTerm) and (fmt.name, fmt.pattern, fmt.mode) == ("tags", "<a>.*", "search")
+    assert isinstance(overlong, OverlongTerm) and overlong.settings == {"max_length": 100}
+    assert isinstance(fn, FunctionTerm) and (fn.name, fn.params) == ("brevity", {"target": 20})
+    assert _terms([{"rule": "format", "params": {"pattern": "x"}}]).reward_function.terms == \
+        _terms([{"rule": "format", "pattern": "x"}]).reward_function.terms
+
+
+def test_reward_terms_resolved_before_and_now_load_back():
+    # config.resolved.json of a run from before the terms were typed lists both keys and params
+    before = [{"name": "math", "rule": "math", "function": None, "weight": 1.0, "params": {}},
+              {"name": "fmt", "rule": "format", "function": None, "weight": 0.2, "params": {"pattern": "x"}},
+              {"name": "c", "rule": None, "function": "a.b:c", "weight": 1.0, "params": {"k": 1}}]
+    cfg = _terms(before)
+    assert [(t.name, t.weight) for t in cfg.reward_function.terms] == [("math", 1.0), ("fmt", 0.2), ("c", 1.0)]
+    again = _terms(cfg.resolved()["reward_function"]["terms"])
+    assert again.reward_function.terms == cfg.reward_function.terms
+
+
+@pytest.mark.parametrize("terms, expected", [
+    ([{}], "reward_function.terms.0: give exactly one of 'rule' or 'function' (value {})"),
+    ([{"rule": "math", "function": "a.b:c"}], "reward_function.terms.0: give exactly one of 'rule' or 'function'"),
+    ([{"function": "not a path"}], "reward_function.terms.0: function 'not a path' must look like 'package.module:function'"),
+    ([{"rule": "bogus"}], f"reward_function.terms.0.rule: 'bogus' is not allowed; allowed: {RULES_ALLOWED}"),
+    ([{"rule": "math", "wieght": 2}], "reward_function.terms.0.wieght: unknown key (value 2); did you mean reward_function.terms.weight?"),
+    ([{"rule": "math", "weight": 1e9}], "reward_function.terms.0.weight: 1000000000.0 is not allowed; input should be less than"),
+    (["math"], "reward_function.terms.0: 'math' is not allowed; input should be a valid dictionary or instance of RewardTerm"),
+    ([{"rule": "math", "params": {"x": 1}}], "reward term 'math' (math): unknown params ['x']; allowed: []"),
+    ([{"rule": "overlong", "params": {"nope": 1}}], "reward term 'overlong' (overlong): unknown params ['nope']; allowed: ['buffer', 'factor', 'max_length']"),
+    ([{"rule": "exact_match", "fuzzy": True}], "reward_function.terms.0.fuzzy: unknown key (value True)"),
+    ([{"rule": "format"}], "reward_function.terms.0.pattern: reward term 'format' (format) needs params.pattern, a regular expression"),
+    ([{"rule": "format", "pattern": "("}], "reward_function.terms.0.pattern: reward term 'format' (format): '(' is not a regular expression"),
+    ([{"rule": "format", "pattern": "x", "mode": "find"}], "reward_function.terms.0.mode: 'find' is not allowed; allowed: 'fullmatch', 'match' or 'search'"),
+    ([{"rule": "format", "pattern": "x", "params": {"pattern": "y"}}], "pattern is given twice, beside the rule and in params; keep one"),
+    ([{"rule": "length_penalty", "max_length": 10, "free_tokens": 12}], "length_penalty: max_length (10) must exceed free_tokens (12)"),
+    ([{"rule": "overlong", "buffer": -1}], "reward_function.terms.0.buffer: -1 is not allowed; input should be greater than or equal to 0"),
+])
+def test_reward_term_errors_are_one_line_naming_the_term(terms, expected):
+    with pytest.raises(ConfigError) as err:
+        _terms(terms)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and expected in lines[0], lines

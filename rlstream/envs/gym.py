@@ -57,9 +57,35 @@ def system_prompt(name_or_text: str | None) -> str | None:
     return SYSTEM_PROMPTS.get(name_or_text, name_or_text)
 
 
+def source_problem(task: str, config: dict[str, Any] | None = None, section: str = "data_source") -> str | None:
+    """Why reasoning-gym cannot generate ``task`` with ``config`` (one line naming the config's
+    ``section``), or None. Asked by the preflight check and before any rows are made, not
+    while parsing the config: reasoning-gym is imported only where it is used."""
+    path = f"{GYM_PREFIX}{task}"
+    try:
+        import reasoning_gym
+    except ImportError:
+        return f"{section}.path {path!r} needs the reasoning-gym package (pip install 'rlstream[gym]')"
+    if task not in reasoning_gym.factory.DATASETS:
+        return f"{section}.path {path!r}: reasoning-gym has no task {task!r} (e.g. basic_arithmetic, chain_sum, leg_counting)"
+    config = dict(config or {})
+    try:
+        reasoning_gym.create_dataset(task, size=1, seed=0, **config)
+    except Exception as exc:  # the task's own config check: its message, in one line
+        return f"{section}.reasoning_gym.config {config!r} for task {task!r}: {' '.join(str(exc).split())}"
+    return None
+
+
 def rows(task: str, *, size: int = 1000, seed: int = 0, config: dict[str, Any] | None = None,
-         system: str | None = None, prompt_column: str = "prompt", limit: int | None = None) -> list[dict[str, Any]]:
-    """The task's entries as dataset rows (see the module docstring)."""
+         system: str | None = None, prompt_column: str = "prompt", limit: int | None = None,
+         section: str = "data_source") -> list[dict[str, Any]]:
+    """The task's entries as dataset rows (see the module docstring); a task or ``config``
+    reasoning-gym refuses is a :class:`~rlstream.data.DatasetError` in one line."""
+    from rlstream.data import DatasetError
+
+    problem = source_problem(task, config, section)
+    if problem:
+        raise DatasetError(problem)
     spec = {"task": task, "size": size, "seed": seed, "config": dict(config or {})}
     ds = dataset(spec)
     sys_text = system_prompt(system)

@@ -1,7 +1,9 @@
 """Scoring a batch of rollout groups with the configured reward terms.
 
-``reward_function.terms`` lists named terms, each a ``rule`` or a Python ``function``
-with a ``weight`` and ``params``; ``type: model_based`` adds a term named ``model``
+``reward_function.terms`` lists named terms, each a ``rule`` with its own settings or a
+Python ``function`` with its ``params``, and a ``weight`` (the config's ``RewardTerm`` union:
+the config checks the settings, and :data:`TERM_BUILDERS` maps each kind of term to what
+builds it); ``type: model_based`` adds a term named ``model``
 (weight 1) scored by the endpoint, before any terms written in the config (the default
 ``math`` term is only used when no endpoint is). Every term is reported as a named
 component.
@@ -40,7 +42,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rlstream.config import Config, RewardTerm
+from rlstream.config import (
+    Config,
+    EnvTerm,
+    ExactMatchTerm,
+    FormatTerm,
+    FunctionTerm,
+    LengthPenaltyTerm,
+    MathTerm,
+    OverlongTerm,
+    ReasoningGymTerm,
+    RewardTerm,
+    VerifiersTerm,
+)
 from rlstream.schemas import RolloutGroup, ScoredGroup
 from rlstream.scorers import rewards
 from rlstream.scorers.functions import RewardError, ScorerState, call_function, load_function, reward_values
@@ -210,12 +224,6 @@ def _per_budget(flat: Flat, settings: Callable[[int | None], dict[str, Any]], ru
     return out
 
 
-def _check_params(term: RewardTerm, allowed: set[str]) -> None:
-    unknown = set(term.params) - allowed
-    if unknown:
-        raise RewardError(f"reward term {term.name!r} ({term.rule}): unknown params {sorted(unknown)}; allowed: {sorted(allowed)}")
-
-
 def env_rewards(flat: Flat) -> list[float]:
     """The ``env`` rule: each episode's reward as its environment gave it (``RolloutGroup.env_rewards``)."""
     out: list[float] = []
@@ -267,121 +275,10 @@ class Scorer:
             self.terms.append(Term("model", 1.0, self._model, batch_fatal=True))
         if rf.type != "model_based" or "terms" in rf.model_fields_set:
             for t in rf.terms:
-                self.terms.extend(self._verifiers(t) if t.rule == "verifiers" else [self._build(t)])
+                self.terms.extend(TERM_BUILDERS[type(t)](self, t))
         names = [t.name for t in self.terms]
         if len(set(names)) != len(names):
             raise RewardError(f"reward term names must be unique, got {names}")
-
-    # -- building terms --------------------------------------------------------------------
-    def _build(self, t: RewardTerm) -> Term:  # noqa: C901
-        p = dict(t.params)
-        if t.function is not None:
-            fn = load_function(t.function)
-
-            async def run_function(flat: Flat, fn=fn, name=t.name, params=p):
-                return _values(await call_function(name, fn, prompts=flat.trl_prompts, completions=flat.trl_completions,
-                                                   completion_ids=flat.completion_ids, columns=flat.columns,
-                                                   state=flat.state, params=params))
-
-            return Term(t.name, t.weight, run_function)
-        if t.rule == "math":
-            _check_params(t, set())
-            if self.processes > 0 and self.pool is None:
-                self.pool = math_pool(self.processes)
-            return Term(t.name, t.weight, self._math)
-        rule: Callable[[Flat], list[float | None]]
-        inline = t.rule in ("exact_match", "length_penalty", "overlong", "env")  # linear in the text, and cheap
-        if t.rule == "exact_match":
-            _check_params(t, {"extract", "case_sensitive"})
-
-            def rule(flat, p=p):
-                answers = _answers(flat, self.answer_column)
-                return [rewards.exact_match(c, a, **p) for c, a in zip(flat.completions, answers)]
-        elif t.rule == "format":
-            _check_params(t, {"pattern", "mode"})
-            if "pattern" not in p:
-                raise RewardError(f"reward term {t.name!r} (format) needs params.pattern, a regular expression")
-            rewards.format_reward("", p["pattern"], mode=p.get("mode", "fullmatch"))  # a bad pattern fails at start
-
-            def rule(flat, p=p):
-                return [rewards.format_reward(c, **p) for c in flat.completions]
-        elif t.rule == "length_penalty":
-            _check_params(t, {"max_length", "free_tokens", "coef"})
-
-            def length_settings(budget: int | None, p=p, name=t.name) -> dict[str, Any]:
-                # the max length defaults to the completion's generation budget, recorded on the rollout
-                if p.get("max_length") is None and budget is None:
-                    raise RewardError(f"reward term {name!r} (length_penalty): the rollout does not record its "
-                                      "max_new_tokens (sampling); set params.max_length")
-                return {"max_length": budget, **p}
-
-            if "max_length" in p:
-                rewards.length_penalty(0, **p)  # bad settings fail at start
-
-            def rule(flat, settings=length_settings):
-                return _per_budget(flat, settings, rewards.length_penalty)
-        elif t.rule == "overlong":
-            _check_params(t, {"max_length", "buffer", "factor"})
-
-            def shaping(budget: int | None, p=p) -> dict[str, Any]:
-                return overlong_settings(self.cfg, p, budget)
-
-            explicit = {**self.cfg.algorithm_params.overlong_shaping, **p}
-            if explicit.get("max_length") is not None:
-                rewards.overlong_penalty(0, **shaping(None))  # bad settings fail at start
-
-            def rule(flat, settings=shaping):
-                return _per_budget(flat, settings, rewards.overlong_penalty)
-        elif t.rule == "reasoning_gym":
-            _check_params(t, set())
-            from rlstream.envs.gym import score_reply
-
-            def rule(flat):
-                if "reasoning_gym" not in flat.columns:
-                    raise RewardError("rule reasoning_gym needs prompts from data_source.path 'reasoning_gym:<task>' (no 'reasoning_gym' column)")
-                return [score_reply(c, {"reasoning_gym": spec}) for c, spec in zip(flat.completions, flat.columns["reasoning_gym"])]
-        elif t.rule == "env":
-            _check_params(t, set())
-            rule = env_rewards
-        else:  # pragma: no cover - the config's Literal lists the rules
-            raise RewardError(f"unknown rule {t.rule!r}")
-
-        async def run_rule(flat: Flat, rule=rule, name=t.name, inline=inline):
-            if inline and flat.chars <= INLINE_CHARS:
-                return reward_values(name, rule(flat), len(flat))
-            return reward_values(name, await asyncio.to_thread(rule, flat), len(flat))
-
-        return Term(t.name, t.weight, run_rule)
-
-    def _verifiers(self, t: RewardTerm) -> list[Term]:
-        """The ``verifiers`` rule: a term per reward of the environment's rubric (named after it,
-        weight ``t.weight`` x its own), so the total is the rubric's weighted sum. The rubric runs
-        once per batch; its terms read their column of the same result."""
-        from rlstream.envs.verifiers_env import COLUMN, Rubric, is_verifiers
-
-        _check_params(t, set())
-        if self.cfg.env is None or not is_verifiers(self.cfg.env.name):
-            raise RewardError(f"reward term {t.name!r} (verifiers) scores a verifiers environment: set env.name 'verifiers:<id>'")
-        rubric = Rubric.load(self.cfg.env.name, self.cfg.env.kwargs)
-        runs: list[tuple[Flat, asyncio.Future]] = []  # the latest batches' runs (held: an id is never reused)
-
-        async def scores(flat: Flat) -> list[dict[str, float | None]]:
-            run = next((r for f, r in runs if f is flat), None)
-            if run is None:
-                if COLUMN not in flat.columns:
-                    raise RewardError(f"rule verifiers needs prompts from {self.cfg.env.name!r} (no {COLUMN!r} column)")
-                run = asyncio.ensure_future(rubric.score_many(flat.columns[COLUMN], flat.trl_prompts, flat.trl_completions))
-                runs.append((flat, run))
-                del runs[:-4]
-            return await asyncio.shield(run)
-
-        def term(name: str, weight: float) -> Term:
-            async def score(flat: Flat, name=name) -> np.ndarray:
-                return _values([s[name] for s in await scores(flat)])
-
-            return Term(name, t.weight * weight, score)
-
-        return [term(name, weight) for name, weight in rubric.weights.items()]
 
     # -- the terms that leave the process --------------------------------------------------
     async def _math(self, flat: Flat) -> np.ndarray:
@@ -483,6 +380,138 @@ class Scorer:
 def _values(values: list[float | None]) -> np.ndarray:
     """Rewards our own code computed (math-verify, the reward model) as float64, None -> NaN."""
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+# -- building terms: one builder per kind of term (the config's union), chosen by TERM_BUILDERS --
+
+
+def _rule_term(t: RewardTerm, rule: Callable[[Flat], list[float | None]], *, inline: bool) -> Term:
+    """The term ``rule`` computes over a batch: on the event loop when it is ``inline`` (linear
+    in the text, and cheap) and the batch's completions hold at most :data:`INLINE_CHARS`
+    characters, else in a thread."""
+
+    async def run_rule(flat: Flat) -> np.ndarray:
+        if inline and flat.chars <= INLINE_CHARS:
+            return reward_values(t.name, rule(flat), len(flat))
+        return reward_values(t.name, await asyncio.to_thread(rule, flat), len(flat))
+
+    return Term(t.name, t.weight, run_rule)
+
+
+def _function_term(scorer: Scorer, t: FunctionTerm) -> list[Term]:
+    fn = load_function(t.function)
+    params = dict(t.params)
+
+    async def run_function(flat: Flat) -> np.ndarray:
+        return _values(await call_function(t.name, fn, prompts=flat.trl_prompts, completions=flat.trl_completions,
+                                           completion_ids=flat.completion_ids, columns=flat.columns,
+                                           state=flat.state, params=params))
+
+    return [Term(t.name, t.weight, run_function)]
+
+
+def _math_term(scorer: Scorer, t: MathTerm) -> list[Term]:
+    if scorer.processes > 0 and scorer.pool is None:
+        scorer.pool = math_pool(scorer.processes)
+    return [Term(t.name, t.weight, scorer._math)]
+
+
+def _exact_match_term(scorer: Scorer, t: ExactMatchTerm) -> list[Term]:
+    def rule(flat: Flat) -> list[float | None]:
+        answers = _answers(flat, scorer.answer_column)
+        return [rewards.exact_match(c, a, extract=t.extract, case_sensitive=t.case_sensitive)
+                for c, a in zip(flat.completions, answers)]
+
+    return [_rule_term(t, rule, inline=True)]
+
+
+def _format_term(scorer: Scorer, t: FormatTerm) -> list[Term]:
+    def rule(flat: Flat) -> list[float | None]:  # a pattern can backtrack for long: always in a thread
+        return [rewards.format_reward(c, t.pattern, mode=t.mode) for c in flat.completions]
+
+    return [_rule_term(t, rule, inline=False)]
+
+
+def _length_penalty_term(scorer: Scorer, t: LengthPenaltyTerm) -> list[Term]:
+    def settings(budget: int | None) -> dict[str, Any]:
+        # the max length defaults to the completion's generation budget, recorded on the rollout
+        if t.max_length is None and budget is None:
+            raise RewardError(f"reward term {t.name!r} (length_penalty): the rollout does not record its "
+                              "max_new_tokens (sampling); set params.max_length")
+        return {"max_length": t.max_length or budget, "free_tokens": t.free_tokens, "coef": t.coef}
+
+    return [_rule_term(t, lambda flat: _per_budget(flat, settings, rewards.length_penalty), inline=True)]
+
+
+def _overlong_term(scorer: Scorer, t: OverlongTerm) -> list[Term]:
+    def shaping(budget: int | None) -> dict[str, Any]:
+        return overlong_settings(scorer.cfg, t.settings, budget)
+
+    if {**scorer.cfg.algorithm_params.overlong_shaping, **t.settings}.get("max_length") is not None:
+        rewards.overlong_penalty(0, **shaping(None))  # settings that do not fit fail at start
+
+    return [_rule_term(t, lambda flat: _per_budget(flat, shaping, rewards.overlong_penalty), inline=True)]
+
+
+def _reasoning_gym_term(scorer: Scorer, t: ReasoningGymTerm) -> list[Term]:
+    from rlstream.envs.gym import score_reply
+
+    def rule(flat: Flat) -> list[float | None]:
+        if "reasoning_gym" not in flat.columns:
+            raise RewardError("rule reasoning_gym needs prompts from data_source.path 'reasoning_gym:<task>' (no 'reasoning_gym' column)")
+        return [score_reply(c, {"reasoning_gym": spec}) for c, spec in zip(flat.completions, flat.columns["reasoning_gym"])]
+
+    return [_rule_term(t, rule, inline=False)]
+
+
+def _env_term(scorer: Scorer, t: EnvTerm) -> list[Term]:
+    return [_rule_term(t, env_rewards, inline=True)]
+
+
+def _verifiers_terms(scorer: Scorer, t: VerifiersTerm) -> list[Term]:
+    """A term per reward of the environment's rubric (named after it, weight ``t.weight`` x its
+    own), so the total is the rubric's weighted sum. The rubric runs once per batch; its terms
+    read their column of the same result."""
+    from rlstream.envs.verifiers_env import COLUMN, Rubric, is_verifiers
+
+    env = scorer.cfg.env
+    if env is None or not is_verifiers(env.name):
+        raise RewardError(f"reward term {t.name!r} (verifiers) scores a verifiers environment: set env.name 'verifiers:<id>'")
+    rubric = Rubric.load(env.name, env.kwargs)
+    runs: list[tuple[Flat, asyncio.Future]] = []  # the latest batches' runs (held: an id is never reused)
+
+    async def scores(flat: Flat) -> list[dict[str, float | None]]:
+        run = next((r for f, r in runs if f is flat), None)
+        if run is None:
+            if COLUMN not in flat.columns:
+                raise RewardError(f"rule verifiers needs prompts from {env.name!r} (no {COLUMN!r} column)")
+            run = asyncio.ensure_future(rubric.score_many(flat.columns[COLUMN], flat.trl_prompts, flat.trl_completions))
+            runs.append((flat, run))
+            del runs[:-4]
+        return await asyncio.shield(run)
+
+    def term(name: str, weight: float) -> Term:
+        async def score(flat: Flat) -> np.ndarray:
+            return _values([s[name] for s in await scores(flat)])
+
+        return Term(name, t.weight * weight, score)
+
+    return [term(name, weight) for name, weight in rubric.weights.items()]
+
+
+TERM_BUILDERS: dict[type, Callable[[Scorer, Any], list[Term]]] = {
+    FunctionTerm: _function_term,
+    MathTerm: _math_term,
+    ExactMatchTerm: _exact_match_term,
+    FormatTerm: _format_term,
+    LengthPenaltyTerm: _length_penalty_term,
+    OverlongTerm: _overlong_term,
+    ReasoningGymTerm: _reasoning_gym_term,
+    EnvTerm: _env_term,
+    VerifiersTerm: _verifiers_terms,
+}
+"""Each kind of ``reward_function.terms`` entry (:data:`rlstream.config.RewardTerm`) -> what builds
+its terms at start (most build one; ``verifiers`` one per reward of the rubric)."""
 
 
 @dataclass(slots=True)

@@ -4,20 +4,29 @@ task's own ``score_answer``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers.broker import layout_for
 
 from rlstream.broker import Consumer, Layout
 from rlstream.config import ConfigError, parse_config, resolve_relative_paths
+from rlstream.data import DatasetError
 from rlstream.envs import gym
 from rlstream.envs.toolenv import ToolEnvironment
+from rlstream.preflight import check_dataset, check_eval
 from rlstream.producers.feeder import feed
 from rlstream.schemas import Prompt, RolloutGroup
 from rlstream.schemas.records import Sample
 from rlstream.scorers.scoring import Scorer
 
 pytest.importorskip("reasoning_gym")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(run="t", **data_source):
@@ -53,12 +62,40 @@ def test_a_system_prompt_by_name():
     ({"path": "reasoning_gym:no_such_task"}, "has no task 'no_such_task'"),
     ({"reasoning_gym": {"config": {"min_terms": 5, "max_terms": 2}}}, "data_source.reasoning_gym.config"),
     ({"reasoning_gym": {"config": {"bogus_key": 1}}}, "data_source.reasoning_gym.config"),
-    ({"path": "data.jsonl"}, "data_source.reasoning_gym is for path 'reasoning_gym:<task>'"),
 ])
-def test_config_errors_are_one_line(data_source, message):
-    with pytest.raises(ConfigError, match=message) as err:
-        config(**data_source)
-    assert message in str(err.value).splitlines()[0] or any(message in line for line in str(err.value).splitlines())
+def test_what_reasoning_gym_refuses_is_one_line_at_preflight_and_first_use(data_source, message):
+    # the config parses without asking reasoning-gym; the preflight check and the rows ask it
+    cfg = config(**data_source)
+    problems, _ = check_dataset(cfg)
+    assert len(problems) == 1 and message in problems[0] and "\n" not in problems[0]
+    with pytest.raises(DatasetError, match=message) as err:
+        gym.rows_for(cfg.data_source)
+    assert "\n" not in str(err.value)
+
+
+def test_a_reasoning_gym_section_without_its_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="data_source.reasoning_gym is for path 'reasoning_gym:<task>'"):
+        config(path="data.jsonl")
+
+
+def test_parsing_a_reasoning_gym_config_does_not_import_it(tmp_path):
+    code = ("import sys; from rlstream.config import parse_config; "
+            "parse_config({'training_mode': 'RL_GRPO', 'model_checkpoint_path': 'unused', "
+            "'data_source': {'path': 'reasoning_gym:no_such_task', 'reasoning_gym': {'config': {'bogus': 1}}}, "
+            "'eval': {'path': 'reasoning_gym:basic_arithmetic'}, 'reward_function': {'terms': [{'rule': 'reasoning_gym'}]}}); "
+            "print(sorted(m for m in sys.modules if m.startswith('reasoning_gym')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_an_eval_task_reasoning_gym_refuses_is_found_by_preflight():
+    ok = parse_config({**config().model_dump(mode="json", exclude_unset=True), "eval": {"path": "reasoning_gym:basic_arithmetic"}})
+    assert check_eval(ok) == []
+    bad = parse_config({**config().model_dump(mode="json", exclude_unset=True), "eval": {"path": "reasoning_gym:no_such_task"}})
+    assert check_eval(bad) == ["eval.path 'reasoning_gym:no_such_task': reasoning-gym has no task 'no_such_task' "
+                               "(e.g. basic_arithmetic, chain_sum, leg_counting)"]
 
 
 def test_the_path_is_not_made_a_file_path():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers.scorers import config, group
 
+from rlstream.config import RULE_TERMS, ConfigError, FunctionTerm
 from rlstream.scorers import rewards, scoring
 from rlstream.scorers.functions import RewardError, check_rewards, reward_values
 from rlstream.scorers.scoring import RewardStats, Scorer, overlong_settings
@@ -252,14 +253,41 @@ async def test_a_raising_term_fails_only_its_group():
 
 
 def test_bad_terms_fail_at_start():
-    with pytest.raises(RewardError, match="needs params.pattern"):
-        Scorer(config({"terms": [{"rule": "format"}]}))
-    with pytest.raises(RewardError, match="unknown params"):
-        Scorer(config({"terms": [{"rule": "exact_match", "params": {"fuzzy": True}}]}))
+    # a rule's settings are typed in the config: refused while it parses, naming the term
+    with pytest.raises(ConfigError, match="needs params.pattern"):
+        config({"terms": [{"rule": "format"}]})
+    with pytest.raises(ConfigError, match="unknown params"):
+        config({"terms": [{"rule": "exact_match", "params": {"fuzzy": True}}]})
+    with pytest.raises(ConfigError, match=r"max_length \(10\) must exceed free_tokens \(10\)"):
+        config({"terms": [{"rule": "length_penalty", "params": {"max_length": 10, "free_tokens": 10}}]})
+    with pytest.raises(ValueError, match="buffer"):  # the algorithm's max length with the term's buffer
+        Scorer(config({"terms": [{"rule": "overlong", "buffer": 400}]}, training_mode="RL_DAPO",
+                      algorithm_params={"overlong_max_length": 300}))
     with pytest.raises(RewardError, match="cannot import"):
         Scorer(config({"terms": [{"function": "no_such_module_x:fn"}]}))
     with pytest.raises(RewardError, match="unique"):
         Scorer(config({"terms": [{"rule": "exact_match"}, {"rule": "exact_match"}]}))
+
+
+def test_every_kind_of_term_has_a_builder():
+    assert set(scoring.TERM_BUILDERS) == {*RULE_TERMS.values(), FunctionTerm}
+
+
+async def test_a_rules_settings_score_the_same_beside_it_or_in_params():
+    g = group("g", ["The answer is 7", "7", "x" * 30], columns={"answer": "7"}, lengths=[4, 9, 15])
+    terms = [("exact_match", {"extract": True}), ("format", {"pattern": "[0-9]+", "mode": "fullmatch"}),
+             ("length_penalty", {"max_length": 12, "free_tokens": 4, "coef": 0.5}), ("overlong", {"max_length": 12, "buffer": 4})]
+    old = Scorer(config({"terms": [{"rule": r, "params": p} for r, p in terms]}))
+    new = Scorer(config({"terms": [{"rule": r, **p} for r, p in terms]}))
+    [a], [b] = await old.score([g]), await new.score([g])
+    assert list(a.components) == list(b.components) == [r for r, _ in terms]
+    for name in a.components:
+        np.testing.assert_array_equal(a.components[name], b.components[name])
+    # exact_match compares the extracted answer: "7" states none -> [1, 0, 0]; format [0, 1, 0];
+    # length_penalty, lengths 4, 9, 15 over (4, 12]: 0, -(5/8) * 0.5, -0.5
+    np.testing.assert_allclose(a.components["exact_match"], [1, 0, 0])
+    np.testing.assert_allclose(a.components["format"], [0, 1, 0])
+    np.testing.assert_allclose(a.components["length_penalty"], [0, -0.3125, -0.5])
 
 
 def test_model_based_adds_a_model_term():

@@ -290,5 +290,6 @@ async def test_endpoint_down_past_max_deliver_goes_to_the_dlq(js, nats_server, r
 
 
 async def test_a_bad_term_stops_the_scorer_before_it_starts(nats_server, run_id):
-    cfg = config({"terms": [{"rule": "format"}]}, run=run_id)
+    # (a rule's bad settings never get this far: the config refuses them, tests/test_config.py)
+    cfg = config({"terms": [{"function": "no_such_module_x:fn"}]}, run=run_id)
     assert await loop.main(cfg, nats_server.url, "s0", stop=asyncio.Event()) == 2
