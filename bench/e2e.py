@@ -40,8 +40,9 @@ Runs, per workload:
   rlstream.
 
 Every configuration runs ``--repeats`` times (5), with seeds 0 to 4: the prompts' order,
-sampling and the learner's seed on rlstream's side, ``seed`` on TRL's. On this workload a run's
-time to target is mostly luck of the draw (a 10-step moving mean moves by about as much as the
+sampling and the learner's seed on rlstream's side, ``seed`` on TRL's. The configurations run
+in mirrored order from one repeat to the next (A B C, C B A, ...), so drift favours no side.
+On this workload a run's time to target is mostly luck of the draw (a 10-step moving mean moves by about as much as the
 reward rises in 60 steps), so one run of each side decides nothing, and nor does the median of
 three (the same code read 0.90x and 2.77x TRL in two runs while its samples/s stayed 1.55-1.69x
 TRL's). The verdict's times to target are those of each configuration's **mean curve**: its
@@ -91,7 +92,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -592,17 +595,23 @@ def main() -> None:  # noqa: C901
         for wl in workloads:
             ckpt = ckpts[wl.name]
             steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+            races: list[Callable[[], Run]] = []
             for backend in [b for b in backends if b in wl.backends]:
-                runs.append(rlstream_race(wl, "async", backend, ckpt, prompts, steps, staleness=args.async_staleness, seed=seed))
+                races.append(partial(rlstream_race, wl, "async", backend, ckpt, prompts, steps, staleness=args.async_staleness,
+                                     seed=seed))
                 if args.quick and backend != "hf":
                     continue  # the quick run proves the vLLM path; its baselines come with the full run
                 # sync: producer and learner take turns, so each may use every core while it runs;
                 # the split the async run needs is also shown (the figure of earlier reports)
-                runs.append(rlstream_race(wl, "sync", backend, ckpt, prompts, steps, staleness=0, threads=cores, seed=seed))
+                races.append(partial(rlstream_race, wl, "sync", backend, ckpt, prompts, steps, staleness=0, threads=cores,
+                                     seed=seed))
                 if not args.quick:
-                    runs.append(rlstream_race(wl, "sync (cores split)", backend, ckpt, prompts, steps, staleness=0, seed=seed))
+                    races.append(partial(rlstream_race, wl, "sync (cores split)", backend, ckpt, prompts, steps, staleness=0,
+                                         seed=seed))
             if not args.skip_trl:
-                runs.extend(trl_race(wl, ckpt, prompts, steps, seed=seed, micro=m) for m in trl_micros(wl))
+                races.extend(partial(trl_race, wl, ckpt, prompts, steps, seed=seed, micro=m) for m in trl_micros(wl))
+            # mirrored order from one repeat to the next (A B, B A, ...): drift on the machine favours no side
+            runs.extend(race() for race in (races if seed % 2 == 0 else races[::-1]))
 
     window = 3 if args.quick else 10
     targets: dict[str, float] = {}
