@@ -16,17 +16,30 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def best_rate(fn: Callable[[], int], seconds: float, repeats: int = 3) -> float:
     """Items per second of ``fn`` (which returns how many items it did), best of ``repeats``."""
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n = 0
-        while True:
-            n += fn()
-            dt = time.perf_counter() - t0
-            if dt >= seconds / repeats:
-                break
-        best = max(best, n / dt)
+    return max(_burst(fn, seconds / repeats) for _ in range(repeats))
+
+
+def alternating_rates(sides: dict[str, Callable[[], int]], seconds: float, rounds: int = 4) -> dict[str, float]:
+    """Items per second of each side (a function returning how many items it did), best of
+    ``rounds`` bursts of ``seconds / rounds``. The sides take turns in mirrored order, A B B A
+    A B ..., so drift on a shared machine favours none of them; ``rounds`` even puts each first
+    equally often."""
+    names = list(sides)
+    best = dict.fromkeys(names, 0.0)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            best[name] = max(best[name], _burst(sides[name], seconds / rounds))
     return best
+
+
+def _burst(fn: Callable[[], int], seconds: float) -> float:
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        n += fn()
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return n / dt
 
 
 def table(title: str, rows: list[tuple], headers: tuple) -> None:

@@ -19,10 +19,24 @@ mode scheduled by the producer loop's own plumbing (:mod:`rlstream.broker.compon
   requests (pause at a step boundary, reload, resume), keeping the KV cache
   (``producer.in_flight_kv: keep``, the default).
 - ``in_flight_lanes``: in-flight updates with the batch lanes of ``between_batches`` (no
-  drain before an update, but each lane still waits for its batch's tail): it separates what
-  the drain costs from what the batch barrier costs. Printed, not part of the goal.
+  drain before an update, but each lane still waits for its batch's tail). Printed, not part
+  of the goal.
+- ``refill_drain``: the continuous refill of ``in_flight`` with the update of
+  ``between_batches``: a new version waits until every running request is done and holds new
+  ones back meanwhile, then the slots refill at once. The product does not run this pairing
+  (it refills only with in-flight updates); it is here so each effect can be read apart.
+  Printed, not part of the goal.
 - ``in_flight_recompute``: ``in_flight`` with the running sequences' KV recomputed under the
   new weights (``in_flight_kv: recompute``). Printed, not part of the goal.
+
+The goal's two modes differ in two things at once: how updates load (a drain, or in flight) and
+how slots refill (a lane waits for its batch's tail, or each slot refills when its group is
+done). On a continuous engine the steady state runs all four pairings, and an **attribution**
+table prints each effect on its own, holding the other fixed. The effect of in-flight updates
+is ``in_flight_lanes / between_batches`` with lanes and ``in_flight / refill_drain`` with the
+refill. The effect of the continuous refill is ``refill_drain / between_batches`` with a drain
+per update and ``in_flight / in_flight_lanes`` with in-flight updates. On hf (no continuous
+engine) only the first applies.
 
 Each goal mode is measured three ways, on the same seeded sequence of prompts and lengths:
 
@@ -55,7 +69,9 @@ engine's tokens per step do not). Goal: samples/s ratio in_flight / between_batc
 and in-flight idle < 5%. The verdict reads the steady state (a producer runs without end: the
 fixed work's end is a cost a run pays once, not once per update), taking the smaller of its
 samples/s and generated tokens/s ratios; the fixed-work and producer-loop ratios are printed
-beside it. ``--quick`` runs the two goal modes only.
+beside it, and so is the attribution (``steady_effect_*`` in the JSON). Modes take turns in
+mirrored order from round to round. ``--quick``: the two goal modes for fixed work, every
+pairing in the steady state, one round, short windows.
 
 ``--backend hf`` makes the same comparison on the HF backend, as the loop runs it there: one
 lane (hf's ``pipeline_batches``), each batch one padded ``generate`` call to its longest
@@ -85,6 +101,18 @@ from _common import parser, table, verdict  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 RATIO_GOAL, IDLE_GOAL = 1.2, 0.05
+REFILLED = ("in_flight", "in_flight_recompute", "refill_drain")
+"""Modes that keep the engine's slots full with the loop's continuous refill (on a continuous engine)."""
+PAIRINGS = ("between_batches", "in_flight_lanes", "refill_drain", "in_flight")
+"""The steady state on a continuous engine: lanes or refill, x a drain per update or in flight."""
+EFFECTS = (
+    # (key, effect, held fixed, with it, without it)
+    ("updates_in_flight_with_lanes", "in-flight updates (no drain)", "lanes", "in_flight_lanes", "between_batches"),
+    ("updates_in_flight_with_refill", "in-flight updates (no drain)", "continuous refill", "in_flight", "refill_drain"),
+    ("refill_with_drain", "continuous refill (no batch barrier)", "a drain per update", "refill_drain", "between_batches"),
+    ("refill_with_updates_in_flight", "continuous refill (no batch barrier)", "in-flight updates", "in_flight", "in_flight_lanes"),
+)
+"""Each effect read apart: one mode over another that differs from it in that one thing."""
 
 
 def lengths(n: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -231,11 +259,17 @@ async def one_mode(backend, mode: str, items: Iterator[tuple[Any, int]], args, f
             await generate(batch)
 
     async def take_groups(free: int) -> list | None:  # the loop's continuous feed: a group per free slot
+        if not in_flight and published[-1] > backend.policy_version:  # refill_drain: drain, load, refill
+            async with gate.reload():
+                if published[-1] > backend.policy_version:
+                    await backend.load_weights(source(published[-1]))
+                    loaded_at.append(time.perf_counter())
+            return []  # asked again with every slot the drain freed
         return [[item] for item in take(free)] or None
 
     async def scheduled() -> None:
         lanes_n = backend.concurrent_batches  # producer.pipeline_batches' default
-        if mode in ("in_flight", "in_flight_recompute") and backend.continuous:
+        if mode in REFILLED and backend.continuous:
             await refilled(lanes_n * args.batch, take_groups, lambda group, _release: generate(group), name="bench")
         else:
             await lanes(lanes_n, lane, name="bench")
@@ -403,8 +437,9 @@ async def main_async(args) -> None:
     backend = make_backend(args, model_dir)
     order = ["between_batches", "in_flight"]
     if backend.continuous and not args.quick:
-        order += ["in_flight_lanes"] + (["in_flight_recompute"] if args.recompute else [])
-    steady_order = order[:2]
+        order = [*PAIRINGS] + (["in_flight_recompute"] if args.recompute else [])
+    steady_order = [*PAIRINGS] if backend.continuous else ["between_batches", "in_flight"]
+    loop_order = ["between_batches", "in_flight"]
     window = (args.warmup, args.window)
     loop_runs = args.loop and backend.continuous
     server = None
@@ -430,7 +465,7 @@ async def main_async(args) -> None:
                 print(f"round {r} steady {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
                       f"{x['seconds']:.2f}s = {x['samples_per_s']:.2f}/s, idle {x['idle_frac']:.1%}, {x['updates']} updates",
                       flush=True)
-        loop = {m: [] for m in steady_order} if loop_runs else {}
+        loop = {m: [] for m in loop_order} if loop_runs else {}
         if loop_runs:
             import json
 
@@ -451,7 +486,7 @@ async def main_async(args) -> None:
             data_path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
             weights = [(folder / "model.safetensors").read_bytes() for folder in folders]
             for r in range(args.rounds):
-                for mode in (steady_order if r % 2 == 0 else steady_order[::-1]):
+                for mode in (loop_order if r % 2 == 0 else loop_order[::-1]):
                     loop[mode].append(x := await loop_mode(backend, mode, args, model_dir, server, weights, length_of,
                                                            data_path))
                     print(f"round {r} loop {mode}: {x['samples']} samples, {x['generated']:.0f} tokens generated in "
@@ -481,6 +516,10 @@ async def main_async(args) -> None:
                 x["requests"], x["updates"]) for m, x in lp.items()],
               ("mode", "samples", "window s", "samples/s", "tokens/s generated", "tokens/step", "idle", "requests",
                "updates"))
+    effects = attribution(s)
+    table(f"attribution, steady state: each effect with the other held fixed (with / without); {workload}",
+          [(label, held, f"{with_} / {without}", x["samples"], x["tokens"]) for _, label, held, with_, without, x in effects],
+          ("effect", "held fixed", "modes", "samples/s ratio", "tokens generated/s ratio"))
     bb, inf = s["between_batches"], s["in_flight"]
     ratios = {"samples": inf["samples_per_s"] / bb["samples_per_s"], "tokens": inf["generated_per_s"] / bb["generated_per_s"]}
     ratio = min(r for r in ratios.values() if r == r)  # hf: no engine counter (nan)
@@ -502,9 +541,22 @@ async def main_async(args) -> None:
                for k in ("samples_per_s", "generated_per_s", "per_step", "idle_frac", "requests", "updates")}
     figures.update({f"steady_mean_length_{m}": x["mean_length"] for m, x in s.items()})
     figures.update({f"loop_{k}_ratio": v for k, v in loop_ratios.items()})
+    figures.update({f"steady_effect_{key}_{k}": x[k] for key, *_, x in effects for k in ("samples", "tokens")})
     verdict("inflight", backend=backend.name, **figures, fixed_ratio=fixed_ratio, steady_samples_ratio=ratios["samples"],
             steady_tokens_ratio=ratios["tokens"], ratio_of="steady state: min(samples/s, tokens generated/s)",
             idle_ok=bool(inf["idle_frac"] < IDLE_GOAL), ratio=ratio, goal=RATIO_GOAL)
+
+
+def attribution(steady: dict[str, dict]) -> list[tuple]:
+    """The rows of :data:`EFFECTS` whose two modes both ran: (key, effect, held fixed, with,
+    without, {"samples": ratio of samples/s, "tokens": ratio of tokens generated/s}). On hf,
+    ``in_flight`` keeps its lane, so it is ``in_flight_lanes`` there."""
+    effects = EFFECTS if "in_flight_lanes" in steady else (
+        ("updates_in_flight_with_lanes", "in-flight updates (no drain)", "lanes", "in_flight", "between_batches"),)
+    return [(key, label, held, with_, without,
+             {"samples": steady[with_]["samples_per_s"] / steady[without]["samples_per_s"],
+              "tokens": steady[with_]["generated_per_s"] / steady[without]["generated_per_s"]})
+            for key, label, held, with_, without in effects if with_ in steady and without in steady]
 
 
 def main() -> None:

@@ -5,26 +5,39 @@ Through the scorer: the groups (8 completions each) wait on the rollouts stream 
 embedded nats-server; one ``rlstream scorer`` process (``scorer.processes: 1`` for
 math-verify) pulls, decodes, scores, publishes ScoredGroups and acks. Its rate is taken
 between the first and the last scored group seen on the scored stream. Directly: the same
-rule over the same completions in one Python loop (math-verify in the main thread, with
-its timeouts, as a pool worker runs it), with no broker at all, timed from the same event:
-the moment as many groups are done as the scorer had published when it was first seen.
+rule over the same completions with no broker at all, timed from the same event: the moment
+as many groups are done as the scorer had published when it was first seen.
 
-Two rules: ``exact_match`` (microseconds per group: the figure shows the broker's cost
-per group) and ``math`` (math-verify: the scoring dominates). Goal: ratio >= 0.9.
+The direct path gets the scorer's processes. For ``exact_match`` (microseconds per group,
+scored on the scorer's event loop) it is one Python loop in this process. For ``math``
+(math-verify: the scoring dominates) it is the scorer's own pool, one worker process
+(``rlstream.scorers.scoring.math_pool(1)``) running ``rewards.math_scores`` with its timeouts,
+fed batches of ``MATH_BATCH`` groups, two in flight (``scorer.batch_groups`` and
+``pipeline_batches``). This process only hands the batches over, as the scorer's main process
+does between its pulls and publishes. Goal: ratio >= 0.9.
 
 A cheap rule cannot reach that goal through any broker: the rule costs microseconds per group,
 one JetStream hop in Python hundreds. So for ``exact_match`` a third path shows what the loop
-itself costs: a hand-written raw nats-py scorer in its own process (pulls of 64 as the
-scorer's, plain ``msgpack.unpackb`` without validation, the same rule, a plain msgpack
-result published with ``publish_async``, each ack once every publish of its batch is acked:
-the scorer's at-least-once order), against which the rlstream scorer's ratio is printed too.
-It does less than the product must (no validation, dead letters, de-duplication by message
-id, in-progress acks, origin header, metrics, reward components): a ceiling for all of that,
-but not for the pull, which it makes with nats-py's ``fetch`` (a task per message, ~33 us of
-CPU each, where rlstream's consumer takes ~10 us).
+itself costs: a hand-written raw nats-py scorer in its own process. It decodes with plain
+``msgpack.unpackb`` and no validation, scores with the same rule and publishes a plain msgpack
+result with ``publish_async``. It acks each message once every publish of its batch is acked,
+which is the scorer's at-least-once order. Its pull is the fastest nats-py has, tried both
+ways in every round, and the faster is the baseline:
+
+- ``pull``: the run's durable pull consumer, ``fetch`` of ``RAW_FETCH`` (256) messages a
+  request (nats-py's ``fetch`` waits on a task per message);
+- ``push``: a push consumer with a callback, which nats-py delivers from one task with no
+  per-message wait. The callback scores batches of up to ``RAW_FETCH``, whatever has arrived.
+
+It does less than the product must (no validation, dead letters, de-duplication by message id,
+in-progress acks, origin header, metrics or reward components), so it is a ceiling for all of
+that. The rlstream scorer's ratio against it is printed too (goal 0.8).
 
 Each scorer process's CPU time per group (user + system, from the first scored group seen to
 the last) is printed as well: a shared machine moves it far less than it moves groups/s.
+
+Every round runs the sides in turn, in mirrored order from round to round (A B C, C B A, ...), so
+drift on a shared machine favours none of them; each side's best round is kept.
 
     python bench/scorers.py [--quick]
 """
@@ -32,6 +45,7 @@ the last) is printed as well: a shared machine moves it far less than it moves g
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -49,8 +63,16 @@ from _common import parser, table, verdict  # noqa: E402
 from rlstream.broker import EmbeddedServer, Outgoing, Publisher, connect, ensure_layout  # noqa: E402
 from rlstream.schemas import RolloutGroup, Sample  # noqa: E402
 from rlstream.scorers import rewards  # noqa: E402
+from rlstream.scorers.scoring import math_pool  # noqa: E402
 
 G = 8
+MATH_BATCH, EXACT_BATCH = 16, 64
+"""The scorer's ``batch_groups`` for each rule, and the direct math path's batches."""
+IN_FLIGHT = 2
+"""Batches in the math pool at once: the scorer's ``pipeline_batches`` default."""
+RAW_FETCH = 256
+"""Messages a raw scorer takes at once: a ``fetch`` batch, or the most a push callback scores."""
+RAW_WAYS = ("pull", "push")
 
 
 def completions_of(i: int) -> list[str]:
@@ -71,26 +93,50 @@ def make_groups(n: int, run: str) -> list[RolloutGroup]:
     return out
 
 
-def direct_rate(rule: str, groups: list[RolloutGroup], first: int) -> float:
-    """Groups/s of the direct loop, timed like the scorer: from the moment its first ``first``
+def direct_times(rule: str, groups: list[RolloutGroup], pool) -> list[float]:
+    """The ``perf_counter`` time at which each group was scored, on the direct path: ``exact_match``
+    in a loop here, ``math`` in ``pool`` (one worker, ``IN_FLIGHT`` batches of ``MATH_BATCH``)."""
+    if rule == "math":
+        _score_in_pool(pool, groups[:MATH_BATCH])  # the scorer's warm-up: imports and first-call caches
+        return _score_in_pool(pool, groups)
+    _score_in_loop(groups[:8])
+    return _score_in_loop(groups)
+
+
+def direct_rate(done: list[float], first: int) -> float:
+    """Groups/s of the direct path, timed like the scorer: from the moment its first ``first``
     groups are scored (the first batch the scorer was seen to publish) to its last."""
-    _score_directly(rule, groups[:8])  # imports and first-call caches, as the scorer's warm-up does
-    done = _score_directly(rule, groups)
-    k = min(max(first, 1), len(groups) - 1)
-    return (len(groups) - k) / (done[-1] - done[k - 1])
+    k = min(max(first, 1), len(done) - 1)
+    return (len(done) - k) / (done[-1] - done[k - 1])
 
 
-def _score_directly(rule: str, groups: list[RolloutGroup]) -> list[float]:
-    """Score each group; the perf_counter time at which each was done."""
+def _texts_and_answers(groups: list[RolloutGroup]) -> tuple[list[str], list[str]]:
+    texts = [s.text for g in groups for s in g.samples]
+    answers = [g.columns["answer"] for g in groups for _ in g.samples]
+    return texts, answers
+
+
+def _score_in_loop(groups: list[RolloutGroup]) -> list[float]:
     done = []
     for g in groups:
-        texts = [s.text for s in g.samples]
         answer = g.columns["answer"]
-        if rule == "math":
-            rewards.math_scores(texts, [answer] * len(texts))
-        else:
-            [rewards.exact_match(t, answer) for t in texts]
+        [rewards.exact_match(s.text, answer) for s in g.samples]
         done.append(time.perf_counter())
+    return done
+
+
+def _score_in_pool(pool, groups: list[RolloutGroup]) -> list[float]:
+    """math-verify over ``groups`` in ``pool``, ``IN_FLIGHT`` batches submitted at a time, as the
+    scorer's pipeline keeps them; each group's time is its batch's."""
+    batches = iter([groups[i:i + MATH_BATCH] for i in range(0, len(groups), MATH_BATCH)])
+    pending = [(len(b), pool.submit(rewards.math_scores, *_texts_and_answers(b))) for b in itertools.islice(batches, IN_FLIGHT)]
+    done: list[float] = []
+    while pending:
+        size, future = pending.pop(0)
+        future.result()
+        done += [time.perf_counter()] * size
+        if (batch := next(batches, None)) is not None:
+            pending.append((len(batch), pool.submit(rewards.math_scores, *_texts_and_answers(batch))))
     return done
 
 
@@ -111,7 +157,7 @@ async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], ru
     cfg.write_text(yaml.safe_dump({
         "run": run, "training_mode": "RL_GRPO", "model_checkpoint_path": "unused",
         "reward_function": {"terms": [{"rule": rule}]},
-        "scorer": {"batch_groups": 16 if rule == "math" else 64, "processes": 1},
+        "scorer": {"batch_groups": MATH_BATCH if rule == "math" else EXACT_BATCH, "processes": 1, "pipeline_batches": IN_FLIGHT},
     }))
     env = {**os.environ, "RLSTREAM_LOG": "WARNING"}
     proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "scorer", str(cfg), "--nats", server_url, "--id", "bench"],
@@ -124,20 +170,22 @@ async def scorer_rate(server_url: str, rule: str, groups: list[RolloutGroup], ru
         await nc.close()
 
 
-async def raw_scorer(server_url: str, run: str, n: int) -> None:
-    """The baseline scorer: nats-py and msgpack only, no validation, no dedupe, no DLQ."""
+async def raw_scorer(server_url: str, run: str, n: int, way: str) -> None:
+    """The baseline scorer: nats-py and msgpack only, no validation, no dedupe, no DLQ. ``way``:
+    ``pull`` (``fetch`` of ``RAW_FETCH`` on the run's durable consumer) or ``push`` (a push
+    consumer whose callback scores what has arrived, up to ``RAW_FETCH`` at a time)."""
     import msgpack
+    import nats.errors
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     nc = await connect(url=server_url, name="raw-scorer")
     js = nc.jetstream()
     lay = await ensure_layout(js, run)
-    sub = await js.pull_subscribe_bind("scorers", lay.rollouts_stream)
-    done = 0
-    while done < n:
-        try:
-            msgs = await sub.fetch(64, timeout=2.0)
-        except Exception:
-            continue
+    scored = asyncio.Event()
+    count = 0
+
+    async def score(msgs) -> None:
+        nonlocal count
         futures = []
         for m in msgs:
             g = msgpack.unpackb(m.data)
@@ -148,17 +196,42 @@ async def raw_scorer(server_url: str, run: str, n: int) -> None:
         await asyncio.gather(*futures)
         for m in msgs:
             await m.ack()
-        done += len(msgs)
+        count += len(msgs)
+        if count >= n:
+            scored.set()
+
+    if way == "pull":
+        sub = await js.pull_subscribe_bind("scorers", lay.rollouts_stream)
+        while count < n:
+            try:
+                msgs = await sub.fetch(RAW_FETCH, timeout=2.0)
+            except nats.errors.TimeoutError:
+                continue
+            await score(msgs)
+    else:
+        held, subs = [], []
+
+        async def on_message(m) -> None:  # nats-py calls it for one message at a time, in order
+            held.append(m)
+            if len(held) >= RAW_FETCH or not subs or subs[0].pending_msgs == 0:
+                batch = held[:]
+                held.clear()
+                await score(batch)
+
+        subs.append(await js.subscribe(lay.rollouts, stream=lay.rollouts_stream, cb=on_message, manual_ack=True,
+                                       config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                                                             max_ack_pending=-1)))
+        await scored.wait()
     await nc.close()
 
 
-async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str) -> tuple[float, int]:
+async def raw_rate(server_url: str, groups: list[RolloutGroup], run: str, way: str) -> tuple[float, int]:
     """Groups/s of :func:`raw_scorer` in its own process, timed like the scorer."""
     nc, js, lay = await staged(server_url, groups, run)
-    proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", server_url, run, str(len(groups))],
+    proc = subprocess.Popen([sys.executable, __file__, "--raw-scorer", way, server_url, run, str(len(groups))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        return await _watch(js, lay, proc, len(groups), "raw")
+        return await _watch(js, lay, proc, len(groups), f"raw_{way}")
     finally:
         proc.terminate()
         proc.wait(30)
@@ -202,49 +275,77 @@ async def _watch(js, lay, proc, n: int, side: str = "") -> tuple[float, int]:
     return (last[1] - first[1]) / (last[0] - first[0]), first[1]
 
 
-async def run(sizes: dict[str, int], rounds: int) -> dict[str, tuple[float, float]]:
-    out = {}
+async def run(sizes: dict[str, int], rounds: int) -> dict[str, dict[str, float]]:
+    """Each rule's best groups/s per side over ``rounds``: ``scorer``, ``direct`` and, for
+    ``exact_match``, ``raw_pull`` and ``raw_push``."""
+    out: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as d, EmbeddedServer(Path(d) / "store") as server:
-        for rule, n in sizes.items():
-            ours, direct, raw = [], [], []
-            for r in range(rounds):  # interleaved, best of each: drift on a shared machine hits both
-                groups = make_groups(n, f"b{rule}{r}")
-                rate, first = await scorer_rate(server.url, rule, groups, f"b{rule.replace('_', '')}{r}", Path(d))
-                ours.append(rate)
-                direct.append(direct_rate(rule, groups, first))
-                if rule == "exact_match":
-                    raw.append((await raw_rate(server.url, groups, f"braw{r}"))[0])
-            out[rule] = (max(ours), max(direct), max(raw) if raw else None)
+        pool = math_pool(1)
+        try:
+            pool.submit(rewards.warm_up).result()
+            for rule, n in sizes.items():
+                rates: dict[str, list[float]] = {}
+                for r in range(rounds):
+                    groups = make_groups(n, f"b{rule}{r}")
+                    tag = rule.replace("_", "")
+                    sides = ["scorer", "direct"] + ([f"raw_{way}" for way in RAW_WAYS] if rule == "exact_match" else [])
+                    done: list[float] = []
+                    first = 0
+                    for side in (sides if r % 2 == 0 else sides[::-1]):
+                        if side == "scorer":
+                            rate, first = await scorer_rate(server.url, rule, groups, f"b{tag}{r}", Path(d))
+                            rates.setdefault(side, []).append(rate)
+                        elif side == "direct":
+                            done = direct_times(rule, groups, pool)
+                        else:
+                            way = side.removeprefix("raw_")
+                            rates.setdefault(side, []).append((await raw_rate(server.url, groups, f"braw{way}{tag}{r}", way))[0])
+                    # the direct path's clock starts where the scorer's did, whichever ran first
+                    rates.setdefault("direct", []).append(direct_rate(done, first))
+                out[rule] = {side: max(v) for side, v in rates.items()}
+        finally:
+            pool.shutdown()
     return out
 
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    sizes, rounds = ({"exact_match": 2000, "math": 120}, 2) if args.quick else ({"exact_match": 20000, "math": 1000}, 3)
+    sizes, rounds = ({"exact_match": 2000, "math": 120}, 2) if args.quick else ({"exact_match": 20000, "math": 1000}, 4)
     res = asyncio.run(run(sizes, rounds))
+    math_res, exact = res["math"], res["exact_match"]
+    raw_best = max(RAW_WAYS, key=lambda way: exact[f"raw_{way}"])
+    raw = exact[f"raw_{raw_best}"]
     rows = []
-    for rule, (ours, direct, raw) in res.items():
+    for rule, sides in res.items():
+        direct, ours = sides["direct"], sides["scorer"]
         rows.append((f"{rule}: direct call", direct, direct * G, 1.0, "-"))
-        if raw is not None:
-            rows.append((f"{rule}: raw nats-py scorer", raw, raw * G, raw / direct, 1.0))
-        rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct, ours / raw if raw else "-"))
-    table(f"scoring groups of {G} completions", rows, ("path", "groups/s", "completions/s", "vs direct", "vs raw nats-py"))
+        for way in RAW_WAYS if rule == "exact_match" else ():
+            x = sides[f"raw_{way}"]
+            rows.append((f"{rule}: raw nats-py scorer, {way}" + (" (baseline)" if way == raw_best else ""), x, x * G,
+                         x / direct, x / raw))
+        rows.append((f"{rule}: rlstream scorer", ours, ours * G, ours / direct, ours / raw if rule == "exact_match" else "-"))
+    table(f"scoring groups of {G} completions ({rounds} rounds, mirrored order, best of each; math: one worker process "
+          "on both paths)", rows, ("path", "groups/s", "completions/s", "vs direct", "vs raw nats-py (faster pull)"))
     cpu = {side: min(v) for side, v in CPU_US.items() if v}
-    for side, label in (("raw", "raw nats-py scorer"), ("exact_match", "rlstream scorer")):
+    for side, label in ((f"raw_{way}", f"raw nats-py scorer, {way}") for way in RAW_WAYS):
         if side in cpu:
-            rounds = ", ".join(f"{v:.1f}" for v in CPU_US[side])
-            print(f"exact_match: {label}: {cpu[side]:.1f} CPU us/group (each round: {rounds})")
-    (m_ours, m_direct, _), (c_ours, c_direct, c_raw) = res["math"], res["exact_match"]
-    verdict("scorers", math_scorer_groups_per_s=m_ours, math_direct_groups_per_s=m_direct, math_ratio=m_ours / m_direct,
-            exact_match_scorer_groups_per_s=c_ours, exact_match_direct_groups_per_s=c_direct,
-            exact_match_raw_groups_per_s=c_raw, exact_match_vs_raw=c_ours / c_raw,
-            exact_match_cpu_us_per_group=cpu.get("exact_match"), exact_match_raw_cpu_us_per_group=cpu.get("raw"),
-            exact_match_ratio=c_ours / c_direct, exact_match_ok=c_ours / c_direct >= 0.9,
-            ratio=min(m_ours / m_direct, c_ours / c_direct), goal=0.9)
+            print(f"exact_match: {label}: {cpu[side]:.1f} CPU us/group (each round: {', '.join(f'{v:.1f}' for v in CPU_US[side])})")
+    if "exact_match" in cpu:
+        print(f"exact_match: rlstream scorer: {cpu['exact_match']:.1f} CPU us/group "
+              f"(each round: {', '.join(f'{v:.1f}' for v in CPU_US['exact_match'])})")
+    m_ratio, c_ratio = math_res["scorer"] / math_res["direct"], exact["scorer"] / exact["direct"]
+    verdict("scorers", math_scorer_groups_per_s=math_res["scorer"], math_direct_groups_per_s=math_res["direct"],
+            math_ratio=m_ratio, math_direct_processes="one pool worker, as the scorer's",
+            exact_match_scorer_groups_per_s=exact["scorer"], exact_match_direct_groups_per_s=exact["direct"],
+            exact_match_raw_pull_groups_per_s=exact["raw_pull"], exact_match_raw_push_groups_per_s=exact["raw_push"],
+            exact_match_raw_groups_per_s=raw, exact_match_raw_way=raw_best, exact_match_vs_raw=exact["scorer"] / raw,
+            exact_match_vs_raw_goal=0.8, exact_match_cpu_us_per_group=cpu.get("exact_match"),
+            exact_match_raw_cpu_us_per_group=cpu.get(f"raw_{raw_best}"), exact_match_ratio=c_ratio,
+            exact_match_ok=c_ratio >= 0.9, ratio=min(m_ratio, c_ratio), goal=0.9)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--raw-scorer":
-        asyncio.run(raw_scorer(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    if len(sys.argv) == 6 and sys.argv[1] == "--raw-scorer":
+        asyncio.run(raw_scorer(sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[2]))
     else:
         main()

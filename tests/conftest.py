@@ -30,7 +30,7 @@ SHARED_WORKER = {
         "tests/producers/test_openai_backend.py", "tests/producers/test_inflight_vllm.py",
         "tests/producers/test_vllm_backend.py", "tests/producers/test_vllm_episodes.py",
         "tests/producers/test_vllm_lora.py", "tests/producers/test_vllm_inflight_loop.py",
-        "tests/annotators/test_teacher_endpoint.py",
+        "tests/annotators/test_teacher_endpoint.py", "tests/test_bench_inflight.py",
     ),
 }
 HEAVY_FIRST = (

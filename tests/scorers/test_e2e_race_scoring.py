@@ -1,6 +1,7 @@
 """How bench/e2e.py turns repeated runs into the race's verdict: the mean curve of a
 configuration's repeats, the median repeat's time to the target, a repeat that did not learn
-counted as never, and a peer that never got there a lower bound. Worked by hand on step curves of 0s then 1s (a window of 2 first reaches 0.5 at the
+counted as never, and a peer that never got there a lower bound; and the verdict, which reads
+the time to target from launch, with the figure from the first step beside it. Worked by hand on step curves of 0s then 1s (a window of 2 first reaches 0.5 at the
 first 1), one step a second from 5 s after launch."""
 
 from __future__ import annotations
@@ -110,3 +111,59 @@ def test_the_mean_curve_keeps_only_the_steps_every_repeat_recorded():
     b.points = [p for p in b.points if p["step"] != 3][:-1]  # step 3 and the last step missing
     steps = [p["step"] for p in e2e.mean_run([a, b]).points]
     assert steps == [s for s in range(1, STEPS) if s != 3]
+
+
+def started(reaches_at: int, first_step_s: float, label: str, seeds: int = 2) -> list[e2e.Run]:
+    """Repeats that reach the target at step index ``reaches_at``, their first step ``first_step_s`` after launch."""
+    out = []
+    for seed in range(seeds):
+        r = run(reaches_at, seed, label)
+        for p in r.points:
+            p["elapsed_s"] += first_step_s - 5.0
+        out.append(r)
+    return out
+
+
+def test_async_against_a_peer_counts_from_launch_with_the_first_step_beside_it():
+    # async's first step comes late (its producers generate first) and it then gets there in 4 s:
+    # 14 s from launch; TRL's first step comes at 5 s and it gets there 8 s later: 13 s from launch
+    ours, theirs = started(4, 10.0, "rlstream async"), started(8, 5.0, "TRL GRPOTrainer")
+    for r, sps in zip(ours + theirs, (120.0, 120.0, 100.0, 100.0)):
+        r.extra = {"sps": sps}
+    means = {rs[0].group: e2e.mean_run(rs) for rs in (ours, theirs)}
+    out, bounds = e2e.async_ratios("long_hf_async_vs_trl", ours, [theirs], means, TARGET, WINDOW, learned=True,
+                                   learners=ours + theirs, mean_learners=list(means.values()))
+    assert out["long_hf_async_vs_trl"] == pytest.approx(13 / 14)  # the verdict's figure: from launch
+    assert out["long_hf_async_vs_trl_from_first_step"] == pytest.approx(8 / 4)
+    assert out["long_hf_async_vs_trl_median_repeat"] == pytest.approx(13 / 14)
+    assert out["long_hf_async_vs_trl_from_first_step_median_repeat"] == pytest.approx(2.0)
+    assert out["long_hf_async_vs_trl_samples_per_s"] == pytest.approx(1.2) and bounds == []
+
+
+def fake_verdict(**figures: float) -> dict:
+    return {"repeats": 5, **figures}
+
+
+def test_the_verdict_reads_the_launch_figure_even_where_the_first_step_one_meets_the_goal():
+    out = fake_verdict(long_hf_async_vs_trl=1.2, long_hf_async_vs_trl_from_first_step=1.66,
+                       long_vllm_async_vs_trl=1.1, long_vllm_async_vs_trl_from_first_step=1.5,
+                       long_hf_async_vs_sync=1.7, long_hf_async_vs_sync_from_first_step=1.2,
+                       short_hf_async_vs_trl=1.05, short_hf_async_vs_trl_from_first_step=0.9)
+    rows = e2e.verdict_rows(out, ["short", "long"], ["hf", "vllm"])
+    by = {(r[0], r[1], r[2].split()[0]): r for r in rows}
+    assert set(by) == {("long", "hf", "TRL"), ("long", "vllm", "TRL"), ("long", "hf", "rlstream"), ("short", "hf", "TRL")}
+    assert by["long", "hf", "TRL"][3:5] == (1.2, 1.66) and by["long", "hf", "TRL"][-2:] == (1.3, "no")
+    assert by["long", "hf", "rlstream"][-1] == "yes" and by["short", "hf", "TRL"][-1] == "yes"
+    # the headline: long, async vs TRL from launch, its best backend, with the first-step figure beside it
+    assert e2e.headline(out, ["short", "long"], ["hf", "vllm"]) == {
+        "ratio_of": "long_hf_async_vs_trl", "ratio": 1.2, "goal": 1.3, "ratio_from_first_step": 1.66}
+
+
+def test_where_no_mean_curve_learned_the_verdict_reads_samples_per_s():
+    out = fake_verdict(long_time_to_target_measurable=False, long_hf_async_vs_trl=None,
+                       long_hf_async_vs_trl_from_first_step=None, long_hf_async_vs_trl_samples_per_s=1.4)
+    assert e2e.verdict_rows(out, ["long"], ["hf"])[0][-1] == "yes"
+    assert e2e.headline(out, ["long"], ["hf"]) == {"ratio_of": "long_hf_async_vs_trl_samples_per_s", "ratio": 1.4, "goal": 1.3,
+                                                   "ratio_from_first_step": None}
+    # short alone: its own goal; nothing raced against TRL: not measured
+    assert e2e.headline(fake_verdict(), ["short"], ["hf"])["goal"] == 1.0 and "ratio" not in e2e.headline(fake_verdict(), ["short"], ["hf"])
