@@ -14,7 +14,8 @@ scored on the scorer's event loop) it is one Python loop in this process. For ``
 (``rlstream.scorers.scoring.math_pool(1)``) running ``rewards.math_scores`` with its timeouts,
 fed batches of ``MATH_BATCH`` groups, two in flight (``scorer.batch_groups`` and
 ``pipeline_batches``). This process only hands the batches over, as the scorer's main process
-does between its pulls and publishes. Goal: ratio >= 0.9.
+does between its pulls and publishes. Goal: ratio >= 0.9 (the final JSON's ``ratio`` and
+``goal``: math-verify's).
 
 A cheap rule cannot reach that goal through any broker: the rule costs microseconds per group,
 one JetStream hop in Python hundreds. So for ``exact_match`` a third path shows what the loop
@@ -31,7 +32,8 @@ ways in every round, and the faster is the baseline:
 
 It does less than the product must (no validation, dead letters, de-duplication by message id,
 in-progress acks, origin header, metrics or reward components), so it is a ceiling for all of
-that. The rlstream scorer's ratio against it is printed too (goal 0.8).
+that. The rlstream scorer's ratio against it is printed too (goal 0.8, ``exact_match_ok``); its
+ratio against the direct loop is printed for the record, with no goal.
 
 Each scorer process's CPU time per group (user + system, from the first scored group seen to
 the last) is printed as well: a shared machine moves it far less than it moves groups/s.
@@ -341,7 +343,7 @@ def main() -> None:
             exact_match_raw_groups_per_s=raw, exact_match_raw_way=raw_best, exact_match_vs_raw=exact["scorer"] / raw,
             exact_match_vs_raw_goal=0.8, exact_match_cpu_us_per_group=cpu.get("exact_match"),
             exact_match_raw_cpu_us_per_group=cpu.get(f"raw_{raw_best}"), exact_match_ratio=c_ratio,
-            exact_match_ok=c_ratio >= 0.9, ratio=min(m_ratio, c_ratio), goal=0.9)
+            exact_match_ok=exact["scorer"] / raw >= 0.8, ratio=m_ratio, goal=0.9)
 
 
 if __name__ == "__main__":
