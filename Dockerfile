@@ -22,16 +22,19 @@ RUN apt-get update \
  && python3 -m venv $VIRTUAL_ENV
 
 WORKDIR /src
-# torch first and pinned: the release vLLM, DeepSpeed and rlstream agree on (a CUDA build on Linux).
-RUN pip install torch==2.13.0
+# Every package the image runs, torch and vLLM's CUDA builds included, from deploy/locks/cuda.txt:
+# pinned, each file checked against its sha256 (--require-hashes), nothing resolved at build
+# time (--no-deps).
+# DeepSpeed comes as an sdist: it builds with the checked setuptools and wheel, installed first.
+COPY deploy/locks/cuda-build.txt /etc/rlstream-build-lock.txt
+COPY deploy/locks/cuda.txt /etc/rlstream-lock.txt
+RUN pip install --require-hashes --no-deps -r /etc/rlstream-build-lock.txt \
+ && pip install --require-hashes --no-deps --no-build-isolation -r /etc/rlstream-lock.txt
 
-COPY deploy/constraints.txt /etc/rlstream-constraints.txt
 COPY pyproject.toml README.md ./
 COPY rlstream ./rlstream
-# The package with vLLM and DeepSpeed. The [vllm] extra names vLLM's CPU build (what the
-# CPU image and CI use); on GPUs the CUDA build of the same vLLM release takes its place.
-# Every transitive dependency is held to deploy/constraints.txt.
-RUN pip install -c /etc/rlstream-constraints.txt ".[deepspeed]" "vllm==0.32.0" \
+# rlstream itself, from this source tree: its build backend (setuptools) is in the lock.
+RUN pip install --no-deps --no-build-isolation . \
  && rlstream --version
 
 # Not root: the manifests run it as this uid with a read-only root filesystem (caches go

@@ -8,7 +8,7 @@ PIP     := $(BIN)/pip install -q --disable-pip-version-check
 # extra pytest options for the test targets (.ci/run adds skip reasons and a JUnit report)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint setup setup-full setup-verifiers bench clean
+.PHONY: demo test test-all lint locks setup setup-full setup-verifiers bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -81,6 +81,12 @@ $(VENV)/.setup-lint: | $(BIN)/python
 
 lint: $(VENV)/.setup-lint
 	$(BIN)/ruff check .
+
+# The images' hashed locks (deploy/locks/), from pyproject.toml and deploy/constraints.txt;
+# uv is pinned for the same reason ruff is
+locks: | $(BIN)/python
+	$(PIP) uv==0.13.9
+	UV=$(BIN)/uv deploy/locks/compile.sh
 
 bench: $(VENV)/.setup-full
 	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
