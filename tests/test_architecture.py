@@ -1,6 +1,6 @@
 """The package's shape, checked: the import graph has no cycles, stages never import each
-other, and the learner's and the producers' functions stay short enough to read
-(docs/architecture.md)."""
+other, imports go down the floors, the root holds only entry points and shared kernels, and
+the learner's and the producers' functions stay short enough to read (docs/architecture.md)."""
 
 from __future__ import annotations
 
