@@ -74,7 +74,7 @@ from rlstream.broker import Layout, connect, ensure_layout  # noqa: E402
 from rlstream.broker.cluster import LocalCluster  # noqa: E402
 from rlstream.broker.server import free_port  # noqa: E402
 from rlstream.config import NatsConfig  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 from rlstream.schemas import DeadLetter, Prompt, RolloutGroup, ScoredGroup  # noqa: E402
 
 COMPONENTS = ["producer-0", "producer-1", "scorer-0", "scorer-1", "learner"]
@@ -714,7 +714,7 @@ def run_and_check(ch: Chaos, faults: list[Fault]) -> dict:
     work = ch.work
     model = ROOT / "bench" / ".chaos-model"
     if not (model / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model, corpus=task.corpus(), vocab_size=320, intermediate_size=384)
     data = task.write_datasets(work / "data")

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".curriculum"
 RESULTS = ROOT / "bench" / "results"
@@ -91,7 +91,7 @@ def warm_model(sft_steps: int, data: dict) -> Path:
     """The demo's tiny model, after ``sft_steps`` of SFT (built once, kept in WORK)."""
     model_dir = WORK / "base_model"
     if not (model_dir / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     if not sft_steps:

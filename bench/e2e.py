@@ -103,7 +103,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".e2e"
 RESULTS = ROOT / "bench" / "results"
@@ -184,7 +184,7 @@ def prepare(warmup_steps: int, workloads: list[Workload]) -> tuple[dict[str, Pat
     WORK.mkdir(parents=True, exist_ok=True)
     model = WORK / "base_model"
     if not (model / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(WORK / "data")

@@ -3,7 +3,7 @@
 The work, identical on both sides (``bench/e2e.py``'s reward code, prompts, group size,
 learning rate and loss):
 
-- a randomly initialised Llama built here with :func:`rlstream.tiny.build_tiny_model`
+- a randomly initialised Llama built here with :func:`rlstream.models.tiny.build_tiny_model`
   (default hidden 1024, 16 layers, intermediate 4096, 16 heads, the demo's 320-token
   vocabulary: 269M parameters, 1.08 GB in float32); nothing is downloaded;
 - float32 on both sides, 8 prompts x 8 samples a step, exactly 128 new tokens per completion
@@ -42,7 +42,7 @@ from _common import parser, table  # noqa: E402
 from e2e import REWARD_FILE, REWARD_IMPORT, ROOT, check_versions, sh, trl_python  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".gpu"
 GROUP, LR = 8, 1e-5
@@ -83,7 +83,7 @@ def build(size: Size) -> tuple[Path, Path]:
     """The model (once per size) and the prompts."""
     model = WORK / f"model-h{size.hidden}-l{size.layers}-i{size.intermediate}"
     if not (model / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         print(f"building a {size.layers}-layer Llama, hidden {size.hidden} (once; cached in bench/.gpu) ...", flush=True)
         build_tiny_model(model, corpus=task.corpus(), vocab_size=320, num_layers=size.layers, hidden_size=size.hidden,

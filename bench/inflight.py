@@ -429,7 +429,7 @@ def summed(rs: list[dict]) -> dict:
 
 
 async def main_async(args) -> None:
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-inflight-"))
     model_dir = build_tiny_model(tmp / "model", max_position_embeddings=args.cap + 64)

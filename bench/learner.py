@@ -180,7 +180,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--compile", action="store_true", help="also measure learner.compile: true against eager")
     args = p.parse_args()
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         small = build_tiny_model(Path(tmp) / "small")

@@ -54,7 +54,7 @@ def write_prompts(path: Path, n: int) -> Path:
 async def bare_rate(backend, cfg, batches: int, in_flight: int = 1) -> float:
     """``backend.generate`` on the same batches with no broker, ``in_flight`` batches at once
     (as many as the producer loop keeps in flight for this backend)."""
-    from rlstream.data import read_rows
+    from rlstream.data.rows import read_rows
     from rlstream.producers.backends import SamplingSpec
     from rlstream.producers.feeder import build_prompts
 
@@ -168,8 +168,8 @@ async def bench(args, backends: dict, model_dir: Path, tmp: Path, url: str) -> d
 def main() -> None:
     args = parser(__doc__).parse_args()
     from rlstream.broker import EmbeddedServer
+    from rlstream.models.tiny import build_tiny_model
     from rlstream.producers.backends import make_backend
-    from rlstream.tiny import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="rlstream-bench-producers-"))
     model_dir = build_tiny_model(tmp / "model")

@@ -46,7 +46,7 @@ COLUMNS = ("way", "reference model in learner", "reference forward s", "learner 
 
 
 def _model(work: Path, quick: bool) -> Path:
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     out = work / ("model_quick" if quick else "model")
     if not (out / "config.json").exists():

@@ -31,7 +31,7 @@ from _common import parser, table, verdict  # noqa: E402
 BACKEND = "fake"
 
 from examples.arithmetic import task  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".soak"
 
@@ -44,7 +44,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     model = WORK / "model"
     if not (model / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model, corpus=task.corpus(), vocab_size=320, intermediate_size=384)
     data = task.write_datasets(WORK / "data")

@@ -218,7 +218,7 @@ def llama_of(out: Path, mb: int) -> Path:
     """A randomly initialised float32 Llama of about ``mb`` MiB, the demo's 320-token vocabulary:
     at 1024 MiB the 269M-parameter model of the GPU race (hidden 1024, intermediate 4096, 16
     layers of 64 MiB); below 64 MiB, layers of 4 MiB (hidden 256)."""
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     hidden = 1024 if mb >= 64 else 256
     layers = max(1, round(mb / (64 if mb >= 64 else 4)))
@@ -335,7 +335,7 @@ def training_versions(tmp: Path, steps: int, lr: float, hidden: int, layers: int
     ``steps`` optimizer steps (the files as the learner serialises them for producers of that dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlstream.tiny import build_tiny_model, default_corpus
+    from rlstream.models.tiny import build_tiny_model, default_corpus
     from rlstream.weights.layout import write_file
 
     d = build_tiny_model(tmp / "delta-model", hidden_size=hidden, num_layers=layers, intermediate_size=2 * hidden,

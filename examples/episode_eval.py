@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rlstream.rundir import read_jsonl
+from rlstream.rundir.files import read_jsonl
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:

@@ -59,7 +59,7 @@ def _call(module: str, func: str = "main"):
 
 def run_preflight(cfg, endpoints: bool = False) -> int:
     """Print every preflight problem on its own line; 2 when there is one, else 0."""
-    from rlstream.preflight import preflight
+    from rlstream.run.preflight import preflight
 
     problems = preflight(cfg, endpoints=endpoints)
     for line in problems:
@@ -106,7 +106,7 @@ def cmd_export_model(args) -> int:
 
 def cmd_eval(args) -> int:
     args.config = args.config_path
-    return _call("rlstream.run.evaluate", "cli")(args, _load(args))
+    return _call("rlstream.evaluation.checkpoint", "cli")(args, _load(args))
 
 
 def cmd_broker(args) -> int:
@@ -146,7 +146,7 @@ def _component(module: str, default_id: str, **fixed):
             extra["resume"] = True
         if getattr(args, "max_steps", None):
             extra["max_steps"] = args.max_steps
-        from rlstream.data import DatasetError
+        from rlstream.data.rows import DatasetError
 
         try:
             return asyncio.run(main(cfg, url, args.id or default_id, **extra)) or 0
@@ -402,10 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--token-file", help="the token viewers must give (default $RLSTREAM_DASHBOARD_TOKEN); needed off loopback")
     sp.set_defaults(fn=cmd_observe("dashboard"))
 
-    from rlstream.backup import add_parsers as add_backup_parsers
+    from rlstream.run.backup import add_parsers as add_backup_parsers
 
     add_backup_parsers(sub)  # backup, restore
-    from rlstream.webdata import add_parsers as add_shards_parser
+    from rlstream.data.shards import add_parsers as add_shards_parser
 
     add_shards_parser(sub)  # shards
     return p

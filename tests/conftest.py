@@ -140,14 +140,14 @@ def run_id() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama + BPE tokenizer (hidden 128, 2 heads: head_dim 64), saved with save_pretrained."""
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory) -> Path:
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-rm") / "model", kind="sequence_classification", seed=1)
 

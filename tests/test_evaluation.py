@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlstream.config import ConfigError, parse_config
-from rlstream.evaluation import pass_at_k, round_key, round_metrics, round_prompts
+from rlstream.evaluation.rounds import pass_at_k, round_key, round_metrics, round_prompts
 from rlstream.schemas import Prompt, RolloutGroup, Sample, ScoredGroup
 
 

@@ -107,7 +107,7 @@ def test_validate_loads_hub_model_and_dataset_offline(hub, tmp_path):
 
 
 def test_hub_dataset_with_name_and_split_offline(hub, tmp_path):
-    code = ("from rlstream.data import read_rows; import json; "
+    code = ("from rlstream.data.rows import read_rows; import json; "
             "print(json.dumps(read_rows('org/arith', 'train', 2, name='hard')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=hub, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -206,7 +206,7 @@ def test_validate_passes_trl_s_conversational_data_and_rewards(hub, tmp_path):
 def test_local_model_checked_without_transformers(tiny_model_dir, tmp_path):
     """A local model directory is checked from its files: importing transformers (and torch)
     would cost seconds of CPU before `rlstream run` starts any process."""
-    code = ("import sys\nfrom rlstream.preflight import check_model, check_tokenizer\n"
+    code = ("import sys\nfrom rlstream.run.preflight import check_model, check_tokenizer\n"
             f"print(check_model('m', {str(tiny_model_dir)!r}) + check_tokenizer('m', {str(tiny_model_dir)!r}))\n"
             "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -216,7 +216,7 @@ def test_local_model_checked_without_transformers(tiny_model_dir, tmp_path):
 
 
 def test_local_config_without_model_type_is_named(tiny_model_dir, tmp_path):
-    from rlstream.preflight import check_model
+    from rlstream.run.preflight import check_model
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from rlstream.learner import loop as learner_loop
 from rlstream.learner import replay
-from rlstream.report import read_samples, truncate_samples
 from rlstream.run import summary
-from rlstream.rundir import RunDir, append_jsonl, read_jsonl
+from rlstream.rundir.files import RunDir, append_jsonl, read_jsonl
+from rlstream.rundir.report import read_samples, truncate_samples
 
 TORN = '{"step": 3, "policy_version": 3, "loss/tot'  # the kill landed mid-write: no newline
 GARBLED = "\x00\x00\x00\x00"  # a block of zeros after a crash of the file system

@@ -54,7 +54,7 @@ def main() -> None:
     model_dir = out / "base_model"
     if not (model_dir / "config.json").exists():
         console.print("[1/3] building a tiny Llama (hidden 128, 2 layers, head_dim 64) and a BPE tokenizer ...")
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from examples.arithmetic import task
 from examples.arithmetic.demo import HERE, ROOT
-from rlstream.rundir import read_jsonl
+from rlstream.rundir.files import read_jsonl
 
 
 def run(config: Path, run_dir: Path, model: Path, data: Path, steps: int, sets: list[str]) -> dict:
@@ -58,7 +58,7 @@ def main() -> None:
 
     model_dir = out / "base_model"
     if not (model_dir / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data")

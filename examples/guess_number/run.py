@@ -46,7 +46,7 @@ def main() -> None:
     model_dir = out / "base_model"
     if not (model_dir / "config.json").exists():
         print("[1/3] building a tiny Llama and a BPE tokenizer ...", flush=True)
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model_dir, corpus=task.corpus(high=args.high), vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = task.write_datasets(out / "data", informed=args.informed, high=args.high, max_turns=args.max_turns)

@@ -32,7 +32,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     model = out / "model"
     if not (model / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         build_tiny_model(model)
     cmd = [sys.executable, "-m", "rlstream.cli", "run", str(HERE / "grpo.yaml"), "--run-dir", str(out / "grpo"),

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from rlstream.openai_http import completions_url, request_json
+from rlstream.clients.openai_http import completions_url, request_json
 from rlstream.schemas import ScoredGroup
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ class Config(Strict):
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to(cls, v: Any) -> Any:
-        from rlstream.report import resolve
+        from rlstream.rundir.report import resolve
 
         return resolve(v) if isinstance(v, str) or v is None or v in (["all"], ["none"]) else v
 

@@ -19,7 +19,7 @@ Re-tokenising that text need not give the sampled ids back: a byte-level BPE tok
 across the boundary of two sampled tokens (``" 1"`` ``"2"`` sampled, ``" 12"`` re-tokenised), or a
 token that is not valid UTF-8 alone decodes lossily. So when a chat call repeats an earlier call
 of its episode (that call's messages, then one of its choices' replies), the new prompt is built
-from ids, as the built-in episodes build theirs (:class:`rlstream.chat.EpisodeTemplate`):
+from ids, as the built-in episodes build theirs (:class:`rlstream.data.chat.EpisodeTemplate`):
 
     earlier prompt ids + that choice's sampled ids + the template's tokens for what follows
 
@@ -84,7 +84,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rlstream import chat
+from rlstream.data import chat
 from rlstream.envs.tools import format_tool_call, parse_tool_calls
 from rlstream.schemas import RolloutGroup
 from rlstream.schemas.records import Sample
@@ -170,7 +170,7 @@ def _tool_calls_text(message: dict[str, Any]) -> dict[str, Any]:
 def _continued(tokenizer, earlier: CallRecord, choice: int, rest: list[dict[str, Any]]) -> list[int]:
     """The prompt ids of a call that repeats ``earlier``'s messages and its ``choice``'s reply, then
     ``rest``: ``earlier``'s prompt ids, the ids sampled there, and the template's tokens after them
-    (raises :class:`~rlstream.chat.ChatError` where the template cannot be extended token by token)."""
+    (raises :class:`~rlstream.data.chat.ChatError` where the template cannot be extended token by token)."""
     template = chat.EpisodeTemplate(tokenizer, earlier.messages, earlier.tools)
     sampled = earlier.choices[choice].token_ids.tolist()
     return [*earlier.prompt_ids.tolist(), *sampled, *template.close(sampled), *template.observation(rest)]

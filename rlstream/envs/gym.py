@@ -80,8 +80,8 @@ def rows(task: str, *, size: int = 1000, seed: int = 0, config: dict[str, Any] |
          system: str | None = None, prompt_column: str = "prompt", limit: int | None = None,
          section: str = "data_source") -> list[dict[str, Any]]:
     """The task's entries as dataset rows (see the module docstring); a task or ``config``
-    reasoning-gym refuses is a :class:`~rlstream.data.DatasetError` in one line."""
-    from rlstream.data import DatasetError
+    reasoning-gym refuses is a :class:`~rlstream.data.rows.DatasetError` in one line."""
+    from rlstream.data.rows import DatasetError
 
     problem = source_problem(task, config, section)
     if problem:
@@ -132,7 +132,7 @@ def reward(prompts: list[Any], completions: list[Any], reasoning_gym: list[dict[
 def prompt_rows(cfg) -> tuple[list, str]:
     """The checked rows of an on-policy ``data_source`` (a dataset file, directory or Hub id, a
     reasoning-gym task, or a verifiers environment's tasks) and the dataset's key; the whole dataset is checked before any use."""
-    from rlstream.data import DatasetError, check_rows, dataset_key, read_rows
+    from rlstream.data.rows import DatasetError, check_rows, dataset_key, read_rows
 
     ds = cfg.data_source
     if not ds.path:

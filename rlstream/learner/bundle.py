@@ -76,7 +76,7 @@ from rlstream.learner.replay import (
     replay_steps,
 )
 from rlstream.learner.steps import build_learner, collate_groups, train_step
-from rlstream.rundir import RunDir, read_jsonl
+from rlstream.rundir.files import RunDir, read_jsonl
 from rlstream.schemas import ScoredGroup
 
 FORMAT = "rlstream-replay-bundle"

@@ -48,7 +48,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from rlstream.rundir import RunDir
+from rlstream.rundir.files import RunDir
 
 STATE_FILE = "learner_state.json"
 TRAINER_DIR = "trainer"

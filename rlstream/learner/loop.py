@@ -15,13 +15,13 @@
   (:mod:`rlstream.learner.checkpoint`);
 - **collate ahead** (:class:`CollateAhead`, RL modes): the next batch's tensors are built
   in a thread while the current batch trains; ``take`` still decides what is trained;
-- **held-out evaluation** (:mod:`rlstream.learner.evaluation`, with an ``eval`` section):
+- **held-out evaluation** (:mod:`rlstream.evaluation.training`, with an ``eval`` section):
   rounds pinned to a policy version, begun at the start, after every ``eval.every``-th
   publish and after the last step; a round still generating holds the next publish.
 
 A part a run does not have is a stand-in with the same methods, chosen once in :func:`main`,
 so :func:`_train` reads take -> step -> publish -> log -> checkpoint without asking what is
-there: :class:`OfflineComponent` (no broker), :class:`~rlstream.learner.evaluation.NoEvaluation`,
+there: :class:`OfflineComponent` (no broker), :class:`~rlstream.evaluation.training.NoEvaluation`,
 :class:`~rlstream.learner.weights_policy.NoWeights`, :class:`NothingAhead`, and in the step
 :class:`~rlstream.learner.critic.NoCritic`. :class:`LearnerRun` holds the parts.
 
@@ -52,16 +52,16 @@ from rlstream import compute
 from rlstream.broker.component import Component, signals_to
 from rlstream.broker.layout import LEARNER_STEP
 from rlstream.config import Config
+from rlstream.evaluation.training import Evaluation, Evaluator, NoEvaluation
 from rlstream.learner import distributed as dist
 from rlstream.learner.checkpoint import CheckpointWriteError, LearnerState, latest_checkpoint
-from rlstream.learner.evaluation import Evaluation, Evaluator, NoEvaluation
 from rlstream.learner.runner import LocalRunner, StepRunner, make_runner
 from rlstream.learner.sources import BatchSource, OfflineSource, ShardSource, StreamSource, Taken
 from rlstream.learner.steps import Collated, Learner, LearnerError, build_learner, collate_groups, collates_ahead, group_rows
 from rlstream.learner.warmup import warm_up
 from rlstream.learner.weights_policy import NoWeights, Weights, open_weights
-from rlstream.report import Reports, reward_term_metrics, sample_rows, truncate_samples
-from rlstream.rundir import RunDir, default_run_dir, rewrite_jsonl, write_json
+from rlstream.rundir.files import RunDir, default_run_dir, rewrite_jsonl, write_json
+from rlstream.rundir.report import Reports, reward_term_metrics, sample_rows, truncate_samples
 
 log = logging.getLogger(__name__)
 

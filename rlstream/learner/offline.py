@@ -1,10 +1,10 @@
-"""Offline datasets for SFT and DPO, read through :func:`rlstream.data.read_rows`.
+"""Offline datasets for SFT and DPO, read through :func:`rlstream.data.rows.read_rows`.
 
 SFT rows give ``prompt`` + ``completion`` columns (strings, or TRL's conversational lists of
 turns), or a ``messages`` conversation (the last assistant turn is the completion). DPO rows give
 ``prompt``, ``chosen`` and ``rejected`` (strings or conversational), or conversational
 ``chosen``/``rejected`` alone. Conversational data is rendered with the tokenizer's chat template
-exactly as TRL renders it (:mod:`rlstream.chat`). Column names come from ``data_source``.
+exactly as TRL renders it (:mod:`rlstream.data.chat`). Column names come from ``data_source``.
 
 Each example gets a deterministic id (``<dataset digest>-<row index>``), so the epoch
 accounting in ``learner_summary.json`` can prove every example was used once per epoch.
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from rlstream import chat
-from rlstream.data import DatasetError, read_rows, require_columns
+from rlstream.data import chat
+from rlstream.data.rows import DatasetError, read_rows, require_columns
 from rlstream.schemas import PreferencePair, SFTExample
 
 
@@ -53,7 +53,7 @@ def _chat(fn, *args):
 
 def sft_example(row: dict[str, Any], example_id: str, ds, tokenizer, use_messages: bool, where: str = "dataset") -> SFTExample:
     """A ``messages`` conversation, a conversational ``prompt``/``completion`` (rendered as TRL's
-    SFTTrainer does, see :mod:`rlstream.chat`), or plain-text ``prompt``/``completion`` (the
+    SFTTrainer does, see :mod:`rlstream.data.chat`), or plain-text ``prompt``/``completion`` (the
     completion gets the EOS token)."""
     at = f"{where}: {example_id}"
     if use_messages:
@@ -131,7 +131,7 @@ class ShardBatches:
     ``state.epoch_usage``. Example ids are ``<shard list digest>-<sample key>``."""
 
     def __init__(self, cfg, tokenizer, cursor: dict[str, Any] | None = None):
-        from rlstream.webdata import source_tag, stream_for
+        from rlstream.data.shards import source_tag, stream_for
 
         self.ds = cfg.data_source
         self.pairs = cfg.algorithm_params.trains_on_pairs

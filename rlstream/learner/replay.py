@@ -40,7 +40,7 @@ from rlstream.broker.layout import Layout
 from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
 from rlstream.learner.checkpoint import load_checkpoint
 from rlstream.learner.steps import build_learner, train_step
-from rlstream.rundir import RunDir, read_jsonl
+from rlstream.rundir.files import RunDir, read_jsonl
 from rlstream.schemas import ScoredGroup
 
 

@@ -53,7 +53,7 @@ from rlstream.learner.batching import (
 from rlstream.learner.checkpoint import LearnerState
 from rlstream.learner.critic import Critic, NoCritic, ValueHead
 from rlstream.learner.engines import Engine, autocast_forward, build_engine, lr_at
-from rlstream.rundir import default_run_dir
+from rlstream.rundir.files import default_run_dir
 from rlstream.schemas import PreferencePair, ScoredGroup, SFTExample
 
 

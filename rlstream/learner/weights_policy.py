@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from rlstream import compute
-from rlstream.learner.evaluation import Evaluation
+from rlstream.evaluation.training import Evaluation
 from rlstream.learner.publish import BackgroundPublisher, publish_weights, release_weights, wire_dtype
 from rlstream.learner.runner import StepRunner
 from rlstream.learner.sources import BatchSource

@@ -68,7 +68,7 @@ from rlstream.config import placeholder_secret
 from rlstream.observe import ObserveError, command, nats_url, open_connection
 from rlstream.observe.stages import summary as stage_summary
 from rlstream.observe.status import live_phases
-from rlstream.rundir import SAMPLES_FILE
+from rlstream.rundir.files import SAMPLES_FILE
 from rlstream.schemas import MetricEvent, RecordError
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def select_samples(rows: list[dict], *, q: str = "", step: int | None = None, or
 
 
 async def samples(request: web.Request) -> web.Response:
-    from rlstream.report import read_samples
+    from rlstream.rundir.report import read_samples
 
     run_dir = request.app["run_dir"]
     if run_dir is None:

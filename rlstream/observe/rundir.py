@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from rlstream.observe import ObserveError
-from rlstream.rundir import BROKER_FILE, RunDir
+from rlstream.rundir.files import BROKER_FILE, RunDir
 
 
 def without_userinfo(url: str) -> str:

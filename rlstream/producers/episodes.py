@@ -7,7 +7,7 @@ turns; every episode of the batch runs at once (``asyncio.gather``).
 
 **Token in, token out.** A model turn's ids and log-probs are kept exactly as sampled; the
 episode only sees their decoded text. What the environment answers is rendered with the chat
-template as a token delta (:class:`rlstream.chat.EpisodeTemplate`): the end of the model's turn
+template as a token delta (:class:`rlstream.data.chat.EpisodeTemplate`): the end of the model's turn
 that it did not sample itself, the environment's messages and the next generation prompt. Those
 tokens get loss mask 0 and log-prob 0.0. The next turn is generated from ``prompt_ids`` plus
 every token so far, never from re-tokenised text, so what the learner trains on is what was
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from rlstream import chat
+from rlstream.data import chat
 from rlstream.envs import Environment, Episode
 from rlstream.producers.backends import Completion, GenerationBackend, ProducerError, SamplingSpec
 from rlstream.schemas import Prompt, RolloutGroup, Sample

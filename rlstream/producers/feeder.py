@@ -8,7 +8,7 @@ read e.g. ``answer`` there), and publishes ``data_source.epochs`` passes, each s
 with ``shuffle_seed + epoch`` (no shuffling when the seed is null).
 
 With ``data_source.type: webdataset`` the rows come from tar shards instead
-(:mod:`rlstream.webdata`): this feeder's part of ``data_source.urls``
+(:mod:`rlstream.data.shards`): this feeder's part of ``data_source.urls``
 (``part_index::part_count``, so several feeders split the shards), epoch after epoch
 through a seeded shuffle buffer, ids ``p<shard list hash>-<epoch>-<sample key>``.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.broker import Component, Layout, Outgoing, Publisher
-from rlstream.data import DatasetError, Row, check_rows  # check_rows: eval rounds use it too (rlstream.evaluation)
+from rlstream.data.rows import DatasetError, Row, check_rows  # check_rows: eval rounds use it too (rlstream.evaluation.rounds)
 from rlstream.envs.gym import prompt_rows
 from rlstream.schemas import Prompt
 
@@ -64,7 +64,7 @@ def iter_prompts(base: list[Row], cfg, *, key: str = "data", run: str = ""):
 def iter_shard_prompts(cfg, *, run: str = ""):
     """The prompts of this feeder's part of the WebDataset shards, every epoch, in publish
     order; each row is checked as it is read."""
-    from rlstream.webdata import source_tag, stream_for
+    from rlstream.data.shards import source_tag, stream_for
 
     ds = cfg.data_source
     tag = source_tag(ds.urls)

@@ -16,7 +16,7 @@ the config). Three parts:
   is recorded in ``RUN_DIR/broker.json``, so operator commands can take ``RUN_DIR``.
 - :mod:`rlstream.run.summary` writes ``summary.json`` and the reward curve at the end,
   next to the learner's ``metrics.jsonl`` and checkpoints (file names in
-  :mod:`rlstream.rundir`).
+  :mod:`rlstream.rundir.files`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _run(cfg, args, preloader: Preloader | None) -> int:
         summarize,
     )
     from rlstream.run.supervisor import EXIT_USAGE, Outcome, check_placement, plan_children, streaming, supervise
-    from rlstream.rundir import RunDir, default_run_dir
+    from rlstream.rundir.files import RunDir, default_run_dir
 
     placement_problems = check_placement(cfg)
     for line in placement_problems:

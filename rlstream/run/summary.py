@@ -17,7 +17,7 @@ from rlstream.broker import Layout, RunState, connect
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
-from rlstream.rundir import LATEST_LINK, RunDir, read_json, read_jsonl, write_json
+from rlstream.rundir.files import LATEST_LINK, RunDir, read_json, read_jsonl, write_json
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:

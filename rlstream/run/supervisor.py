@@ -40,7 +40,7 @@ from rlstream.broker.server import popen_tied
 from rlstream.config import OVERRIDES_ENV, Config, Placement
 from rlstream.run.display import Display, LiveFigures, watch_metrics
 from rlstream.run.preload import Preforked, Preloader, child_env, preloadable
-from rlstream.rundir import RunDir, append_jsonl
+from rlstream.rundir.files import RunDir, append_jsonl
 
 log = logging.getLogger("rlstream.run")
 

@@ -408,7 +408,7 @@ def tool_call_model_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlstream.envs.tools import calculator, format_tool_call
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     out = build_tiny_model(tmp_path_factory.mktemp("tool-call-model") / "model")
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -470,7 +470,7 @@ async def test_a_tool_call_sent_back_as_tool_calls_continues_from_its_sampled_id
 async def test_a_chat_reply_ends_with_its_turn(backend):
     """As a chat model's server stops at the end of the assistant's turn, the gateway's chat
     calls stop at the template's end-of-turn token (text completions do not)."""
-    from rlstream import chat
+    from rlstream.data import chat
     from rlstream.producers.backends.base import SamplingSpec
 
     eot = chat.EpisodeTemplate(backend.tokenizer, [{"role": "user", "content": "hi"}]).end_of_turn

@@ -15,11 +15,11 @@ from helpers.broker import layout_for
 
 from rlstream.broker import Consumer, Layout
 from rlstream.config import ConfigError, parse_config, resolve_relative_paths
-from rlstream.data import DatasetError
+from rlstream.data.rows import DatasetError
 from rlstream.envs import gym
 from rlstream.envs.toolenv import ToolEnvironment
-from rlstream.preflight import check_dataset, check_eval
 from rlstream.producers.feeder import feed
+from rlstream.run.preflight import check_dataset, check_eval
 from rlstream.schemas import Prompt, RolloutGroup
 from rlstream.schemas.records import Sample
 from rlstream.scorers.scoring import Scorer
@@ -144,7 +144,7 @@ def test_evaluation_rows_come_from_a_reasoning_gym_source_held_out_by_seed(tmp_p
     """``eval.path: reasoning_gym:<task>``: the held-out rows are generated like the training
     rows, with the training settings and the seed plus one unless ``eval.reasoning_gym`` says
     otherwise, and the ``reasoning_gym`` rule scores them by the spec each row carries."""
-    from rlstream.evaluation import read_eval_rows, round_prompts
+    from rlstream.evaluation.rounds import read_eval_rows, round_prompts
 
     cfg = parse_config({**config().model_dump(mode="json", exclude_unset=True),
                         "eval": {"path": "reasoning_gym:basic_arithmetic", "max_prompts": 4}})

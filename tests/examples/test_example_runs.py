@@ -21,7 +21,7 @@ STEPS = 2
 
 def _example(name: str, out: Path) -> tuple[Path, Path, Path]:
     sys.path.insert(0, str(ROOT))
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     if name == "guess_number":
         from examples.guess_number import task
@@ -45,7 +45,7 @@ def test_example_grpo_config_runs_through_the_broker(name, tmp_path):
             "checkpoint.interval=1000"]
 
     from rlstream.config import load_config
-    from rlstream.preflight import preflight
+    from rlstream.run.preflight import preflight
 
     cfg = load_config(config, sets)
     assert cfg.env is not None and preflight(cfg) == []

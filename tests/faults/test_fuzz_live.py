@@ -43,7 +43,7 @@ from rlstream.schemas.codec import FLOAT32, INT32, MAJOR_STEP, pack_array
 EXAMPLES = 30
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-VOCAB = 512  # the tiny model's vocabulary (rlstream.tiny) and the fake backend's
+VOCAB = 512  # the tiny model's vocabulary (rlstream.models.tiny) and the fake backend's
 ONE_MIB = 1 << 20
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from helpers.groups import make_cfg
-from rlstream.rundir import read_jsonl
+from rlstream.rundir.files import read_jsonl
 
 STEPS = 6
 KILL_AFTER = 2

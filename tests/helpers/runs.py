@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from rlstream import rundir
+from rlstream.rundir import files as rundir_files
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "arithmetic"
@@ -45,7 +45,7 @@ def finished_summary(run_dir: Path, steps: int) -> dict:
 
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a run directory's JSON-lines file, a line still being written skipped."""
-    return rundir.read_jsonl(path).rows
+    return rundir_files.read_jsonl(path).rows
 
 
 def last_step(run_dir: Path) -> int:

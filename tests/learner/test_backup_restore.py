@@ -151,7 +151,7 @@ def test_backup_restore_into_a_fresh_dir_then_resume_equals_uninterrupted(nats_s
 def test_backups_are_listed_kept_and_an_unfinished_one_is_never_restored(tmp_path, s3_env):
     import datetime as dt
 
-    from rlstream.backup import backup, list_backups, restore
+    from rlstream.run.backup import backup, list_backups, restore
 
     run = tmp_path / "run"
     for step in (2, 4, 6):
@@ -185,7 +185,7 @@ def test_a_backup_masks_the_configs_secrets_and_never_copies_the_broker_token(tm
     """A backup leaves the machine: the passwords and tokens written in a config, a URL's
     userinfo, and the embedded broker's token stay behind; where a secret comes from
     (``*_env``, ``*_file``) and everything else is kept."""
-    from rlstream.backup import backup
+    from rlstream.run.backup import backup
 
     run = tmp_path / "run"
     run.mkdir()

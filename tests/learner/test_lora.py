@@ -138,7 +138,7 @@ def test_reference_is_the_base_model_exactly(tiny_model_dir, tmp_path, groups):
 def demo_model_dir(tmp_path_factory):
     """The demo's model (`make demo`: vocab 320, hidden 128, 2 layers, intermediate 384)."""
     from examples.arithmetic import task
-    from rlstream.tiny import build_tiny_model
+    from rlstream.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("demo_model"), corpus=task.corpus(), vocab_size=320, num_layers=2,
                             hidden_size=128, intermediate_size=384)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from helpers.groups import make_cfg
 
-from rlstream.webdata import ShardStream, expand_urls, split_shards
+from rlstream.data.shards import ShardStream, expand_urls, split_shards
 
 ROWS = 23
 
@@ -181,7 +181,7 @@ def test_sft_killed_mid_shard_resumes_and_trains_every_sample_once_per_epoch(tmp
 
 def test_preflight_reads_the_first_shard_and_names_a_missing_one(tmp_path, tiny_model_dir):
     from rlstream.config import parse_config
-    from rlstream.preflight import preflight
+    from rlstream.run.preflight import preflight
 
     pattern = _write(tmp_path)
     base = {"model_checkpoint_path": str(tiny_model_dir)}

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 if sys.argv[1] == "write":
-    from rlstream.report import Reports
+    from rlstream.rundir.report import Reports
 
     run_dir, sink = Path(sys.argv[2]), sys.argv[3]
     reports = Reports([sink], "sinkrun", run_dir, {"training_mode": "RL_GRPO", "learner": {"lr": 0.001}})

@@ -10,7 +10,7 @@ from helpers.observe import start_cli, wait_stderr_line
 
 from rlstream.broker import Publisher, ensure_layout
 from rlstream.observe.dashboard import select_samples
-from rlstream.report import sample_rows
+from rlstream.rundir.report import sample_rows
 from rlstream.schemas import RolloutGroup, Sample, ScoredGroup
 
 

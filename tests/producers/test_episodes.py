@@ -135,7 +135,7 @@ async def test_an_environment_that_raises_or_hangs_aborts_only_its_episode(js, n
 
 def test_env_config_errors_are_one_line(tiny_model_dir, tmp_path):
     from rlstream.config import load_config
-    from rlstream.preflight import preflight
+    from rlstream.run.preflight import preflight
 
     base = {"run": "r", "training_mode": "RL_GRPO", "model_checkpoint_path": str(tiny_model_dir),
             "data_source": {"path": str(write_rows(tmp_path, [{"prompt": "a", "secret": 3}]))}}

@@ -8,7 +8,7 @@ import pytest
 from helpers.broker import layout_for
 
 from rlstream.broker import Consumer, Layout
-from rlstream.data import DatasetError
+from rlstream.data.rows import DatasetError
 from rlstream.producers.feeder import build_prompts, feed
 from rlstream.schemas import Prompt
 

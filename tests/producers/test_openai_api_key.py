@@ -18,7 +18,7 @@ import pytest
 from helpers.runs import ROOT, finished_summary, run_cmd, write_data
 
 from rlstream.config import ConfigError, parse_config
-from rlstream.preflight import check_secrets
+from rlstream.run.preflight import check_secrets
 
 KEY_ENV = "RLSTREAM_TEST_OPENAI_KEY"
 

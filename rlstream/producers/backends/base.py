@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlstream import chat, weights
+from rlstream import weights
+from rlstream.data import chat
 from rlstream.schemas import Prompt
 from rlstream.weights import WeightsSource
 

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from rlstream.openai_http import completions_url, open_session, request_json
+from rlstream.clients.openai_http import completions_url, open_session, request_json
 from rlstream.producers.backends.base import Backend, Completion, ProducerError, SamplingSpec, WeightsSource, clean_logprobs
 
 log = logging.getLogger(__name__)

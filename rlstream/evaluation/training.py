@@ -1,6 +1,6 @@
 """The learner's side of evaluation during training: begin rounds, hold a publish, sum them up.
 
-A round evaluates one policy version ``V`` (see :mod:`rlstream.evaluation` for the figures):
+A round evaluates one policy version ``V`` (see :mod:`rlstream.evaluation.rounds` for the figures):
 
 1. :meth:`Evaluator.begin` publishes the held-out prompts on ``rl.<run>.eval.prompts``, each
    pinned to ``V`` (at the start for version 0, then after every ``eval.every``-th weights
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlstream.broker import Consumer, Layout, Outgoing
-from rlstream.evaluation import read_eval_rows, round_key, round_metrics, round_prompts
+from rlstream.evaluation.rounds import read_eval_rows, round_key, round_metrics, round_prompts
 from rlstream.schemas import ScoredGroup
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """``rlstream eval CHECKPOINT --config CFG``: one evaluation round of a checkpoint in this
 process, with the HF backend and the run's reward terms; no broker. The figures are those of
-a round during training (:mod:`rlstream.evaluation`)."""
+a round during training (:mod:`rlstream.evaluation.rounds`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from rlstream.config import Config
-from rlstream.evaluation import EVAL_PREFIX, read_eval_rows, round_metrics, round_prompts
+from rlstream.evaluation.rounds import EVAL_PREFIX, read_eval_rows, round_metrics, round_prompts
 from rlstream.schemas import ScoredGroup
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
-from rlstream import chat
 from rlstream.config import GYM_PREFIX, VERIFIERS_PREFIX, Config, ExactMatchTerm, FunctionTerm, MathTerm, is_hub_id
+from rlstream.data import chat
 from rlstream.envs import EnvError
 
 HEAD_ROWS = 4
@@ -137,11 +137,11 @@ def check_tokenizer(field: str, ref: str) -> list[str]:
 
 def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     """Problems with ``data_source``, and the first rows when they could be read."""
-    from rlstream.data import DatasetError, read_rows, require_columns
+    from rlstream.data.rows import DatasetError, read_rows, require_columns
 
     ds = cfg.data_source
     if ds.type == "webdataset":
-        from rlstream.webdata import expand_urls, read_shard, split_shards
+        from rlstream.data.shards import expand_urls, read_shard, split_shards
 
         try:
             first = split_shards(expand_urls(ds.urls), ds.part_index, ds.part_count)[0]
@@ -179,7 +179,7 @@ def check_dataset(cfg: Config) -> tuple[list[str], list[dict[str, Any]]]:
     streaming = ds.type == "on_policy" or cfg.is_rl
     try:
         if streaming:
-            from rlstream.data import check_rows
+            from rlstream.data.rows import check_rows
 
             check_rows(rows, cfg, where=str(ds.path))
         elif cfg.algorithm_params.trains_on_pairs:
@@ -198,11 +198,11 @@ def check_eval(cfg: Config) -> list[str]:
     """The held-out dataset of ``eval.path`` reads and holds prompts as the training data does."""
     if not cfg.evaluates:
         return []
-    from rlstream.data import DatasetError, check_rows, read_rows
+    from rlstream.data.rows import DatasetError, check_rows, read_rows
 
     e = cfg.eval
     if e.path.startswith(GYM_PREFIX):  # generated, not read: the task and its config are what can be wrong
-        from rlstream.evaluation import gym_eval_rows
+        from rlstream.evaluation.rounds import gym_eval_rows
 
         try:
             gym_eval_rows(cfg)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.config import mask_secrets
-from rlstream.rundir import BROKER_TOKEN_FILE
+from rlstream.rundir.files import BROKER_TOKEN_FILE
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from rlstream.rundir import append_jsonl, read_jsonl, rewrite_jsonl
+from rlstream.rundir.files import append_jsonl, read_jsonl, rewrite_jsonl
 
 SINKS = ("tensorboard", "wandb", "trackio", "mlflow")
 _MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}

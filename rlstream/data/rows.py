@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlstream import chat
 from rlstream.config import is_hub_id
+from rlstream.data import chat
 
 
 class DatasetError(ValueError):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlstream.data import DatasetError
+from rlstream.data.rows import DatasetError
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def write_shards(source: str | Path, out_dir: str | Path, *, prefix: str = "trai
     ``per_shard`` samples; returns (brace pattern of the shards, shards, rows)."""
     import webdataset as wds
 
-    from rlstream.data import read_rows
+    from rlstream.data.rows import read_rows
 
     rows = read_rows(source, split, limit)
     out = Path(out_dir)

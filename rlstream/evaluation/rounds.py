@@ -13,14 +13,14 @@ Its figures:
 - ``eval/prompts``, ``eval/samples``, ``eval/policy_version``.
 
 A round's prompts are built from the rows exactly as the feeder builds training prompts
-(:func:`rlstream.data.check_rows`: the same prompt and messages columns, TRL's conversational
+(:func:`rlstream.data.rows.check_rows`: the same prompt and messages columns, TRL's conversational
 format, the other columns for the reward terms), and producers tokenise and generate them
 through the same backend, so an eval prompt differs from a training prompt only in its
 sampling (``eval.samples``, ``eval.temperature``, ``eval.max_new_tokens``).
 
-During training the learner runs rounds over the broker (:mod:`rlstream.learner.evaluation`);
+During training the learner runs rounds over the broker (:mod:`rlstream.evaluation.training`);
 ``rlstream eval CHECKPOINT --config CFG`` runs one in one process, with the HF backend and the
-same reward terms (:mod:`rlstream.run.evaluate`).
+same reward terms (:mod:`rlstream.evaluation.checkpoint`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def round_metrics(groups: list[ScoredGroup], ecfg: EvalConfig) -> dict[str, floa
 
 def read_eval_rows(cfg: Config) -> list[dict[str, Any]]:
     """The held-out rows (at most ``eval.max_prompts``)."""
-    from rlstream.data import read_rows
+    from rlstream.data.rows import read_rows
 
     ecfg = cfg.eval
     if ecfg is None:
@@ -110,7 +110,7 @@ def gym_eval_rows(cfg: Config) -> list[dict[str, Any]]:
 def round_prompts(cfg: Config, rows: list[dict[str, Any]], version: int, *, run: str = "") -> list[Prompt]:
     """One round's prompts, pinned to ``version``. Ids are ``e<version>-<round nonce>-<row>``,
     unique per round, so a round begun again (a resumed learner) is not taken for the old one."""
-    from rlstream.data import check_rows
+    from rlstream.data.rows import check_rows
 
     nonce = uuid.uuid4().hex[:8]
     return [Prompt(id=f"e{version}-{nonce}-{i}", text=text, messages=messages, columns=columns, index=i, run=run,
