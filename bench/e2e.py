@@ -59,7 +59,8 @@ the first step, and the per-step time: the learner's own work per step for rlstr
 (forward, backward, optimizer; for TRL its step less generation and reward). A slow peer
 environment shows there: on a quiet 2-core machine TRL's short step is 55-80 ms.
 
-Writes ``bench/results/e2e.md`` and ``bench/results/e2e.png``; the last line printed is one
+Writes ``bench/results/e2e.md`` and ``bench/results/e2e.png`` (``e2e-quick.*`` with ``--quick``, not
+kept in git); the last line printed is one
 JSON verdict with every ratio; its ``ratio`` is the headline: the long workload's async against
 TRL's better configuration, time to target from launch. Goals (2 cores): long, async >= 1.3x
 TRL and >= 1.6x sync in time to target from launch; short, async (HF) >= 1.0x TRL; launch to
@@ -728,7 +729,8 @@ def main() -> None:  # noqa: C901
     table("the verdict: rlstream async against each peer, time to target from launch (first step beside it)", goal_rows,
           VERDICT_HEADERS)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    picture(runs, all_means, targets, window, RESULTS / "e2e.png")
+    stem = "e2e-quick" if args.quick else "e2e"  # a quick run leaves the full run's record alone
+    picture(runs, all_means, targets, window, RESULTS / f"{stem}.png")
 
     def cell(v):
         return "-" if isinstance(v, float) and math.isnan(v) else (f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else
@@ -747,7 +749,7 @@ def main() -> None:  # noqa: C901
            f"reward {REWARD_IMPORT} on both sides; step s: the rlstream learner's own work per step, TRL's whole step "
            "(generation, reward, training); train phase s: forward, backward and optimizer (TRL: its step less "
            "generation and reward)", ""]
-    (RESULTS / "e2e.md").write_text("\n".join(md))
+    (RESULTS / f"{stem}.md").write_text("\n".join(md))
     print("\n".join(md), flush=True)  # the whole table, however narrow the terminal
     out["lower_bounds"] = lower_bounds
     verdict("e2e", **out, **headline(out, [wl.name for wl in workloads], backends), quick=args.quick, all_ok=ok,
