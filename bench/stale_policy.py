@@ -7,8 +7,8 @@ config and seed twice (or ``--repeats`` times each, in alternating order), diffe
 ``algorithm_params.stale_policy`` (and ``stale_cap``).
 
 The task: the arithmetic demo's problems, where the SFT warm-up teaches the model to answer
-with the sum written ``1 + ((7a + 3b) mod 10) * 4`` times (" 7 7 7 ..."), so its completions run
-from 1 to about 37 tokens by prompt. The reward is the demo's (the first number is the sum), so
+with the sum written from 1 to 100 times by prompt (" 7 7 7 ...", ``(7a + 3b) mod 10`` picks one of
+ten counts), so its completions run from 1 to ``max_new_tokens`` (256) tokens. The reward is the demo's (the first number is the sum), so
 it does not depend on the length. Each producer generates one group at a time
 (``batch_prompts: 1``), so a long group takes longer and reaches the learner later, several
 producers keep the learner fed meanwhile, and ``max_staleness`` is 1.
@@ -54,9 +54,12 @@ COLUMNS = ("policy", "generated", "trained", "dropped", "kept stale", "gen. mean
            "lag mean", "lag max", "ESS", "reward first", "reward last", "wall s")
 
 
+MAX_REPEATS = 100
+
+
 def repeats(a: int, b: int) -> int:
-    """How many times the answer to ``a + b`` is written: 1 to 37, spread over the problems."""
-    return 1 + ((7 * a + 3 * b) % 10) * 4
+    """How many times the answer to ``a + b`` is written: 1 to ``MAX_REPEATS``, in ten steps spread over the problems."""
+    return 1 + ((7 * a + 3 * b) % 10) * (MAX_REPEATS - 1) // 9
 
 
 def completion(a: int, b: int) -> str:
@@ -159,7 +162,7 @@ def main() -> None:
     p.add_argument("--batch-groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-staleness", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--caps", type=int, nargs="*", default=[0], help="stale_cap values for `correct` (0: the default cap)")
     p.add_argument("--repeats", type=int, default=1, help="runs per arm, in alternating order")
     p.add_argument("--seed", type=int, default=0)
@@ -168,14 +171,14 @@ def main() -> None:
     steps, sft_steps = (8, 40) if args.quick else (args.steps, args.sft_steps)
     WORK.mkdir(parents=True, exist_ok=True)
 
-    model_dir = WORK / "base_model"
+    model_dir = WORK / f"base_model_r{MAX_REPEATS}"
     if not (model_dir / "config.json").exists():
         from rlstream.tiny import build_tiny_model
 
         corpus = [f"{task.prompt(a, b)}{completion(a, b)}" for a in range(10) for b in range(10)] * 4
         build_tiny_model(model_dir, corpus=corpus, vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
     data = write_data(WORK / "data")
-    sft_dir = WORK / f"sft_{sft_steps}"
+    sft_dir = WORK / f"sft_{sft_steps}_r{MAX_REPEATS}"
     if not (sft_dir / "summary.json").exists():
         run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}",
                                              "run=bench-stale-sft"], sft_steps, WORK / "sft.log")
@@ -188,7 +191,7 @@ def main() -> None:
     for r in range(args.repeats):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             policy, cap = arm
-            tag = f"{policy}{cap or ''}_{r}"
+            tag = ("quick_" if args.quick else "") + f"{policy}{cap or ''}_{r}"
             config = grpo_config(WORK / f"grpo_{tag}.yaml", warm, data["rl"], args, policy, cap)
             summary = run(config, WORK / f"grpo_{tag}", [], steps, WORK / f"grpo_{tag}.log")
             results[arm].append(figures(WORK / f"grpo_{tag}", summary))
