@@ -23,7 +23,7 @@ def test_the_stale_policy_bench_reads_both_runs_figures():
     assert result["bench"] == "stale_policy" and result["quick"] is True and result["max_staleness"] == 1
     assert set(result["arms"]) == {"drop >1", "correct >64"}
     steps, batch_groups = result["steps"], 4
-    for name, arm in result["arms"].items():
+    for arm in result["arms"].values():
         assert arm["steps"] == steps and arm["trained"] == steps * batch_groups  # every step trains a full batch
         assert arm["generated"] == arm["trained"] + arm["dropped"] and arm["dropped"] == arm["dropped_counter"]
         assert 0 < arm["mean_trained"] <= 256 and 0 < arm["mean_generated"] <= 256  # max_new_tokens
