@@ -97,6 +97,11 @@ class LearnerState:
     """Groups trained per mean-completion-length bucket (:func:`rlstream.learner.advantages.length_bucket`)."""
     dropped_stale_lengths: dict[str, int] = field(default_factory=dict)
     """Groups dropped as too stale, per the same buckets."""
+    trained_length_sum: float = 0.0
+    """The sum of the trained groups' mean completion lengths (tokens): over the groups trained,
+    their mean length (``lengths/mean_trained``)."""
+    dropped_stale_length_sum: float = 0.0
+    """The same over the groups dropped as too stale (``lengths/mean_dropped_stale``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}

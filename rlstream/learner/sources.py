@@ -221,6 +221,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
                 state.dropped_stale += 1
                 out.dropped_stale += 1
                 _count_length(state.dropped_stale_lengths, g)
+                state.dropped_stale_length_sum += group_length(g)
             else:
                 state.dropped_filtered += 1
                 out.dropped_filtered += 1
@@ -235,6 +236,7 @@ async def take_rl_batch(learner: Learner, buf, stop: asyncio.Event, on_drop=None
     for d in out.deliveries:  # counted once the batch is whole: a batch cut short by ``stop`` goes back
         g = d.record
         _count_length(state.trained_lengths, g)
+        state.trained_length_sum += group_length(g)
         if state.policy_version - g.rollout.policy_version > cfg.max_staleness:
             state.kept_stale += 1
             out.kept_stale += 1
@@ -254,13 +256,18 @@ def _count_length(counts: dict[str, int], g: ScoredGroup) -> None:
 
 def length_metrics(state) -> dict[str, float]:
     """Groups trained and dropped as too stale per mean-completion-length bucket, every bucket
-    (``lengths/trained_le64``, ``lengths/dropped_stale_le64``, ...; running totals), the
-    groups kept past ``max_staleness`` (``buffer/kept_stale``). A bucket's share dropped is
-    ``dropped / (trained + dropped)``: under ``stale_policy: drop`` it grows with length."""
+    (``lengths/trained_le64``, ``lengths/dropped_stale_le64``, ...; running totals), the mean
+    completion length of each side (``lengths/mean_trained``, ``lengths/mean_dropped_stale``;
+    0 while a side is empty), the groups kept past ``max_staleness`` (``buffer/kept_stale``).
+    A bucket's share dropped is ``dropped / (trained + dropped)``: under ``stale_policy: drop``
+    it grows with length."""
     trained = adv.length_histogram([]) | state.trained_lengths
     dropped = adv.length_histogram([]) | state.dropped_stale_lengths
     out = {f"lengths/trained_{b}": float(n) for b, n in trained.items()}
     out.update({f"lengths/dropped_stale_{b}": float(n) for b, n in dropped.items()})
+    n_trained, n_dropped = sum(trained.values()), sum(dropped.values())
+    out["lengths/mean_trained"] = state.trained_length_sum / n_trained if n_trained else 0.0
+    out["lengths/mean_dropped_stale"] = state.dropped_stale_length_sum / n_dropped if n_dropped else 0.0
     out["buffer/kept_stale"] = float(state.kept_stale)
     return out
 

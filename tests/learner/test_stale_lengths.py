@@ -135,10 +135,27 @@ def test_length_metrics_name_every_bucket():
     state = LearnerState(trained_lengths={"le64": 3}, dropped_stale_lengths={"le512": 2}, kept_stale=5)
     m = length_metrics(state)
     assert m["lengths/trained_le64"] == 3.0 and m["lengths/dropped_stale_le512"] == 2.0 and m["buffer/kept_stale"] == 5.0
-    assert m["lengths/trained_gt4096"] == 0.0 and len([k for k in m if k.startswith("lengths/")]) == 20
+    assert m["lengths/trained_gt4096"] == 0.0 and len([k for k in m if k.startswith("lengths/")]) == 22
+    assert m["lengths/mean_trained"] == 0.0 == m["lengths/mean_dropped_stale"]  # no sums recorded: 0, not a division by zero
+    assert LearnerState().to_json()["trained_length_sum"] == 0.0
     # an old checkpoint's state (no such fields) still loads, with empty counts
-    old = {k: v for k, v in LearnerState().to_json().items() if k not in ("kept_stale", "trained_lengths", "dropped_stale_lengths")}
+    old = {k: v for k, v in LearnerState().to_json().items()
+           if k not in ("kept_stale", "trained_lengths", "dropped_stale_lengths", "trained_length_sum", "dropped_stale_length_sum")}
     assert LearnerState.from_json(old).trained_lengths == {}
+    assert LearnerState.from_json(old).trained_length_sum == 0.0
+
+
+def test_length_metrics_give_the_mean_length_of_each_side():
+    """The learner's exact mean completion length of the groups trained and of those dropped
+    as too stale: what was generated is their weighted mean (``bench/stale_policy.py``)."""
+    stream = recorded_stream()
+    drop = _learner({"stale_policy": "drop"})
+    trained, left = asyncio.run(_train_all(drop, stream))
+    m = length_metrics(drop.state)
+    dropped = [g for g in stream if g.id in set(drop.state.dropped_ids)]
+    assert m["lengths/mean_trained"] == pytest.approx(_mean_length(trained))
+    assert m["lengths/mean_dropped_stale"] == pytest.approx(_mean_length(dropped))
+    assert m["lengths/mean_dropped_stale"] > m["lengths/mean_trained"]
 
 
 # ---- the learner loop against a real nats-server ------------------------------------------------
