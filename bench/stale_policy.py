@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import parser, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
-from rlstream.rundir import read_jsonl  # noqa: E402
+from rlstream.rundir.files import read_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / ".stale_policy"
 RESULTS = ROOT / "bench" / "results"
@@ -173,7 +173,7 @@ def main() -> None:
 
     model_dir = WORK / f"base_model_r{MAX_REPEATS}"
     if not (model_dir / "config.json").exists():
-        from rlstream.tiny import build_tiny_model
+        from rlstream.models.tiny import build_tiny_model
 
         corpus = [f"{task.prompt(a, b)}{completion(a, b)}" for a in range(10) for b in range(10)] * 4
         build_tiny_model(model_dir, corpus=corpus, vocab_size=320, num_layers=2, hidden_size=128, intermediate_size=384)
