@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 
@@ -60,3 +64,27 @@ def verdict(name: str, **figures) -> None:
     if "ratio" in out and "goal" in out:
         out["ok"] = bool(out["ratio"] >= out["goal"])
     print(json.dumps(out), flush=True)
+
+
+def rlstream_run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
+    """``rlstream run CONFIG`` in a fresh run directory (``--set`` each of ``sets``), its output
+    in ``log``; its ``summary.json`` with ``wall``, the run's seconds from launch. Exits naming
+    the log if the run fails."""
+    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite",
+           "--no-live", "--max-steps", str(max_steps)]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        code = subprocess.call(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=out, stderr=subprocess.STDOUT)
+    if code != 0 or not (run_dir / "summary.json").exists():
+        raise SystemExit(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["wall"] = time.perf_counter() - t0
+    return summary
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    """The mean of ``key`` over the rows that hold a number for it (NaN if none do)."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.fmean(values) if values else float("nan")

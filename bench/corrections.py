@@ -16,17 +16,14 @@ costs at most 10% of the reward). Writes ``bench/results/corrections.md``.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import parser, table, verdict  # noqa: E402
+from _common import mean_of, parser, rlstream_run, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
 from rlstream.rundir.files import read_jsonl  # noqa: E402
@@ -39,23 +36,8 @@ COLUMNS = ("correction", "reward first", "reward last", "ESS", "ESS raw", "misma
            "masked", "s/step")
 
 
-def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite", "--max-steps", str(max_steps)]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0 or not (run_dir / "summary.json").exists():
-        raise SystemExit(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["wall"] = time.perf_counter() - t0
-    return summary
 
 
-def mean_of(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return statistics.fmean(values) if values else float("nan")
 
 
 def main() -> None:
@@ -77,7 +59,7 @@ def main() -> None:
     data = task.write_datasets(WORK / "data")
     sft_dir = WORK / f"sft_{sft_steps}"
     if not (sft_dir / "summary.json").exists():
-        run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"], sft_steps,
+        rlstream_run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"], sft_steps,
             WORK / "sft.log")
     warm = (sft_dir / "checkpoints" / "latest").resolve()
 
@@ -86,7 +68,7 @@ def main() -> None:
         run_dir = WORK / f"grpo_{name}"
         sets = [f"model_checkpoint_path={warm}", f"data_source.path={data['rl']}", "algorithm_params.max_staleness=4",
                 f"algorithm_params.off_policy_correction={name}", f"producer.count={args.producers}", f"run=bench-corr-{name.replace('_', '-')}"]
-        summary = run(EXAMPLES / "grpo.yaml", run_dir, sets, steps, WORK / f"grpo_{name}.log")
+        summary = rlstream_run(EXAMPLES / "grpo.yaml", run_dir, sets, steps, WORK / f"grpo_{name}.log")
         metrics = read_jsonl(run_dir / "metrics.jsonl").rows
         r = {
             "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import parser, table, verdict  # noqa: E402
+from _common import parser, rlstream_run, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
 from rlstream.rundir.files import read_jsonl  # noqa: E402
@@ -52,19 +50,6 @@ COLUMNS = ("arm", "groups", "stale", "filtered", "filtered share", "samples gene
 KEYS = ("groups", "stale", "filtered", "filtered_share", "samples_generated", "reward_per_sample", "reward_last", "eval_pass1", "wall")
 
 
-def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite",
-           "--no-live", "--max-steps", str(max_steps)]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0 or not (run_dir / "summary.json").exists():
-        raise SystemExit(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["wall"] = time.perf_counter() - t0
-    return summary
 
 
 def finite(v: float) -> float | None:
@@ -98,7 +83,7 @@ def warm_model(sft_steps: int, data: dict) -> Path:
         return model_dir
     sft_dir = WORK / f"sft_{sft_steps}"
     if not (sft_dir / "summary.json").exists():
-        run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
+        rlstream_run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
             sft_steps, WORK / "sft.log")
     return (sft_dir / "checkpoints" / "latest").resolve()
 
@@ -140,7 +125,7 @@ def main() -> None:
         seeded = [f"producer.seed={seed}", f"data_source.shuffle_seed={seed}", f"data_source.curriculum.seed={seed}"]
         for name, sets in arms.items():
             run_dir = WORK / f"dapo_{name}"
-            summary = run(EXAMPLES / "dapo.yaml", run_dir, [*common, *seeded, *sets, f"run=bench-cur-{name}-{seed}"], steps,
+            summary = rlstream_run(EXAMPLES / "dapo.yaml", run_dir, [*common, *seeded, *sets, f"run=bench-cur-{name}-{seed}"], steps,
                           WORK / f"dapo_{name}_{seed}.log")
             r = arm_figures(run_dir, summary)
             results[name].append(r)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import parser, table, verdict  # noqa: E402
+from _common import parser, rlstream_run, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
 from rlstream.rundir.files import read_jsonl  # noqa: E402
@@ -38,18 +37,6 @@ RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples" / "arithmetic"
 
 
-def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--max-steps", str(max_steps)]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0 or not (run_dir / "summary.json").exists():
-        raise SystemExit(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["wall"] = time.perf_counter() - t0
-    return summary
 
 
 def main() -> None:
@@ -75,10 +62,10 @@ def main() -> None:
     data = task.write_datasets(WORK / "data")
     sft_dir, grpo_dir = WORK / f"sft_{sft_steps}", WORK / f"grpo_{sft_steps}_{grpo_steps}"
     if not (sft_dir / "summary.json").exists():
-        run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"], sft_steps,
+        rlstream_run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"], sft_steps,
             WORK / "sft.log")
     if not (grpo_dir / "summary.json").exists():
-        run(EXAMPLES / "grpo.yaml", grpo_dir, [f"model_checkpoint_path={(sft_dir / 'checkpoints' / 'latest').resolve()}",
+        rlstream_run(EXAMPLES / "grpo.yaml", grpo_dir, [f"model_checkpoint_path={(sft_dir / 'checkpoints' / 'latest').resolve()}",
                                                f"data_source.path={data['rl']}"], grpo_steps, WORK / "grpo.log")
     teacher = json.loads((grpo_dir / "summary.json").read_text())
     teacher_dir = (grpo_dir / "checkpoints" / "latest").resolve()
@@ -87,13 +74,13 @@ def main() -> None:
     if args.student_sft_steps:
         warm_dir = WORK / f"sft_{args.student_sft_steps}"
         if not (warm_dir / "summary.json").exists():
-            run(EXAMPLES / "sft.yaml", warm_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
+            rlstream_run(EXAMPLES / "sft.yaml", warm_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}"],
                 args.student_sft_steps, WORK / "sft_student.log")
         student_model = (warm_dir / "checkpoints" / "latest").resolve()
     student_dir = WORK / (f"distill_{steps}" + (f"_lr{args.lr:g}" if args.lr else "") +
                           (f"_warm{args.student_sft_steps}" if args.student_sft_steps else ""))
     shutil.rmtree(student_dir, ignore_errors=True)
-    student = run(EXAMPLES / "distill.yaml", student_dir, [f"model_checkpoint_path={student_model}", f"data_source.path={data['rl']}",
+    student = rlstream_run(EXAMPLES / "distill.yaml", student_dir, [f"model_checkpoint_path={student_model}", f"data_source.path={data['rl']}",
                                                          f"teacher.model_path={teacher_dir}",
                                                          *([f"learner.lr={args.lr}"] if args.lr else [])], steps, WORK / "distill.log")
     metrics = read_jsonl(student_dir / "metrics.jsonl").rows

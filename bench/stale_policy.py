@@ -31,9 +31,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -41,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import parser, table, verdict  # noqa: E402
+from _common import mean_of, parser, rlstream_run, table, verdict  # noqa: E402
 
 from examples.arithmetic import task  # noqa: E402
 from rlstream.rundir.files import read_jsonl  # noqa: E402
@@ -100,23 +98,8 @@ def grpo_config(path: Path, model: Path, prompts: Path, args, policy: str, cap: 
     return path
 
 
-def run(config: Path, run_dir: Path, sets: list[str], max_steps: int, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite", "--max-steps", str(max_steps)]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0 or not (run_dir / "summary.json").exists():
-        raise SystemExit(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["wall"] = time.perf_counter() - t0
-    return summary
 
 
-def _mean(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return statistics.fmean(values) if values else float("nan")
 
 
 def figures(run_dir: Path, summary: dict) -> dict:
@@ -132,8 +115,8 @@ def figures(run_dir: Path, summary: dict) -> dict:
         "generated": generated, "trained": trained, "dropped": dropped, "dropped_counter": int(last["buffer/dropped_stale"]),
         "kept_stale": int(last["buffer/kept_stale"]), "mean_generated": mean_generated, "mean_trained": mean_trained,
         "mean_dropped": mean_dropped, "length_ratio": mean_trained / mean_generated if generated else float("nan"),
-        "lag_mean": _mean(rows, "buffer/staleness_mean"), "lag_max": int(max(r.get("buffer/staleness_max", 0) for r in rows)),
-        "ess": _mean(rows, "is/ess"), "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
+        "lag_mean": mean_of(rows, "buffer/staleness_mean"), "lag_max": int(max(r.get("buffer/staleness_max", 0) for r in rows)),
+        "ess": mean_of(rows, "is/ess"), "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
         "steps": len(rows), "groups_trained_summary": summary["groups_trained"], "wall": summary["wall"],
     }
 
@@ -180,7 +163,7 @@ def main() -> None:
     data = write_data(WORK / "data")
     sft_dir = WORK / f"sft_{sft_steps}_r{MAX_REPEATS}"
     if not (sft_dir / "summary.json").exists():
-        run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}",
+        rlstream_run(EXAMPLES / "sft.yaml", sft_dir, [f"model_checkpoint_path={model_dir}", f"data_source.path={data['sft']}",
                                              "run=bench-stale-sft"], sft_steps, WORK / "sft.log")
     warm = (sft_dir / "checkpoints" / "latest").resolve()
 
@@ -193,7 +176,7 @@ def main() -> None:
             policy, cap = arm
             tag = ("quick_" if args.quick else "") + f"{policy}{cap or ''}_{r}"
             config = grpo_config(WORK / f"grpo_{tag}.yaml", warm, data["rl"], args, policy, cap)
-            summary = run(config, WORK / f"grpo_{tag}", [], steps, WORK / f"grpo_{tag}.log")
+            summary = rlstream_run(config, WORK / f"grpo_{tag}", [], steps, WORK / f"grpo_{tag}.log")
             results[arm].append(figures(WORK / f"grpo_{tag}", summary))
     pooled_results = {arm: pooled(runs) for arm, runs in results.items()}
 
