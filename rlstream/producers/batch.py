@@ -115,7 +115,8 @@ async def generation(comp: Component, backend: GenerationBackend, consumer: Cons
 
     - The backend raises: the prompts are failed with the traceback (nak'ed with backoff,
       dead-lettered to ``rl.<run>.dlq.producer`` after ``nats.max_deliver`` deliveries) and
-      None is returned; the producer goes on.
+      None is returned; the producer goes on (``loop.MAX_FAILED_BATCHES`` such batches in a
+      row end it).
     - It does not answer within the timeout: the prompts are failed with the reason,
       ``alert/generation_timeouts`` is raised and published at once, and
       :class:`GenerationTimeout` is raised: a hung engine cannot be trusted with more prompts,
