@@ -43,7 +43,9 @@ def _load(args: argparse.Namespace):
 
 
 def _nats_url(args: argparse.Namespace, cfg, optional: bool = False) -> str | None:
-    url = getattr(args, "nats", None) or (cfg.nats.url if cfg is not None else None) or os.environ.get("RLSTREAM_NATS_URL")
+    from rlstream.broker.connection import nats_url
+
+    url = nats_url(getattr(args, "nats", None), cfg.nats.url if cfg is not None else None)
     if not url and not optional:
         print("error: no NATS URL: pass --nats, set nats.url in the config or RLSTREAM_NATS_URL", file=sys.stderr)
         raise SystemExit(2)
@@ -199,7 +201,9 @@ def cmd_observe(name: str):
         try:
             if hasattr(args, "run") and not args.run:
                 args.run = read_run_id(Path(run_dir))
-            if args.nats or os.environ.get("RLSTREAM_NATS_URL"):
+            from rlstream.broker.connection import nats_url
+
+            if nats_url(args.nats):
                 return command(args)
             with run_broker(Path(run_dir), log=lambda m: print(m, file=sys.stderr, flush=True)) as url:
                 args.nats = url

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from rlstream.broker.component import kept_in_progress, lanes, refilled, signals_to
+from rlstream.broker.component import InHand, kept_in_progress, lanes, refilled, signals_to
+from rlstream.broker.io import Outgoing
 
 
 async def test_lanes_share_one_lock_and_all_return():
@@ -160,6 +161,78 @@ async def test_kept_in_progress_acks_until_the_block_ends():
         await asyncio.sleep(0)
         assert not any(t.get_name() == "keep-fast" for t in asyncio.all_tasks())
     assert beats.empty()
+
+
+class _Held:
+    """A delivery in hand: its record id, its stream sequence, and what was sent for it."""
+
+    def __init__(self, record_id: str, seq: int, sent: list):
+        self.record = type("Record", (), {"id": record_id})()
+        self.stream_seq = seq
+        self.sent = sent
+
+    async def in_progress(self) -> None:
+        self.sent.append(("in_progress", self.record.id))
+
+    async def ack(self) -> None:
+        self.sent.append(("ack", self.record.id))
+
+
+class _Publisher:
+    def __init__(self, sent: list, fails: bool = False):
+        self.sent, self.fails = sent, fails
+
+    async def publish_many(self, items) -> None:
+        if self.fails:
+            raise TimeoutError("the broker did not answer")
+        self.sent.extend(("publish", o.msg_id) for o in items)
+
+
+async def test_process_batch_publishes_then_acks_and_releases_the_batch():
+    sent: list = []
+    hand = InHand()
+    batch = [_Held("a", 1, sent), _Held("b", 2, sent)]
+    hand.held.update({"a": 1, "b": 2})
+
+    async def work(fresh) -> None:
+        await hand.publish_then_ack(_Publisher(sent), [(d, Outgoing("out", b"x", d.record.id)) for d in fresh])
+
+    await hand.process_batch(batch, work, every_s=30, name="keep")
+    assert sent == [("publish", "a"), ("publish", "b"), ("ack", "a"), ("ack", "b")]
+    assert hand.held == {} and "a" in hand.seen and "b" in hand.seen
+
+
+async def test_process_batch_whose_publish_fails_acks_nothing_and_gives_the_batch_back():
+    sent: list = []
+    hand = InHand()
+    batch = [_Held("a", 1, sent)]
+    hand.held["a"] = 1
+
+    async def work(fresh) -> None:
+        await hand.publish_then_ack(_Publisher(sent, fails=True), [(d, Outgoing("out", b"x", d.record.id)) for d in fresh])
+
+    with pytest.raises(TimeoutError):
+        await hand.process_batch(batch, work, every_s=30, name="keep")
+    assert sent == []  # unacked: the message comes back after the ack wait
+    assert hand.held == {} and "a" not in hand.seen  # its redelivery is handled, not skipped
+
+
+async def test_process_batch_keeps_the_batch_in_progress_while_the_work_lasts():
+    sent: list = []
+    hand = InHand()
+    beats = asyncio.Event()
+
+    class Beating(_Held):
+        async def in_progress(self) -> None:
+            await super().in_progress()
+            beats.set()
+
+    async def work(fresh) -> None:
+        await asyncio.wait_for(beats.wait(), 30)  # a slow publish: in-progress acks meanwhile
+
+    await hand.process_batch([Beating("a", 1, sent)], work, every_s=0.01, name="keep")
+    assert ("in_progress", "a") in sent
+    assert not any(t.get_name() == "keep" for t in asyncio.all_tasks())
 
 
 async def test_signals_to_sets_stop_and_removes_its_handlers():

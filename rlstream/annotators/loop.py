@@ -28,7 +28,7 @@ import numpy as np
 
 from rlstream.annotators.logprobs import AnnotatorError, build_annotator
 from rlstream.broker import Component, Consumer, Delivery, Outgoing
-from rlstream.broker.component import InHand, RecentIds, kept_in_progress, lanes
+from rlstream.broker.component import InHand, lanes
 from rlstream.config import Config
 from rlstream.schemas import Limits, ScoredGroup
 
@@ -80,20 +80,16 @@ async def annotate_stream(cfg: Config, comp: Component, consumer: Consumer, anno
                 break
             if not fresh:
                 continue
-            try:
-                # in-progress acks while the batch is in hand, its publish included (retried
-                # while the broker is away): it is not redelivered before it is acked
-                async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name=f"{stage}-in-progress"):
-                    await annotate_batch(cfg, comp, consumer, annotator, stage, component_id, fresh, hand.seen)
-            finally:
-                hand.release(fresh)
+            await hand.process_batch(fresh, lambda batch: annotate_batch(cfg, comp, consumer, annotator, stage, component_id,
+                                                                         batch, hand),
+                                     every_s=cfg.nats.ack_wait_s / 3, name=f"{stage}-in-progress")
 
     await lanes(scfg.pipeline_batches, lane, name=f"{stage}-{component_id}")
     log.info("%s %s: stopping (%d groups annotated)", stage, component_id, int(reporter.values.get(f"{stage}/groups", 0)))
 
 
 async def annotate_batch(cfg: Config, comp: Component, consumer: Consumer, annotator, stage: str, component_id: str,
-                         fresh: list[Delivery[ScoredGroup]], seen: RecentIds) -> None:
+                         fresh: list[Delivery[ScoredGroup]], hand: InHand) -> None:
     """Add the log-probs, publish the annotated groups (msg id = group id), then ack them;
     a batch that could not be annotated is nak'ed (dead-lettered after ``max_deliver``)."""
     reporter, layout = comp.reporter, comp.layout
@@ -111,11 +107,8 @@ async def annotate_batch(cfg: Config, comp: Component, consumer: Consumer, annot
     for d, v in zip(fresh, values):
         setattr(d.record, FIELDS[stage], v)
         d.record.annotated_by = {**d.record.annotated_by, stage: component_id}
-    await comp.publisher.publish_many([Outgoing(layout.annotated(stage), d.record.encode(), d.record.id) for d in fresh])
-    acked = time.monotonic()
-    for d in fresh:
-        await d.ack()
-        seen.add(d.record.id)
+    acked = await hand.publish_then_ack(comp.publisher, [(d, Outgoing(layout.annotated(stage), d.record.encode(), d.record.id))
+                                                         for d in fresh])
     tokens = sum(int(v.size) for v in values)
     reporter.inc(f"{stage}/groups", len(fresh))
     reporter.inc(f"{stage}/tokens", tokens)

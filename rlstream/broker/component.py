@@ -19,6 +19,10 @@ Besides :class:`Component`, the plumbing the stages share:
   as one finishes or gives its slot up (no batch waits for its slowest item);
 - :func:`kept_in_progress`: in-progress acks for records while slow work on them runs;
 - :class:`RecentIds`: the ids a stage handled recently, to ack redeliveries without redoing them;
+- :class:`InHand`: a stage's batches from fetch to ack (:meth:`InHand.fetch_fresh`,
+  :meth:`InHand.process_batch`, :meth:`InHand.publish_then_ack`), shared by the scorers and
+  the annotating stages (the learner holds its records past a checkpoint instead: see
+  :mod:`rlstream.learner.buffer`);
 - :class:`ComponentMain`: the signature every component's ``main`` has.
 """
 
@@ -35,7 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any, Protocol
 
 from rlstream.broker.connection import connect, connect_state
-from rlstream.broker.io import Publisher
+from rlstream.broker.io import Outgoing, Publisher
 from rlstream.broker.layout import Layout, bind_layout, ensure_layout
 from rlstream.broker.state import RunState
 from rlstream.broker.telemetry import Reporter, metrics_port
@@ -307,6 +311,33 @@ class InHand:
         """These are no longer in hand (handled and acked, or given back)."""
         for d in deliveries:
             self.held.pop(d.record.id, None)
+
+    async def process_batch(self, fresh: Sequence[Any], work: Callable[[Sequence[Any]], Awaitable[None]], *,
+                            every_s: float, name: str) -> None:
+        """``work(fresh)`` with in-progress acks for ``fresh`` every ``every_s`` seconds meanwhile
+        (:func:`kept_in_progress`, a task named ``name``), then ``fresh`` leaves the hand, whether
+        the work returned or raised.
+
+        The work includes the publish and the acks (:meth:`publish_then_ack`): a publish
+        retried while the broker is away can outlast the ack wait, and a batch redelivered
+        before it is acked would be handled twice, or, acked by its redelivery, lost with a
+        publish that then fails."""
+        try:
+            async with kept_in_progress(fresh, every_s, name=name):
+                await work(fresh)
+        finally:
+            self.release(fresh)
+
+    async def publish_then_ack(self, publisher: Publisher, done: Sequence[tuple[Any, Outgoing]]) -> float:
+        """Publish the records a batch made (one ``publish_many``), then ack each delivery, its
+        publish acked by JetStream, and remember it as handled (a later redelivery is acked
+        again, not redone). Returns the monotonic time the publishes were acked."""
+        await publisher.publish_many([out for _, out in done])
+        acked = time.monotonic()
+        for d, _ in done:
+            await d.ack()
+            self.seen.add(d.record.id)
+        return acked
 
 
 @contextlib.asynccontextmanager

@@ -17,6 +17,20 @@ from rlstream.config import NatsConfig, checked_secret, mask_secrets
 log = logging.getLogger(__name__)
 
 
+NATS_URL_ENV = "RLSTREAM_NATS_URL"
+"""The broker's URL from the environment (how ``rlstream run`` hands its children the broker,
+kept off their command lines)."""
+
+
+def nats_url(flag: str | None, configured: str | None = None) -> str | None:
+    """The broker a command talks to, the same way for every command: ``--nats`` (``flag``),
+    else the config's ``nats.url`` (``configured``; commands without a config pass none), else
+    ``$RLSTREAM_NATS_URL``. None when none names one: the caller says what to do then (a
+    component refuses to start, an offline learner needs none, a command given a run directory
+    starts the run's own broker from its store)."""
+    return flag or configured or os.environ.get(NATS_URL_ENV) or None
+
+
 def _tls_context(cfg: NatsConfig) -> ssl.SSLContext | None:
     tls = cfg.tls
     if tls is None:

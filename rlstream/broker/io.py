@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.client import DEFAULT_JS_SUB_PENDING_BYTES_LIMIT, DEFAULT_JS_SUB_PENDING_MSGS_LIMIT
 
-from rlstream.broker.errors import BrokerError
+from rlstream.broker.errors import TRANSIENT, BrokerError
 from rlstream.broker.layout import PUBLISH_ACK_TIMEOUT_S, PUBLISH_MAX_BACKOFF_S, PUBLISH_RETRY_S, SHUTDOWN_RETRY_S, Layout
 from rlstream.schemas import DEFAULT_LIMITS, DeadLetter, Limits, Record, RecordError
 
@@ -39,18 +39,6 @@ log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"
 R = TypeVar("R", bound=Record)
-
-_RETRYABLE = (
-    asyncio.TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.ServerError,
-)
 
 
 @dataclass(slots=True)
@@ -104,7 +92,7 @@ class Publisher:
                 try:
                     # no wait_stall: with a timeout, nats-py wraps every publish in a task (3x slower)
                     futures[i] = await publish(item.subject, item.data, headers=headers)
-                except _RETRYABLE + (nats.js.errors.TooManyStalledMsgsError,):
+                except TRANSIENT:
                     failed.append(i)
                 except nats.errors.MaxPayloadError as exc:  # never fits: retrying cannot help
                     raise BrokerError(f"publish to {item.subject} refused: {len(item.data)} bytes exceed the broker's max payload") from exc
@@ -118,7 +106,7 @@ class Publisher:
                     acks[i] = fut.result()
                     continue
                 exc = None if fut.cancelled() or not fut.done() else fut.exception()
-                if exc is not None and not isinstance(exc, _RETRYABLE):
+                if exc is not None and not isinstance(exc, TRANSIENT):
                     raise BrokerError(f"publish to {items[i].subject} failed: {exc}") from exc
                 failed.append(i)
             todo = sorted(failed)
@@ -354,9 +342,7 @@ class Consumer(Generic[R]):
             msgs = await self.sub.fetch(batch, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, nats.errors.NoRespondersError,
-                nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError,
-                nats.js.errors.NoStreamResponseError):
+        except TRANSIENT:
             self.broker_waits += 1  # the broker away for a moment (a node lost, a leader election): try again
             await asyncio.sleep(min(timeout, 1.0))
             return []

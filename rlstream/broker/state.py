@@ -34,23 +34,11 @@ from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from rlstream.broker.connection import STATE_API
-from rlstream.broker.errors import BrokerError
+from rlstream.broker.errors import TRANSIENT, BrokerError
 from rlstream.broker.layout import LEARNER_STEP, PACING_ADMIT, POLICY_VERSION, WEIGHTS_LATEST, Layout, heartbeat_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-TRANSIENT = (
-    asyncio.TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.NoRespondersError,
-    nats.errors.OutboundBufferLimitError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.NoStreamResponseError,
-)
-"""Errors that mean "the broker is away for a moment", not "this request is wrong"."""
 
 CALL_TIMEOUT_S = 10.0
 """The longest one KV call may take before it counts as the broker being away."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import platform
 import shutil
 import sys
@@ -61,6 +60,7 @@ import torch
 from rich.console import Console
 
 from rlstream import __version__
+from rlstream.broker.connection import nats_url
 from rlstream.config import Config, ConfigError, NatsConfig, apply_overrides, parse_config
 from rlstream.learner.batching import forward_logprobs
 from rlstream.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, step_of
@@ -107,7 +107,7 @@ def write_bundle(run_dir: Path, out: Path, first: int, last: int, overrides: lis
     wanted = recorded_steps(metrics, first, last)
     start = _start_checkpoint(run_dir, first - 1)
     forward = recorded_steps(metrics, step_of(start) + 1, first - 1) if step_of(start) < first - 1 else []
-    url = url or cfg.nats.url
+    url = nats_url(url, cfg.nats.url)
     if not url:
         raise BundleError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
     seqs = list(dict.fromkeys(q for s in forward + wanted for q in metrics[s]["scored_seqs"]))
@@ -396,7 +396,7 @@ def cli_write(args, nats_cfg: NatsConfig | None = None) -> int:
         if args.steps is None:
             raise BundleError("--bundle needs --steps A-B (or --from-step K --steps N)")
         first, last = parse_steps(args.steps, args.from_step)
-        url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
+        url = getattr(args, "nats", None)  # resolved with the run's config: nats_url
         return write_bundle(Path(args.run_dir), Path(args.bundle), first, last, args.set, url, nats_cfg)
 
     def show(result: dict[str, Any]) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from rlstream.broker.connection import connect
+from rlstream.broker.connection import connect, nats_url
 from rlstream.broker.errors import BrokerError
 from rlstream.broker.layout import Layout
 from rlstream.config import ConfigError, NatsConfig, apply_overrides, parse_config
@@ -191,7 +190,7 @@ def replay(run_dir: Path, from_step: int, steps: int, overrides: list[str], url:
         have = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
         raise ReplayError(f"no checkpoint {ckpt}; available: {', '.join(have) or 'none'}")
     wanted = recorded_steps(metrics, from_step + 1, from_step + steps)
-    url = url or cfg.nats.url
+    url = nats_url(url, cfg.nats.url)
     if not url:
         raise ReplayError("no NATS URL: pass --nats, or set nats.url in the config or RLSTREAM_NATS_URL")
     seqs = [q for s in wanted for q in metrics[s]["scored_seqs"]]
@@ -253,7 +252,7 @@ def cli(args, nats_cfg: NatsConfig | None = None) -> int:
         if args.steps is None and args.from_step is None:
             raise ReplayError("give --from-step K (with --steps N, default 4) or --steps A-B")
         first, last = parse_steps(args.steps or "4", args.from_step)
-        url = getattr(args, "nats", None) or os.environ.get("RLSTREAM_NATS_URL")
+        url = getattr(args, "nats", None)  # resolved with the run's config: nats_url
         return replay(Path(args.run_dir), first - 1, last - first + 1, args.set, url, rtol=rtol, atol=atol, nats_cfg=nats_cfg)
 
     return command(work, args.json, lambda result: render(result, Console(file=sys.stdout, highlight=False)))

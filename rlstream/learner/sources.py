@@ -273,7 +273,15 @@ def length_metrics(state) -> dict[str, float]:
 
 
 class StreamSource:
-    """Scored groups from the broker, through the bounded buffer, in stream order."""
+    """Scored groups from the broker, through the bounded buffer, in stream order.
+
+    Not the scorers' and annotating stages' batch plumbing
+    (:class:`~rlstream.broker.component.InHand`): they ack a record once what they made of it
+    is published, and tell a redelivery by its record id. The learner holds every record it
+    pulled until a checkpoint holds its effect, so it acks long after a batch is handled
+    (:meth:`ack_through`), keeps it in progress the whole while (:func:`~rlstream.learner.buffer.hold`),
+    and tells a redelivery by its stream sequence, which is what keeps its batches in stream
+    order (:class:`~rlstream.learner.buffer.GroupBuffer`)."""
 
     def __init__(self, learner: Learner, comp, buf, consumer, curriculum: PromptCurriculum | None = None):
         self.learner = learner

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlstream.broker.connection import connect
+from rlstream.broker.connection import nats_url as resolve_nats_url
 from rlstream.broker.errors import BrokerError
 from rlstream.config import NatsConfig
 
@@ -28,8 +29,10 @@ class ObserveError(Exception):
     """A problem an operator can fix (bad argument, missing stream); printed, exit 2."""
 
 
-def nats_url(args: Any, default: str | None = None) -> str:
-    url = getattr(args, "nats", None) or default or os.environ.get("RLSTREAM_NATS_URL")
+def nats_url(args: Any) -> str:
+    """The broker an observing command reads (:func:`rlstream.broker.connection.nats_url`:
+    ``--nats``, else ``$RLSTREAM_NATS_URL``)."""
+    url = resolve_nats_url(getattr(args, "nats", None))
     if not url:
         raise ObserveError("no NATS URL: pass --nats or set RLSTREAM_NATS_URL")
     return url

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from rlstream.producers.backends import GenerationBackend, ProducerError, Sampli
 from rlstream.schemas import Prompt, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GenerationTimeout(ProducerError):
@@ -105,6 +107,42 @@ async def encode_batch(comp: Component, backend: GenerationBackend, consumer: Co
         return None
 
 
+async def generation(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, work: Callable[[], Awaitable[T]], *,
+                     what: str) -> T | None:
+    """``work()`` (a batch's generation, or its episodes) within ``producer.generation_timeout_s``:
+    the one path of a generation that fails, whichever driver (batch lanes or continuous slots)
+    holds the prompts.
+
+    - The backend raises: the prompts are failed with the traceback (nak'ed with backoff,
+      dead-lettered to ``rl.<run>.dlq.producer`` after ``nats.max_deliver`` deliveries) and
+      None is returned; the producer goes on (``loop.MAX_FAILED_BATCHES`` such batches in a
+      row end it).
+    - It does not answer within the timeout: the prompts are failed with the reason,
+      ``alert/generation_timeouts`` is raised and published at once, and
+      :class:`GenerationTimeout` is raised: a hung engine cannot be trusted with more prompts,
+      so the producer exits (and is restarted)."""
+    timeout_s = comp.cfg.producer.generation_timeout_s
+    try:
+        return await asyncio.wait_for(work(), timeout_s)
+    except asyncio.TimeoutError:
+        reason = f"{what} timed out after {timeout_s:g}s (producer.generation_timeout_s): the {backend.name} backend is hung"
+        log.error("producer %s: %s; nak'ing %d prompts (%s)", comp.component_id, reason, len(deliveries),
+                  ", ".join(d.record.id for d in deliveries[:8]))
+        comp.reporter.inc("alert/generation_timeouts")
+        for d in deliveries:
+            await consumer.fail(d, reason)
+        try:
+            await comp.reporter.emit(dict(comp.reporter.values))
+        except Exception as exc:  # the broker away: the log line is the record
+            log.debug("alert not published: %s", exc)
+        raise GenerationTimeout(reason) from None
+    except Exception as exc:  # the backend failed: nak with backoff, dead-letter after max_deliver
+        log.error("producer %s: %s failed: %s", comp.component_id, what, exc)
+        for d in deliveries:
+            await consumer.fail(d, format_exception(exc))
+        return None
+
+
 async def generate_batch(comp: Component, backend: GenerationBackend, consumer: Consumer, deliveries, spec: SamplingSpec,
                          sampling: dict[str, Any], version: int, env=None,
                          encoded: list[tuple[np.ndarray, str]] | None = None) -> list[RolloutGroup] | None:
@@ -118,26 +156,9 @@ async def generate_batch(comp: Component, backend: GenerationBackend, consumer: 
         if encoded is None:
             return None
     t0 = time.monotonic()
-    timeout_s = comp.cfg.producer.generation_timeout_s
-    try:
-        completions = await asyncio.wait_for(backend.generate([ids for ids, _ in encoded], spec), timeout_s)
-    except asyncio.TimeoutError:
-        reason = (f"generation timed out after {timeout_s:g}s (producer.generation_timeout_s): "
-                  f"the {backend.name} backend is hung")
-        log.error("producer %s: %s; nak'ing %d prompts (%s)", comp.component_id, reason, len(deliveries),
-                  ", ".join(d.record.id for d in deliveries[:8]))
-        comp.reporter.inc("alert/generation_timeouts")
-        for d in deliveries:
-            await consumer.fail(d, reason)
-        try:
-            await comp.reporter.emit(dict(comp.reporter.values))
-        except Exception as exc:  # the broker away: the log line is the record
-            log.debug("alert not published: %s", exc)
-        raise GenerationTimeout(reason) from None
-    except Exception as exc:  # generation failed: nak with backoff, dead-letter after max_deliver
-        log.error("producer %s: generation failed: %s", comp.component_id, exc)
-        for d in deliveries:
-            await consumer.fail(d, format_exception(exc))
+    completions = await generation(comp, backend, consumer, deliveries, lambda: backend.generate([ids for ids, _ in encoded], spec),
+                                   what="generation")
+    if completions is None:
         return None
     generate_s = time.monotonic() - t0
     groups = []
@@ -160,24 +181,15 @@ async def generate_episodes(comp: Component, backend: GenerationBackend, consume
     from rlstream.producers.episodes import run_batch
 
     t0 = time.monotonic()
-    timeout_s = comp.cfg.producer.generation_timeout_s
     sampling = {**sampling, "max_turns": comp.cfg.env.max_turns, "env": comp.cfg.env.name}
-    try:
-        results, aborts = await asyncio.wait_for(
-            run_batch(env, backend, [d.record for d in deliveries], spec, comp.cfg.env, policy_version=version,
-                      producer_id=comp.component_id, sampling=sampling, run=comp.layout.run), timeout_s)
-    except asyncio.TimeoutError:
-        reason = f"episodes timed out after {timeout_s:g}s (producer.generation_timeout_s): the {backend.name} backend is hung"
-        log.error("producer %s: %s; nak'ing %d prompts", comp.component_id, reason, len(deliveries))
-        comp.reporter.inc("alert/generation_timeouts")
-        for d in deliveries:
-            await consumer.fail(d, reason)
-        raise GenerationTimeout(reason) from None
-    except Exception as exc:  # the backend failed: nak with backoff, dead-letter after max_deliver
-        log.error("producer %s: episode generation failed: %s", comp.component_id, exc)
-        for d in deliveries:
-            await consumer.fail(d, format_exception(exc))
+    played = await generation(comp, backend, consumer, deliveries,
+                              lambda: run_batch(env, backend, [d.record for d in deliveries], spec, comp.cfg.env,
+                                                policy_version=version, producer_id=comp.component_id, sampling=sampling,
+                                                run=comp.layout.run),
+                              what="episodes")
+    if played is None:
         return None
+    results, aborts = played
     generate_s = time.monotonic() - t0
     if aborts:
         comp.reporter.inc("producer/episode_aborts", aborts)

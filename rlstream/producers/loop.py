@@ -114,7 +114,8 @@ from typing import Any
 
 from rlstream.broker import Component, Consumer, Layout, dead_letter
 from rlstream.broker.component import Stopped, kept_in_progress, lanes, refilled, unless_stopped
-from rlstream.broker.state import TRANSIENT, BrokerUnavailable
+from rlstream.broker.errors import TRANSIENT
+from rlstream.broker.state import BrokerUnavailable
 from rlstream.broker.telemetry import Phases
 from rlstream.pacing import admit_bound
 from rlstream.producers.backends import GenerationBackend, ProducerError, SamplingSpec, make_backend

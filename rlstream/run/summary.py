@@ -14,8 +14,8 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from rlstream.broker import Layout, RunState, connect
+from rlstream.broker.errors import TRANSIENT
 from rlstream.broker.layout import ORIGIN_HEADER
-from rlstream.broker.state import TRANSIENT
 from rlstream.config import Config
 from rlstream.rundir.files import LATEST_LINK, RunDir, read_json, read_jsonl, write_json
 

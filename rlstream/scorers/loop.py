@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlstream.broker import Component, Consumer, Delivery, Layout, Outgoing, dead_letter
-from rlstream.broker.component import InHand, kept_in_progress, lanes
+from rlstream.broker.component import InHand, lanes
 from rlstream.broker.layout import ORIGIN_HEADER
 from rlstream.broker.telemetry import Phases
 from rlstream.config import Config
@@ -214,13 +214,8 @@ async def score_stream(cfg: Config, comp: Component, consumer: Consumer, scorer:
             if not fresh:
                 reporter.update(phases.finish())
                 continue
-            try:
-                # in-progress acks while the batch is in hand, its publish included (retried
-                # while the broker is away): it is not redelivered before it is acked
-                async with kept_in_progress(fresh, cfg.nats.ack_wait_s / 3, name="scorer-in-progress"):
-                    await score_batch(shared, fresh, phases)
-            finally:
-                shared.hand.release(fresh)
+            await shared.hand.process_batch(fresh, lambda batch: score_batch(shared, batch, phases),
+                                            every_s=cfg.nats.ack_wait_s / 3, name="scorer-in-progress")
             reporter.update(phases.finish())
 
     if evals is None:
@@ -269,12 +264,9 @@ async def score_batch(shared: ScorerLanes, fresh: list[Delivery[RolloutGroup]], 
             failed.append((d, r))
     origin = {ORIGIN_HEADER: f"scorer/{shared.component_id}"}
     # the rollout goes out as the bytes it came in (validated on arrival, never changed here)
-    await comp.publisher.publish_many([Outgoing(shared.subject or layout.scored, encode_keeping(s, rollout=bytes(d.msg.data)),
-                                                s.id, origin) for d, s in done])
-    acked = time.monotonic()
-    for d, s in done:
-        await d.ack()
-        shared.hand.seen.add(s.id)
+    acked = await shared.hand.publish_then_ack(comp.publisher, [
+        (d, Outgoing(shared.subject or layout.scored, encode_keeping(s, rollout=bytes(d.msg.data)), s.id, origin)) for d, s in done])
+    for _, s in done:
         shared.stats.add(s)
     if shared.evaluation:
         reporter.inc("scorer/eval_groups_total", len(done))
