@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (sft.yaml)")
     p.add_argument("--steps", type=int, default=None, help="GRPO learner steps (grpo.yaml)")
     p.add_argument("--held-out", type=int, default=32, help="held-out tasks")
-    p.add_argument("--eval-samples", type=int, default=2, help="episodes per held-out task at temperature 1")
+    p.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task at temperature 1")
     p.add_argument("--skip-sft", action="store_true", help="reuse OUT/sft from an earlier run")
     p.add_argument("--set", action="append", default=[], help="a grpo.yaml override, as for `rlstream run --set`")
     args = p.parse_args()
