@@ -26,7 +26,8 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 
 
 async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dict], *, samples: int, max_turns: int,
-                    max_new_tokens: int, temperature: float, seed: int, batch: int, success_at: float) -> dict[str, float]:
+                    max_new_tokens: int, temperature: float, seed: int, batch: int, success_at: float,
+                    component: str | None) -> dict[str, float]:
     from rlstream.config import EnvConfig
     from rlstream.envs import load_environment
     from rlstream.producers.backends.base import SamplingSpec
@@ -37,6 +38,11 @@ async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dic
     backend = HFBackend(str(model_dir), seed=seed)
     env_cfg = EnvConfig(name=env_name, kwargs=kwargs, max_turns=max_turns)
     env = load_environment(env_name, kwargs)
+    rubric = None
+    if component:  # a verifiers environment: its rubric scores the episode, as the scorer does in training
+        from rlstream.envs.verifiers_env import COLUMN, Rubric
+
+        rubric = Rubric.load(env_name, kwargs)
     spec = SamplingSpec(n=samples, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     rewards, turns = [], []
     for start in range(0, len(rows), batch):
@@ -45,10 +51,14 @@ async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dic
             columns = {k: v for k, v in row.items() if k != "prompt"}
             prompts.append(Prompt(id=f"eval-{i}", text="", messages=row["prompt"], columns=columns))
         groups, _ = await run_batch(env, backend, prompts, spec, env_cfg, policy_version=0, producer_id="eval", run="eval")
-        for g in groups:
+        for p, g in zip(prompts, groups, strict=True):
             if isinstance(g, str):
                 raise RuntimeError(g)
-            rewards += [float(r) for r in g.env_rewards]
+            if rubric is None:
+                rewards += [float(r) for r in g.env_rewards]
+            else:
+                for msgs in g.episode_messages:
+                    rewards.append(float((await rubric.score(p.columns[COLUMN], p.messages, msgs))[component] or 0.0))
             turns += [sum(1 for m in msgs if m.get("role") == "assistant") for msgs in g.episode_messages]
     return {"success": float(np.mean([r >= success_at for r in rewards])), "reward": float(np.mean(rewards)),
             "model_turns": float(np.mean(turns)), "episodes": len(rewards)}
@@ -56,13 +66,14 @@ async def _evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dic
 
 def evaluate(model_dir: Path, env_name: str, kwargs: dict, rows: list[dict], *, samples: int = 1, max_turns: int = 4,
              max_new_tokens: int = 8, temperature: float = 0.0, seed: int = 0, batch: int = 32,
-             success_at: float = 1.0) -> dict[str, float]:
+             success_at: float = 1.0, component: str | None = None) -> dict[str, float]:
     """Over ``samples`` episodes per row (greedy by default): the success rate (episodes whose
     reward reaches ``success_at``: a shaped reward's partial credit is not a success), the mean
-    reward and the mean number of model turns."""
+    reward and the mean number of model turns. ``component``: the reward is that component of a
+    verifiers environment's rubric (its ``correct``, say) instead of the environment's own."""
     return asyncio.run(_evaluate(Path(model_dir), env_name, kwargs, rows, samples=samples, max_turns=max_turns,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch=batch,
-                                 success_at=success_at))
+                                 success_at=success_at, component=component))
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -73,17 +84,19 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int) -> list[dict]:
+def evaluate_run(sft_model: Path, grpo_dir: Path, eval_rows: list[dict], samples: int, seed: int,
+                 component: str | None = None) -> list[dict]:
     """Success on the evaluation set of the warm-up (step 0) and of every GRPO checkpoint: the
-    environment as the run configured it; a success is an episode with reward 1."""
+    environment as the run configured it; a success is an episode with reward 1 (``component``:
+    that component of a verifiers rubric is 1)."""
     cfg = json.loads((grpo_dir / "config.resolved.json").read_text())
     env, max_new_tokens = cfg["env"], cfg["producer"]["max_new_tokens"]
     points = []
     for step, model in [(0, sft_model), *checkpoints(grpo_dir)]:
         sampled = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=samples, max_turns=env["max_turns"],
-                           temperature=1.0, seed=seed, max_new_tokens=max_new_tokens)
+                           temperature=1.0, seed=seed, max_new_tokens=max_new_tokens, component=component)
         greedy = evaluate(model, env["name"], env["kwargs"], eval_rows, samples=1, max_turns=env["max_turns"],
-                          temperature=0.0, seed=seed, max_new_tokens=max_new_tokens)
+                          temperature=0.0, seed=seed, max_new_tokens=max_new_tokens, component=component)
         points.append({"step": step, "success": sampled["success"], "greedy_success": greedy["success"],
                        "model_turns": sampled["model_turns"], "episodes": sampled["episodes"]})
         print(f"      eval step {step:4d}: success {sampled['success']:.3f} (sampled, {sampled['episodes']} episodes), "

@@ -24,9 +24,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path, max_steps: int | None, sets: list[str] = ()) -> dict:
+def rlstream_run(config: Path, run_dir: Path, model: Path, data: Path | None, max_steps: int | None,
+                 sets: list[str] = ()) -> dict:
+    """`rlstream run CONFIG` on MODEL (and DATA, unless None: the config's env supplies the prompts)."""
     cmd = [sys.executable, "-m", "rlstream.cli", "run", str(config), "--run-dir", str(run_dir), "--overwrite",
-           "--set", f"model_checkpoint_path={model}", "--set", f"data_source.path={data}"]
+           "--set", f"model_checkpoint_path={model}"]
+    if data is not None:
+        cmd += ["--set", f"data_source.path={data}"]
     for s in sets:
         cmd += ["--set", s]
     if max_steps:

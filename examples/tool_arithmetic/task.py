@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from rlstream.envs.tools import calculator, format_tool_call, schema_of
@@ -43,21 +44,28 @@ def answer_text(value: int | str) -> str:
     return f"The answer is {value}."
 
 
-def sft_rows(pairs: list[tuple[int, int]], tool_share: float, seed: int = 0) -> list[dict]:
+def user_turn(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": question(a, b)}]
+
+
+def sft_rows(pairs: list[tuple[int, int]], tool_share: float, seed: int = 0, *,
+             opening: Callable[[int, int], list[dict]] = user_turn, call: Callable[[int, int], str] = call_text,
+             answer: Callable[[int | str], str] = answer_text, spread: int = 999) -> list[dict]:
     """Conversational prompt/completion rows (TRL's format): per problem, either the two turns
-    of a tool episode (the call; then, after the tool's result, the answer) or a direct guess."""
+    of a tool episode (the call; then, after the tool's result, the answer) or a direct guess
+    (off by 1..``spread``). ``opening``, ``call`` and ``answer`` write the task's own turns."""
     rng = random.Random(seed)
     rows = []
     for a, b in pairs:
-        user = [{"role": "user", "content": question(a, b)}]
+        user = opening(a, b)
         if rng.random() < tool_share:
-            call = [{"role": "assistant", "content": call_text(a, b)}]
-            rows.append({"prompt": user, "completion": call})
-            rows.append({"prompt": user + call + [{"role": "tool", "content": str(a + b)}],
-                         "completion": [{"role": "assistant", "content": answer_text(a + b)}]})
+            called = [{"role": "assistant", "content": call(a, b)}]
+            rows.append({"prompt": user, "completion": called})
+            rows.append({"prompt": user + called + [{"role": "tool", "content": str(a + b)}],
+                         "completion": [{"role": "assistant", "content": answer(a + b)}]})
         else:
-            guess = a + b + rng.choice([-1, 1]) * rng.randint(1, 999)
-            rows.append({"prompt": user, "completion": [{"role": "assistant", "content": answer_text(guess)}]})
+            guess = a + b + rng.choice([-1, 1]) * rng.randint(1, spread)
+            rows.append({"prompt": user, "completion": [{"role": "assistant", "content": answer(guess)}]})
     return rows
 
 
@@ -80,7 +88,7 @@ def write_datasets(out_dir: Path, *, n_sft: int = 2000, n_rl: int = 256, n_eval:
     return {"sft": sft, "rl": rl, "eval": held_out}
 
 
-def _spaced_digits(text: str) -> str:
+def spaced_digits(text: str) -> str:
     return re.sub(r"\d+", lambda m: " ".join(m.group()), text)
 
 
@@ -91,4 +99,4 @@ def corpus() -> list[str]:
     lines = []
     for a, b in problems(300, seed=99):
         lines += [question(a, b), call_text(a, b), str(a + b), answer_text(a + b)]
-    return [_spaced_digits(line) for line in lines] * 2
+    return [spaced_digits(line) for line in lines] * 2

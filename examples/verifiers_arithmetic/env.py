@@ -11,12 +11,16 @@ answers with the number in ``\\boxed{}``. The rubric:
 - ``correct`` (weight 1): the last ``\\boxed{}`` of the model's last turn is the sum;
 - ``boxed`` (weight 0.2): the last turn has a ``\\boxed{}`` at all;
 - ``used_tool`` (weight 0.1): the model called the calculator (read from the trace's tool turns).
+
+``split: train`` and ``split: held_out`` are two disjoint sides of the problems (by their numbers),
+for training on one and evaluating on the other.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from typing import Literal
 
 import verifiers.v1 as vf
 
@@ -73,16 +77,36 @@ class SumTasksetConfig(vf.TasksetConfig):
     high: int = 20
     """Numbers are drawn from 0..high."""
     seed: int = 0
+    split: Literal["all", "train", "held_out"] = "all"
+    """Which problems: every one, or the train or held-out side of a fixed split of the problems
+    themselves (a problem's side depends on its numbers only, so the sides never share one)."""
+    held_out_share: float = 0.2
+    """The share of problems on the held-out side."""
+
+
+def side(numbers: list[int], held_out_share: float) -> str:
+    """``held_out`` or ``train``: a fixed function of the problem (its numbers in order)."""
+    return "held_out" if random.Random(",".join(map(str, numbers))).random() < held_out_share else "train"
+
+
+def question(numbers: list[int]) -> str:
+    return f"What is {' + '.join(map(str, numbers))}? You may call add. Answer with \\boxed{{N}}."
+
+
+SYSTEM_PROMPT = "You are a careful calculator."
 
 
 class SumTaskset(vf.Taskset[SumTask, SumTasksetConfig]):
     def load(self):
-        rng = random.Random(self.config.seed)
-        for _ in range(self.config.size):
-            numbers = [rng.randint(0, self.config.high) for _ in range(self.config.terms)]
-            question = " + ".join(map(str, numbers))
-            yield SumTask(SumData(prompt=f"What is {question}? You may call add. Answer with \\boxed{{N}}.",
-                                  system_prompt="You are a careful calculator.", numbers=numbers), self.config.task)
+        cfg = self.config
+        rng = random.Random(cfg.seed)
+        found = 0
+        while found < cfg.size:
+            numbers = [rng.randint(0, cfg.high) for _ in range(cfg.terms)]
+            if cfg.split != "all" and side(numbers, cfg.held_out_share) != cfg.split:
+                continue
+            found += 1
+            yield SumTask(SumData(prompt=question(numbers), system_prompt=SYSTEM_PROMPT, numbers=numbers), cfg.task)
 
 
 __all__ = ["SumTaskset"]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def _example(name: str, out: Path) -> tuple[Path, Path, Path]:
+def _example(name: str, out: Path) -> tuple[Path, Path, Path | None]:
     sys.path.insert(0, str(ROOT))
     from rlstream.models.tiny import build_tiny_model
 
@@ -27,6 +27,11 @@ def _example(name: str, out: Path) -> tuple[Path, Path, Path]:
         from examples.guess_number import task
 
         data = task.write_datasets(out / "data", n_sft_games=8, n_rl=16)
+    elif name == "verifiers_arithmetic":  # the taskset is the prompts
+        pytest.importorskip("verifiers.v1")
+        from examples.verifiers_arithmetic import task
+
+        data = {"rl": None}
     else:
         from examples.tool_arithmetic import task
 
@@ -36,13 +41,13 @@ def _example(name: str, out: Path) -> tuple[Path, Path, Path]:
     return ROOT / "examples" / name / "grpo.yaml", model, data["rl"]
 
 
-@pytest.mark.slow  # two `rlstream run`s: process start-up and model loading dominate (~40 s each here)
-@pytest.mark.parametrize("name", ["guess_number", "tool_arithmetic"])
+@pytest.mark.slow  # `rlstream run`s: process start-up and model loading dominate (~40 s each here)
+@pytest.mark.parametrize("name", ["guess_number", "tool_arithmetic", "verifiers_arithmetic"])
 def test_example_grpo_config_runs_through_the_broker(name, tmp_path):
     config, model, prompts = _example(name, tmp_path)
-    sets = [f"model_checkpoint_path={model}", f"data_source.path={prompts}", f"run=ex{name[:5]}{abs(hash(str(tmp_path))) % 10**6}",
+    sets = [f"model_checkpoint_path={model}", f"run=ex{name[:5]}{abs(hash(str(tmp_path))) % 10**6}",
             "algorithm_params.group_size=2", "producer.batch_prompts=2", "learner.batch_groups=2",
-            "checkpoint.interval=1000"]
+            "checkpoint.interval=1000"] + ([f"data_source.path={prompts}"] if prompts else [])
 
     from rlstream.config import load_config
     from rlstream.run.preflight import preflight
