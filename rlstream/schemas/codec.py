@@ -36,6 +36,7 @@ import math
 import operator
 import re
 import struct
+import time
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
@@ -614,7 +615,8 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
     """A record on the wire: ``schema`` (the tag), ``v``, ``id``, ``run``, ``ts``, then its own fields.
 
     Subclasses set ``SCHEMA`` (the tag, passed as ``tag=``), ``VERSION`` (and redeclare
-    ``v`` with it as default) and may add to :meth:`validate`.
+    ``v`` with it as default: a redeclared field keeps its place, so every record's wire map
+    starts ``schema, v, id, run, ts``) and may add to :meth:`validate`.
     """
 
     SCHEMA: ClassVar[str]
@@ -626,6 +628,8 @@ class Record(msgspec.Struct, kw_only=True, tag_field="schema"):
 
     v: int = 0
     id: str
+    run: str = ""
+    ts: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         # arrays take their wire dtype here (a no-op for decoded ones), so encoding writes them as they are

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import time
 import uuid
 from collections.abc import Iterable
 from typing import Any, ClassVar, NamedTuple
@@ -82,9 +81,6 @@ class Prompt(Record, tag="prompt", kw_only=True):
     VERSION: ClassVar[int] = 3
 
     v: int = VERSION
-    id: str
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     text: str
     prompt_ids: TokenIds = msgspec.field(default_factory=lambda: np.zeros(0, INT32))
     columns: Columns = msgspec.field(default_factory=dict)
@@ -151,9 +147,6 @@ class RolloutGroup(Record, tag="rollout_group", kw_only=True):
     VERSION: ClassVar[int] = 5
 
     v: int = VERSION
-    id: str
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     prompt_id: str
     prompt_text: str = ""
     prompt_ids: TokenIds
@@ -414,8 +407,6 @@ class ScoredGroup(Record, tag="scored_group", kw_only=True):
 
     v: int = VERSION
     id: str = ""
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     rollout: RolloutGroup
     rewards: Floats
     components: capped(dict[str, MaybeFloats], MAX_NAMES) = msgspec.field(default_factory=dict)
@@ -460,9 +451,6 @@ class PreferencePair(Record, tag="preference_pair", kw_only=True):
     VERSION: ClassVar[int] = 1
 
     v: int = VERSION
-    id: str
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     prompt_ids: TokenIds
     chosen_ids: TokenIds
     rejected_ids: TokenIds
@@ -482,9 +470,6 @@ class SFTExample(Record, tag="sft_example", kw_only=True):
     VERSION: ClassVar[int] = 1
 
     v: int = VERSION
-    id: str
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     prompt_ids: TokenIds
     completion_ids: TokenIds
     prompt_text: str = ""
@@ -533,9 +518,6 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     VERSION: ClassVar[int] = 5
 
     v: int = VERSION
-    id: str
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     policy_version: int
     step: int
     location: str
@@ -621,8 +603,6 @@ class MetricEvent(Record, tag="metric", kw_only=True):
 
     v: int = VERSION
     id: str = msgspec.field(default_factory=new_id)
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     component: str
     component_id: str = ""
     step: int = -1
@@ -647,8 +627,6 @@ class DeadLetter(Record, tag="dead_letter", kw_only=True):
 
     v: int = VERSION
     id: str = msgspec.field(default_factory=new_id)
-    run: str = ""
-    ts: float = msgspec.field(default_factory=time.time)
     stage: str
     subject: str = ""
     reason: str
