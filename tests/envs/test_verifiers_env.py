@@ -76,7 +76,10 @@ def env_module(tmp_path, monkeypatch):
     """The environment above as an importable module (what an installed environment package is)."""
     name = "vf_echo_" + tmp_path.name.replace("-", "_").lower()
     (tmp_path / f"{name}.py").write_text(ENV_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    # a new path entry: its finder is made on first use, so no import cache needs invalidating
+    # (monkeypatch.syspath_prepend does, and that walks sys.path_importer_cache while another
+    # thread of the process may be importing: 'dictionary changed size during iteration')
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     yield name
     sys.modules.pop(name, None)
 
