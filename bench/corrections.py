@@ -36,10 +36,6 @@ COLUMNS = ("correction", "reward first", "reward last", "ESS", "ESS raw", "misma
            "masked", "s/step")
 
 
-
-
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="GRPO steps per correction")

@@ -50,8 +50,6 @@ COLUMNS = ("arm", "groups", "stale", "filtered", "filtered share", "samples gene
 KEYS = ("groups", "stale", "filtered", "filtered_share", "samples_generated", "reward_per_sample", "reward_last", "eval_pass1", "wall")
 
 
-
-
 def finite(v: float) -> float | None:
     return v if v == v else None
 

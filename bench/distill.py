@@ -37,8 +37,6 @@ RESULTS = ROOT / "bench" / "results"
 EXAMPLES = ROOT / "examples" / "arithmetic"
 
 
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sft-steps", type=int, default=80)

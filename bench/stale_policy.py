@@ -98,16 +98,16 @@ def grpo_config(path: Path, model: Path, prompts: Path, args, policy: str, cap: 
     return path
 
 
-
-
+def bucket_total(row: dict, side: str) -> int:
+    """Groups counted over every length bucket of ``side`` (``lengths/<side>_le16``, ...)."""
+    return int(sum(v for k, v in row.items() if k.startswith(f"lengths/{side}_") and k[len(f"lengths/{side}_"):][:2] in ("le", "gt")))
 
 
 def figures(run_dir: Path, summary: dict) -> dict:
     """One run's figures, from its ``metrics.jsonl`` (the learner's step rows) and ``summary.json``."""
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if r.get("kind") != "eval" and "lengths/mean_trained" in r]
     last = rows[-1]
-    trained = int(sum(v for k, v in last.items() if k.startswith("lengths/trained_") and k[len("lengths/trained_"):][:2] in ("le", "gt")))
-    dropped = int(sum(v for k, v in last.items() if k.startswith("lengths/dropped_stale_") and k[len("lengths/dropped_stale_"):][:2] in ("le", "gt")))
+    trained, dropped = bucket_total(last, "trained"), bucket_total(last, "dropped_stale")
     mean_trained, mean_dropped = last["lengths/mean_trained"], last["lengths/mean_dropped_stale"]
     generated = trained + dropped
     mean_generated = (trained * mean_trained + dropped * mean_dropped) / generated if generated else float("nan")
