@@ -209,6 +209,29 @@ async def test_fetch_takes_what_is_there_and_keeps_what_came_for_another_request
     assert [d.record.id for d in got] == ["p5"]
 
 
+async def test_after_a_give_back_what_comes_for_a_request_given_up_on_goes_back_at_once(js, run_id):
+    """A stop gives back what was delivered and never handed out. The server still holds a
+    request the consumer gave up on until it expires, and may answer it after the give-back:
+    what comes for it then goes back at once too (another consumer gets it), not after the ack
+    wait."""
+    import json
+
+    lay = await ensure_layout(js, run_id, NatsConfig(ack_wait_s=600))
+    consumer = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    pull = consumer.sub
+    assert await pull.give_back() == 0  # the stop: nothing delivered yet
+    # a request no fetch waits on any more, held by the server for 30 s: the next two records go to it
+    await js._nc.publish(pull.api, json.dumps({"batch": 2, "expires": 30_000_000_000}).encode(), reply=f"{pull.inbox}.0")
+    await js._nc.flush()
+    await Publisher(js).publish_many([Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(2)])
+    other = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
+    got = await other.fetch(2, timeout=20)  # far less than the ack wait
+    assert sorted(d.record.id for d in got) == ["p0", "p1"], "records delivered after the give-back were held"
+    assert all(d.deliveries == 2 for d in got)
+    assert not pull.ready and pull.given_back == 2
+    await other.close()
+
+
 async def test_a_waiting_fetch_returns_what_came_without_waiting_for_a_full_batch(js, run_id):
     """A fetch that found nothing waits on the server; records published then (fewer than the
     batch) end it at once, as a producer's batch ends a scorer's wait in a synchronous run,

@@ -184,6 +184,10 @@ class PullBatches:
         self._wanted = 0
         self._end: Msg | None = None
         self._wake: asyncio.Future | None = None
+        self.giving_back = False
+        """Set by :meth:`give_back`: what comes for a request no fetch waits on is nak'ed on arrival."""
+        self.given_back = 0
+        """Records nak'ed as delivered and never handed out, in all."""
 
     async def start(self) -> "PullBatches":
         self.inbox = self.nc.new_inbox()
@@ -200,16 +204,25 @@ class PullBatches:
     async def give_back(self) -> int:
         """Nak what was delivered and never handed out (it came for a request the fetch had
         given up on, e.g. while its caller waited for pacing room), so that another consumer
-        gets it now instead of after the ack wait. Returns how many."""
+        gets it now instead of after the ack wait. Returns how many.
+
+        From then on, what comes for a request no fetch waits on is nak'ed as it arrives: the
+        server holds a request given up on until it expires, and may answer it after this."""
+        self.giving_back = True
         unclaimed = len(self.ready)
         while self.ready:
             await self.ready.popleft().nak()
+        self.given_back += unclaimed
         return unclaimed
 
     async def _arrived(self, msg: Msg) -> None:
         headers = msg.headers
         status = headers.get(_STATUS) if headers else None
         if status is None:
+            if self.giving_back and msg.subject != self._reply:
+                await msg.nak()
+                self.given_back += 1
+                return
             self.ready.append(msg)
             if len(self.ready) < self._wanted:
                 return

@@ -402,12 +402,13 @@ class Producer:
 
     async def _give_back_undelivered(self) -> None:
         await self.comp.stop.wait()
-        self.stats.ready_naks += await self.consumer.sub.give_back()
+        await self.consumer.sub.give_back()  # and from now on whatever comes for a fetch given up on
 
     async def close(self) -> ProducerStats:
         """Nothing is in hand now; dropping the pull subscriptions lets the connection drain at once,
         and prompts the broker delivered to a fetch that had given up go back too."""
-        self.stats.ready_naks += await self.consumer.close()
+        await self.consumer.close()
+        self.stats.ready_naks += self.consumer.sub.given_back
         await self.evals.close()
         if self.stats.ready_naks:
             log.info("producer %s: gave back %d prompts whose generation had not begun", self.comp.component_id,
