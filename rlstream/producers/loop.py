@@ -557,6 +557,8 @@ class PolicyWeights:
             log.warning("producer %s: policy v%d not received within %gs (producer.weights_timeout_s); generating on v%d",
                         comp.component_id, version, self.timeout_s, stats.policy_version)
             return
+        if comp.stop.is_set():  # a stop's cancel may have been swallowed by a broker read (3.11's wait_for
+            raise Stopped       # returns a reply that lands with it): never wait behind a generation then
         async with self.gate.reload():  # the other lanes' batches finish first
             phases.add("weight_wait", time.perf_counter() - t0)
             with phases.time("weight_reload"):

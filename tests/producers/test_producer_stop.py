@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from helpers.broker import layout_for, wait_until
 from test_producer_loop import InProcess, _eq, perturbed, publish_weights, rollout_count
 
 from rlstream.broker import Consumer, Layout
+from rlstream.broker.component import Stopped, unless_stopped
 from rlstream.producers.backends import make_backend
+from rlstream.producers.batch import GenerationGate
 from rlstream.producers.feeder import feed
+from rlstream.producers.loop import PolicyWeights
 from rlstream.schemas import Prompt
 
 ACK_WAIT_S = 600.0
@@ -70,3 +74,35 @@ async def test_a_stop_gives_back_at_once_what_has_not_begun_generating(js, nats_
     assert stats.groups == 4 and len(entered) == 2  # the held batch finished within the drain; the other never generated
     assert await rollout_count(js, lay) == 4
     assert (await js.stream_info(lay.prompts_stream)).state.messages == 2  # acked: the four produced, no more
+
+
+class _Stub:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+async def test_a_stop_that_lands_with_the_version_read_still_cuts_the_wait_for_the_reload():
+    """Python 3.11's ``asyncio.wait_for`` (under nats-py's requests) returns the reply instead
+    of raising when a cancel comes as the reply lands. A stop cancels the batch's look for the
+    newest weights; when that cancel is swallowed by the version read, the batch must still not
+    wait for the reload behind a generation that runs on (the drain would hold its prompts)."""
+    stop = asyncio.Event()
+
+    async def policy_version():  # the read completes as the stop lands: its cancel is swallowed
+        stop.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
+        return 1
+
+    async def settled(version, timeout_s):
+        return True
+
+    comp = _Stub(stop=stop, component_id="p1", state=_Stub(policy_version=policy_version))
+    gate = GenerationGate()
+    weights = PolicyWeights(comp, _Stub(can_reload=True), _Stub(policy_version=0, skipped_version=0), gate, False, timeout_s=60)
+    weights.follower = _Stub(settled=settled)
+    async with gate.generation():  # a batch generating, held past the stop
+        with pytest.raises(Stopped):
+            await asyncio.wait_for(unless_stopped(stop, weights.newest()), 10)
