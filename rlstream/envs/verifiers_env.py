@@ -42,7 +42,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.envs import EnvError
+from rlstream.envs import VerifiersError
 from rlstream.envs.base import Turn
 from rlstream.schemas import Prompt
 
@@ -53,10 +53,6 @@ COLUMN = "verifiers"
 """The prompt row's column with the task's wire data."""
 
 INSTALL = "pip install 'rlstream[verifiers]'"
-
-
-class VerifiersError(EnvError):
-    """A verifiers environment that cannot be loaded or used as configured (one line)."""
 
 
 def is_verifiers(name: str | None) -> bool:

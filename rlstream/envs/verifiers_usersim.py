@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from rlstream.envs import VerifiersError
 from rlstream.envs.base import Turn
 
 LLM_USER = ("the user agent of {env} is an LLM (verifiers' UserSimEnv.run: env.user with a harness and a client), "
@@ -49,8 +50,6 @@ def is_user_sim(env_cls: type) -> bool:
 
 def check(name: str, env_cls: type) -> None:
     """A user-sim env rlstream can run (its ``run`` scripts the user), else a one-line error."""
-    from rlstream.envs.verifiers_env import VerifiersError
-
     if env_cls.run is user_sim_base().run:
         raise VerifiersError(f"env.name {name!r}: " + LLM_USER.format(env=env_cls.__name__))
 
@@ -97,8 +96,6 @@ class _Seat:
         self.name, self.episode, self.trainable = name, episode, True
 
     def _refuse(self, what: str):
-        from rlstream.envs.verifiers_env import VerifiersError
-
         env = type(self.episode.env).__name__
         return VerifiersError(f"{env}.run() calls agents.{self.name}.{what}(): an LLM agent, which rlstream does not "
                               f"run (it samples only the trained {self.episode.assistant.name}); script that side in run()")
@@ -131,8 +128,6 @@ class UserSimEpisode:
         self.runner: asyncio.Task | None = None
 
     async def open(self) -> UserSimEpisode:
-        from rlstream.envs.verifiers_env import VerifiersError
-
         await self.env.setup(self.agents)
         trained = [s for s in self.seats.values() if s.trainable]
         if len(trained) != 1:
@@ -164,8 +159,6 @@ class UserSimEpisode:
 
     async def ask(self, message: str | None) -> str:
         """The user's turn ``message`` -> the model's reply (called from ``run()``)."""
-        from rlstream.envs.verifiers_env import VerifiersError
-
         if not message:
             raise VerifiersError(f"{type(self.env).__name__}.run(): assistant.turn() without a message "
                                  "(the user speaks every turn of a user-sim exchange)")
