@@ -122,7 +122,10 @@ def env_class(name: str) -> type:
     from rlstream.envs import verifiers_usersim as usersim
 
     vf, ident = _vf(), taskset_id(name)
-    env_cls = _env_class(ident)
+    try:
+        env_cls = _env_class(ident)
+    except ValueError as exc:  # verifiers' "exports 2 Env subclasses": an authoring error, said in one line
+        raise VerifiersError(f"env.name {name!r}: {_one_line(exc)}") from None
     if env_cls is vf.SingleAgentEnv:
         return env_cls
     if not usersim.is_user_sim(env_cls):

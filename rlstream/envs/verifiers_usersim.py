@@ -17,6 +17,7 @@ caller-driven exchange. How it maps onto an rlstream episode:
 - ``run()`` returning ends the episode; rlstream's ``env.max_turns`` cuts a longer one.
 - the rubric scores the conversation on the nulled row, as verifiers does.
 
+Not offered: the task's toolsets (the assistant's turns are plain replies to the user).
 Not run: verifiers' own ``UserSimEnv.run`` (its user is an LLM agent, ``env.user``, with a harness
 and a client: rlstream samples only the trainable seat), and any call to a seat that is not trained.
 """
