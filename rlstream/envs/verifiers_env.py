@@ -322,10 +322,20 @@ class VerifiersEpisode:
         calls, errors = parse_tool_calls(reply) if self.tool_fns else ([], [])
         if (not calls and not errors) or self._stopped():
             return Turn(done=True, reward=None)
-        answers = [{"role": "tool", "content": await self._call(c.name, c.arguments)} for c in calls]
-        answers += [{"role": "tool", "content": f"error: {e}"} for e in errors]
+        answers = await self.answer(calls, errors)
         self.conversation.extend(answers)
         return Turn(answers, info={"tool_calls": len(calls)})
+
+    async def tool_turn(self, reply: str) -> list[dict[str, Any]] | None:
+        """The ``tool`` messages answering the calls in ``reply``; None when it calls no tool."""
+        from rlstream.envs.tools import parse_tool_calls
+
+        calls, errors = parse_tool_calls(reply) if self.tool_fns else ([], [])
+        return await self.answer(calls, errors) if calls or errors else None
+
+    async def answer(self, calls, errors) -> list[dict[str, Any]]:
+        answers = [{"role": "tool", "content": await self._call(c.name, c.arguments)} for c in calls]
+        return answers + [{"role": "tool", "content": f"error: {e}"} for e in errors]
 
     def _stopped(self) -> bool:
         """A task's ``@vf.stop`` predicate on the trace so far (those that read only ``trace``)."""
@@ -373,11 +383,12 @@ class VerifiersEnvironment:
             raise VerifiersError(f"prompt {prompt.id} has no {COLUMN!r} column: its rows did not come from {self.name!r} "
                                  "(leave data_source.path unset)")
         task = await asyncio.to_thread(build_task, self.taskset, data)
+        fns = _tools(task, self.taskset)
+        schemas = [schema_of(fn, n) for n, (_, fn) in fns.items()] or None
         if self.env_cls is not _vf().SingleAgentEnv:
             from rlstream.envs import verifiers_usersim as usersim
 
-            return await usersim.UserSimEpisode(usersim.env_of(self.env_cls), task).open()
+            tools = VerifiersEpisode(task, [], fns, schemas)
+            return await usersim.UserSimEpisode(usersim.env_of(self.env_cls), task, tools).open()
         messages = [dict(m) for m in prompt.messages] if prompt.messages else opening(task.data)
-        fns = _tools(task, self.taskset)
-        schemas = [schema_of(fn, n) for n, (_, fn) in fns.items()] or None
         return VerifiersEpisode(task, messages, fns, schemas)

@@ -17,7 +17,8 @@ caller-driven exchange. How it maps onto an rlstream episode:
 - ``run()`` returning ends the episode; rlstream's ``env.max_turns`` cuts a longer one.
 - the rubric scores the conversation on the nulled row, as verifiers does.
 
-Not offered: the task's toolsets (the assistant's turns are plain replies to the user).
+- the task's toolsets are the episode's tools, as for a taskset: a model turn that calls one gets
+  ``tool`` turns and samples again; the first turn without a call is the assistant's reply.
 Not run: verifiers' own ``UserSimEnv.run`` (its user is an LLM agent, ``env.user``, with a harness
 and a client: rlstream samples only the trainable seat), and any call to a seat that is not trained.
 """
@@ -114,14 +115,15 @@ class _Seat:
 class UserSimEpisode:
     """One conversation between the policy (the assistant) and the env's scripted user."""
 
-    def __init__(self, env, task):
+    def __init__(self, env, task, tools):
         import verifiers.v1 as vf
 
         self.env, self.task = env, task
+        self.toolbox = tools  # a verifiers_env.VerifiersEpisode: it answers the assistant's tool calls
         self.seats: dict[str, _Seat] = {}
         self.agents = vf.Agents(env.config, lambda name, _cfg: self.seats.setdefault(name, _Seat(name, self)))
         self.assistant: _Seat | None = None
-        self.tools = None
+        self.tools = tools.tools
         self.messages: list[dict[str, Any]] = []
         self.conversation: list[dict[str, Any]] = []
         self.asks: asyncio.Queue = asyncio.Queue()
@@ -169,6 +171,10 @@ class UserSimEpisode:
 
     async def step(self, reply: str) -> Turn:
         self.conversation.append({"role": "assistant", "content": reply})
+        answers = await self.toolbox.tool_turn(reply)
+        if answers is not None:  # the assistant's segment goes on: the user hears its reply only
+            self.conversation.extend(answers)
+            return Turn(answers, info={"tool_calls": len(answers)})
         self.reply.set_result(reply)
         nxt = await self._next()
         if nxt is _END:

@@ -32,7 +32,25 @@ class PuzzleData(vf.TaskData):
     answer: str
 
 
+class Adder(vf.Toolset):
+    TOOL_PREFIX = None
+
+    @vf.tool
+    def add(self, a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first.
+            b: the second.
+        """
+        return a + b
+
+
 class PuzzleTask(vf.Task[PuzzleData, vf.State, vf.TaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Adder(vf.ToolsetConfig())]
+
     @vf.reward
     async def correct(self, task: PuzzleData, trace: vf.Trace) -> float:
         assert task.prompt is None  # scored on the assistant's row: the scenario is the user's
@@ -112,7 +130,11 @@ async def test_the_scripted_user_talks_between_the_policys_turns(puzzle):
     assert ep.messages == [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "Think of 1."}]
     turn = await ep.step("1")
     assert not turn.done and turn.messages == [{"role": "user", "content": "You said '1'. Add 3: what is it now?"}]
+    assert [t["function"]["name"] for t in ep.tools] == ["add"]
+    turn = await ep.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 3}}</tool_call>')
+    assert not turn.done and turn.messages == [{"role": "tool", "content": "4"}]  # the user hears no tool call
     assert (await ep.step("4")).done
+    assert [m["role"] for m in ep.conversation] == ["assistant", "user", "assistant", "tool", "assistant"]
     await ep.close()
     rubric = Rubric.load(name)
     assert rubric.weights == {"correct": 1.0}
