@@ -15,10 +15,10 @@ caller-driven exchange. How it maps onto an rlstream episode:
 - each model reply is the value of the pending ``turn()``; the next ``turn(message)`` comes back
   as a ``user`` message, rendered by the producer as environment tokens (loss mask 0).
 - ``run()`` returning ends the episode; rlstream's ``env.max_turns`` cuts a longer one.
-- the rubric scores the conversation on the nulled row, as verifiers does.
-
 - the task's toolsets are the episode's tools, as for a taskset: a model turn that calls one gets
   ``tool`` turns and samples again; the first turn without a call is the assistant's reply.
+- the rubric scores the conversation on the nulled row, as verifiers does.
+
 Not run: verifiers' own ``UserSimEnv.run`` (its user is an LLM agent, ``env.user``, with a harness
 and a client: rlstream samples only the trainable seat), and any call to a seat that is not trained.
 """
