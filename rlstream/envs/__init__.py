@@ -28,6 +28,10 @@ class EnvError(RuntimeError):
     """An environment that cannot be loaded or used as configured."""
 
 
+class VerifiersError(EnvError):
+    """A verifiers environment that cannot be loaded or used as configured (one line)."""
+
+
 def resolve(name: str) -> str:
     """The import path of ``name`` (a built-in name or already ``package.module:factory``)."""
     if ":" in name:
@@ -63,4 +67,4 @@ def load_environment(name: str, kwargs: dict[str, Any] | None = None) -> Environ
     return env
 
 
-__all__ = ["ENVIRONMENTS", "EnvError", "Environment", "Episode", "Turn", "load_environment", "load_factory", "resolve"]
+__all__ = ["ENVIRONMENTS", "EnvError", "Environment", "Episode", "Turn", "VerifiersError", "load_environment", "load_factory", "resolve"]

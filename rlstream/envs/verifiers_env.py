@@ -17,6 +17,9 @@ How its parts map onto rlstream:
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` and gets the results as ``tool``
   turns, in the producer's process; a turn without a tool call, or a task's ``@vf.stop``
   predicate on the trace so far, ends the episode. The producer never computes the reward.
+- **user-sim envs.** A taskset module that also exports a ``vf.UserSimEnv`` subclass whose
+  ``run()`` scripts the user: the user opens and speaks between the model's turns (``user``
+  turns, loss mask 0); :mod:`rlstream.envs.verifiers_usersim`.
 - **rubric -> scorer.** The ``verifiers`` reward rule rebuilds the task in the scorer process
   and runs ``Task.score`` on a ``vf.Trace`` of the episode's conversation: every ``@vf.reward``
   method, config-plugged reward (``task.rewards``) and judge (``task.judges``) is a reward
@@ -24,8 +27,8 @@ How its parts map onto rlstream:
   weighted sum.
 
 What does not carry over from a verifiers run: its harnesses and runtimes (rlstream samples the
-model itself, token in / token out), ``Env`` subclasses with several agents (their ``run()`` is a
-program around agents: an error), and rewards that need a ``runtime`` (skipped, as verifiers
+model itself, token in / token out), other ``Env`` subclasses with several agents (their ``run()``
+is a program around agents: an error), a user-sim env's LLM user (an error), and rewards that need a ``runtime`` (skipped, as verifiers
 itself skips them offline).
 """
 
@@ -39,7 +42,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.envs import EnvError
+from rlstream.envs import VerifiersError
 from rlstream.envs.base import Turn
 from rlstream.schemas import Prompt
 
@@ -50,10 +53,6 @@ COLUMN = "verifiers"
 """The prompt row's column with the task's wire data."""
 
 INSTALL = "pip install 'rlstream[verifiers]'"
-
-
-class VerifiersError(EnvError):
-    """A verifiers environment that cannot be loaded or used as configured (one line)."""
 
 
 def is_verifiers(name: str | None) -> bool:
@@ -90,10 +89,7 @@ def _taskset(name: str, kwargs_json: str):
                              f"({_one_line(exc).split('. ')[0]})") from None
     except (TypeError, AttributeError, ValueError) as exc:
         raise VerifiersError(f"env.name {name!r}: {_one_line(exc)}") from None
-    env_cls = vf.environment_class("" if "." in ident else ident)
-    if env_cls is not vf.SingleAgentEnv:
-        raise VerifiersError(f"env.name {name!r}: the environment's own Env ({env_cls.__name__}) runs several agents; "
-                             "rlstream runs single-agent tasksets")
+    env_class(name)
     from verifiers.v1.utils.generic import concrete_type
 
     try:
@@ -117,6 +113,47 @@ def _taskset_class(ident: str):
     import importlib
 
     return _plugin_class(importlib.import_module(ident), Taskset, "taskset")
+
+
+@functools.lru_cache(maxsize=16)
+def env_class(name: str) -> type:
+    """The ``vf.Env`` the taskset's module exports (``SingleAgentEnv`` when none): a single-agent
+    taskset, or a user-sim env with a scripted user (:mod:`rlstream.envs.verifiers_usersim`)."""
+    from rlstream.envs import verifiers_usersim as usersim
+
+    vf, ident = _vf(), taskset_id(name)
+    try:
+        env_cls = _env_class(ident)
+    except ValueError as exc:  # verifiers' "exports 2 Env subclasses": an authoring error, said in one line
+        raise VerifiersError(f"env.name {name!r}: {_one_line(exc)}") from None
+    if env_cls is vf.SingleAgentEnv:
+        return env_cls
+    if not usersim.is_user_sim(env_cls):
+        raise VerifiersError(f"env.name {name!r}: the environment's own Env ({env_cls.__name__}) runs several agents; "
+                             "rlstream runs single-agent tasksets and user-sim envs (a UserSimEnv with a scripted user)")
+    usersim.check(name, env_cls)
+    return env_cls
+
+
+def _env_class(ident: str) -> type:
+    """verifiers' resolution of an id's Env; a dotted module path is read as written."""
+    import importlib
+
+    from verifiers.v1.env import Env
+    from verifiers.v1.utils.loaders import _plugin_class, environment_class
+
+    if "." not in ident:
+        return environment_class(ident)
+    try:
+        return _plugin_class(importlib.import_module(ident), Env, "environment")
+    except (TypeError, AttributeError):  # verifiers' own fallback: no Env exported
+        return _vf().SingleAgentEnv
+
+
+def user_sim(name: str) -> bool:
+    from rlstream.envs.verifiers_usersim import is_user_sim
+
+    return is_user_sim(env_class(name))
 
 
 def load_taskset(name: str, kwargs: dict[str, Any] | None = None):
@@ -144,9 +181,12 @@ def rows(name: str, kwargs: dict[str, Any] | None = None, *, prompt_column: str 
         taskset = taskset.take(limit)
     elif not taskset.bounded:
         raise VerifiersError(f"env.name {name!r}: the taskset is infinite; bound it with data_source.limit")
+    from rlstream.envs.verifiers_usersim import row_prompt
+
+    first = row_prompt if user_sim(name) else opening
     out = []
     for task in taskset:
-        out.append({prompt_column: opening(task.data), COLUMN: task.data.model_dump(mode="json", exclude_defaults=True)})
+        out.append({prompt_column: first(task.data), COLUMN: task.data.model_dump(mode="json", exclude_defaults=True)})
     if not out:
         raise VerifiersError(f"env.name {name!r}: the taskset yields no task")
     return out
@@ -170,8 +210,8 @@ def opening(data) -> list[dict[str, Any]]:
     elif data.prompt:
         turns.extend(m.model_dump(mode="json", exclude_none=True) for m in data.prompt)
     if not turns:
-        raise VerifiersError(f"verifiers task {data.idx}: no prompt (a task the user opens needs a user agent, "
-                             "which rlstream does not run)")
+        raise VerifiersError(f"verifiers task {data.idx}: no prompt (a task the user opens needs a user-sim env "
+                             "with a scripted user exported next to the taskset)")
     return turns
 
 
@@ -209,6 +249,8 @@ class Rubric:
     name: str
     taskset: Any
     weights: dict[str, float] = field(default_factory=dict)
+    user_sim: bool = False
+    """Score the assistant's task (its prompt, the user's scenario, nulled), as verifiers' user-sim does."""
 
     @classmethod
     def load(cls, name: str, kwargs: dict[str, Any] | None = None) -> Rubric:
@@ -220,11 +262,15 @@ class Rubric:
         weights |= {j.reward_name: float(j.config.weight) for j in probe.plugged_judges()}
         if not weights:
             raise VerifiersError(f"env.name {name!r}: its task {type(probe).__name__} declares no @vf.reward (nothing to score)")
-        return cls(name, taskset, weights)
+        return cls(name, taskset, weights, user_sim(name))
 
     async def score(self, data: dict[str, Any], prompt: list[dict[str, Any]], completion: list[dict[str, Any]]) -> dict[str, float | None]:
         """Each reward's score (unweighted; None: not scored) for one episode."""
         task = build_task(self.taskset, data)
+        if self.user_sim:
+            from rlstream.envs.verifiers_usersim import assistant_task
+
+            task = assistant_task(task)
         trace = trace_of(task, prompt, completion)
         await task.score(trace)
         unknown = sorted(set(trace.rewards) - set(self.weights))
@@ -276,10 +322,20 @@ class VerifiersEpisode:
         calls, errors = parse_tool_calls(reply) if self.tool_fns else ([], [])
         if (not calls and not errors) or self._stopped():
             return Turn(done=True, reward=None)
-        answers = [{"role": "tool", "content": await self._call(c.name, c.arguments)} for c in calls]
-        answers += [{"role": "tool", "content": f"error: {e}"} for e in errors]
+        answers = await self.answer(calls, errors)
         self.conversation.extend(answers)
         return Turn(answers, info={"tool_calls": len(calls)})
+
+    async def tool_turn(self, reply: str) -> list[dict[str, Any]] | None:
+        """The ``tool`` messages answering the calls in ``reply``; None when it calls no tool."""
+        from rlstream.envs.tools import parse_tool_calls
+
+        calls, errors = parse_tool_calls(reply) if self.tool_fns else ([], [])
+        return await self.answer(calls, errors) if calls or errors else None
+
+    async def answer(self, calls, errors) -> list[dict[str, Any]]:
+        answers = [{"role": "tool", "content": await self._call(c.name, c.arguments)} for c in calls]
+        return answers + [{"role": "tool", "content": f"error: {e}"} for e in errors]
 
     def _stopped(self) -> bool:
         """A task's ``@vf.stop`` predicate on the trace so far (those that read only ``trace``)."""
@@ -317,6 +373,7 @@ class VerifiersEnvironment:
     def __init__(self, name: str, kwargs: dict[str, Any] | None = None):
         self.name = name
         self.taskset = load_taskset(name, kwargs)
+        self.env_cls = env_class(name)
 
     async def start(self, prompt: Prompt) -> VerifiersEpisode:
         from rlstream.envs.tools import schema_of
@@ -326,7 +383,12 @@ class VerifiersEnvironment:
             raise VerifiersError(f"prompt {prompt.id} has no {COLUMN!r} column: its rows did not come from {self.name!r} "
                                  "(leave data_source.path unset)")
         task = await asyncio.to_thread(build_task, self.taskset, data)
-        messages = [dict(m) for m in prompt.messages] if prompt.messages else opening(task.data)
         fns = _tools(task, self.taskset)
         schemas = [schema_of(fn, n) for n, (_, fn) in fns.items()] or None
+        if self.env_cls is not _vf().SingleAgentEnv:
+            from rlstream.envs import verifiers_usersim as usersim
+
+            tools = VerifiersEpisode(task, [], fns, schemas)
+            return await usersim.UserSimEpisode(usersim.env_of(self.env_cls), task, tools).open()
+        messages = [dict(m) for m in prompt.messages] if prompt.messages else opening(task.data)
         return VerifiersEpisode(task, messages, fns, schemas)
