@@ -128,8 +128,14 @@ from rlstream.producers.batch import (
     generate_batch,
     publish_batch,
 )
-from rlstream.producers.weights import (WeightsFollower, WeightsMismatch, newest_announcement, receive_or_skip, report_verification,
-                                        verify_loaded)
+from rlstream.producers.weights import (
+    WeightsFollower,
+    WeightsMismatch,
+    newest_announcement,
+    receive_or_skip,
+    report_verification,
+    verify_loaded,
+)
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup
 
 log = logging.getLogger(__name__)
