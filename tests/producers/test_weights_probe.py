@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from helpers.broker import wait_until
 from helpers.logprobs import teacher_forced
 from helpers.vllm_checks import load_model, perturbed
 
@@ -27,6 +28,10 @@ from rlstream.producers.backends.openai import OpenAIBackend, parse_prompt_logpr
 from rlstream.producers.weights import WeightsMismatch, receive_weights, report_verification, verify_loaded
 from rlstream.schemas import RecordError, WeightsAnnouncement
 from rlstream.weights import probe as probes
+
+
+async def _eq(awaitable, want) -> bool:
+    return await awaitable == want
 
 
 def test_the_verdict_worked_by_hand():
@@ -197,5 +202,10 @@ async def test_a_server_without_prompt_logprobs_serves_unverified_versions_and_s
                 warnings = [r for r in caplog.records if "unverified" in r.getMessage()]
                 assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one line, at start
                 assert server.reloads == 2 and "verified_version" not in pcomp.reporter.info
+
+                async def shown() -> str | None:  # what `rlstream status` lists for the producer: its heartbeat
+                    return (await pcomp.state.heartbeats()).get("producer.p0", {}).get("weights_verified")
+
+                assert await wait_until(lambda: _eq(shown(), "unverified"), 30)
         finally:
             await backend.close()

@@ -170,7 +170,7 @@ class OpenAIBackend(Backend):
         request with ``prompt_logprobs: 0`` and one sampled token); None, with
         :attr:`probe_note` saying why, when the server does not return them."""
         await self._session()
-        payload = {"model": self.adapter_name or self.model_name, "prompt": [int(t) for t in ids], "max_tokens": 1,
+        payload = {"model": self.adapter_name or self.model_name, "prompt": [int(t) for t in ids], "n": 1, "max_tokens": 1,
                    "temperature": 0.0, "prompt_logprobs": 0}
         try:
             body = await self._request("POST", self.url, payload)
