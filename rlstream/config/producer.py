@@ -186,11 +186,11 @@ class OpenAIProducerConfig(ProducerConfig):
     """Retries of a failed request (with exponential backoff)."""
     max_connections: int = Field(64, ge=1, le=65536)
     """Pooled HTTP connections (concurrent requests)."""
-    probe_tolerance: float | None = Field(None, gt=0, le=10.0)
+    probe_tolerance: float = Field(5e-2, gt=0, le=10.0)
     """How far the server's log-probs of the learner's probe may be from the learner's (mean
-    absolute difference) after a reload (:mod:`rlstream.weights.probe`); unset: 1e-3 for
-    float32 weights, 5e-2 for bfloat16/float16. Raise it for a server that runs the weights in
-    a lower precision than they are published in."""
+    absolute difference) after a reload (:mod:`rlstream.weights.probe`). The default allows a
+    server running bfloat16 weights; set 1e-3 for a float32 server, which then tells closer
+    versions apart."""
 
     @property
     def remote_endpoint(self) -> str | None:

@@ -81,8 +81,7 @@ async def verify_loaded(comp, backend, source: WeightsSource) -> bool:
 
 async def verify_by_probe(comp, backend, source: WeightsSource) -> bool:
     """The server's log-probs of the announced probe against the learner's
-    (:mod:`rlstream.weights.probe`), within ``producer.probe_tolerance`` (default: by the
-    dtype the weights are published in). A version that cannot be checked (no probe announced,
+    (:mod:`rlstream.weights.probe`), within ``producer.probe_tolerance``. A version that cannot be checked (no probe announced,
     a server without prompt log-probs, or one whose probe the server's previous weights would
     answer alike) is loaded and marked ``weights_verified=unverified`` with why."""
     if source.probe is None:
@@ -91,7 +90,7 @@ async def verify_by_probe(comp, backend, source: WeightsSource) -> bool:
     served = await backend.probe_logprobs(list(ids))
     if served is None:
         return _unverified(comp, source.version, backend.probe_note)
-    tol = getattr(comp.cfg.producer, "probe_tolerance", None) or probes.tolerance(comp.cfg.producer.weights_dtype)
+    tol = getattr(comp.cfg.producer, "probe_tolerance", probes.DEFAULT_TOLERANCE)
     before = backend.probe_before[1] if backend.probe_before and backend.probe_before[0] == tuple(ids) else None
     verdict = probes.verdict(served, want, before, tol)
     gap = probes.mean_abs_diff(served, want)
@@ -104,6 +103,7 @@ async def verify_by_probe(comp, backend, source: WeightsSource) -> bool:
         return _unverified(comp, source.version, f"its probe is within 2 x {tol:g} of what the server answered before the "
                                                  "reload, so a match cannot tell the versions apart")
     comp.reporter.info["weights_verified"] = "probe"
+    comp.reporter.info.pop("weights_verify_note", None)
     _verified(comp, source.version)
     return True
 

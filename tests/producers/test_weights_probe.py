@@ -23,6 +23,7 @@ from helpers.logprobs import teacher_forced
 from helpers.vllm_checks import load_model, perturbed
 
 from rlstream.broker import Component
+from rlstream.config.producer import OpenAIProducerConfig
 from rlstream.learner.publish import publish_weights as learner_publish
 from rlstream.producers.backends.openai import OpenAIBackend, parse_prompt_logprobs
 from rlstream.producers.weights import WeightsMismatch, receive_weights, report_verification, verify_loaded
@@ -48,7 +49,7 @@ def test_the_verdict_worked_by_hand():
     # a short answer or a NaN is never a match
     assert probes.mean_abs_diff([-1.0, -2.0], want) == math.inf
     assert probes.verdict([-1.0, float("nan"), -3.0], want, None, 1.0) == "mismatch"
-    assert probes.tolerance(None) == probes.tolerance("float32") == 1e-3 and probes.tolerance("bfloat16") == 5e-2
+    assert OpenAIProducerConfig(endpoint="http://x").probe_tolerance == probes.DEFAULT_TOLERANCE == 5e-2
     # ids stepped by 97 from 11 modulo min(vocab, 256): 11, 108, 205, 302 - 256 = 46, ...
     assert probes.probe_ids(1000)[:4] == [11, 108, 205, 46] and probes.probe_ids(2, 2) == [1, 0]
     assert len(probes.probe_ids(50)) == probes.PROBE_LENGTH and max(probes.probe_ids(50)) < 50
@@ -82,9 +83,9 @@ def test_the_learners_probe_is_the_published_weights_log_probs(tiny_model_dir):
     ids, logprobs = probes.of_published(model.config.to_json_string(), dict(model.state_dict()))
     assert ids == probes.probe_ids(model.config.vocab_size)
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(teacher_forced(model, ids[:1], ids[1:])), atol=1e-6, rtol=0)
-    # published as bfloat16: the probe is that of the rounded weights, within the bfloat16 tolerance of float32's
+    # published as bfloat16: the probe is that of the rounded weights, within the default tolerance (a bfloat16 server) of float32's
     _, rounded = probes.of_published(model.config.to_json_string(), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
-    assert 0 < probes.mean_abs_diff(rounded, logprobs) < probes.tolerance("bfloat16")
+    assert 0 < probes.mean_abs_diff(rounded, logprobs) < probes.DEFAULT_TOLERANCE
     with pytest.raises(ValueError, match="lack"):  # a tensor missing from what was published: no probe of garbage
         probes.of_published(model.config.to_json_string(), {k: v for k, v in model.state_dict().items() if "layers.0.mlp" not in k})
 
@@ -154,7 +155,8 @@ async def publish_and_load(lcomp, pcomp, backend, model, version: int) -> bool:
 async def test_a_server_that_loaded_the_version_is_verified_and_one_that_kept_its_weights_is_refused(
         js, nats_server, config, tiny_model_dir):
     async with ModelServer(tiny_model_dir) as server:
-        cfg, _ = config(producer={"backend": "openai", "endpoint": server.url, "batch_prompts": 2, "max_new_tokens": 4})
+        cfg, _ = config(producer={"backend": "openai", "endpoint": server.url, "batch_prompts": 2, "max_new_tokens": 4,
+                                  "probe_tolerance": probes.FLOAT32_TOLERANCE})  # the server runs float32
         backend = OpenAIBackend.from_config(cfg)
         try:
             async with (Component(cfg, nats_server.url, "learner", "l0", handle_signals=False) as lcomp,

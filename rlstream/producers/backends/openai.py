@@ -35,7 +35,7 @@ learner announces the log-probs of a short fixed token sequence under the publis
 for that sequence's prompt log-probs (:meth:`OpenAIBackend.probe_logprobs`: vLLM's
 ``prompt_logprobs`` extension), and the producer compares them
 (:func:`rlstream.producers.weights.verify_loaded`). A server that returns no prompt log-probs
-leaves its versions unverified, and says so once at start (``probe_note``).
+leaves its versions unverified, and says so once, at start (``probe_note``).
 
 LoRA (``learner.lora``): each adapter version is loaded with vLLM's dynamic LoRA endpoint
 (``POST /v1/load_lora_adapter``, a server started with ``--enable-lora`` and
@@ -93,7 +93,7 @@ class OpenAIBackend(Backend):
         self.probe_before: tuple[tuple[int, ...], list[float]] | None = None
         """The probe's ids and the server's log-probs of them just before the last reload."""
         self.probe_note = ""
-        """Why the server's versions cannot be verified (empty: they can)."""
+        """Why the last probe got no answer."""
         if tokenizer_path:
             from transformers import AutoTokenizer
 
@@ -169,13 +169,13 @@ class OpenAIBackend(Backend):
         """The server's log-probs of ``ids[1:]``, each given the ids before it (a completions
         request with ``prompt_logprobs: 0`` and one sampled token); None, with
         :attr:`probe_note` saying why, when the server does not return them."""
-        await self._session()
-        payload = {"model": self.adapter_name or self.model_name, "prompt": [int(t) for t in ids], "n": 1, "max_tokens": 1,
-                   "temperature": 0.0, "prompt_logprobs": 0}
         try:
+            await self._session()
+            payload = {"model": self.adapter_name or self.model_name, "prompt": [int(t) for t in ids], "n": 1,
+                       "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
             body = await self._request("POST", self.url, payload)
-        except ProducerError as exc:  # policy: a server without the extension serves unverified versions
-            self.probe_note = f"{self.url} refused prompt_logprobs ({str(exc)[:200]}): its weights versions are unverified"
+        except ProducerError as exc:  # policy: a version that cannot be probed is served unverified, and says why
+            self.probe_note = f"asking {self.url} for prompt_logprobs failed ({str(exc)[:200]}): versions unverified"
             return None
         got = parse_prompt_logprobs(body, ids)
         if got is None:
@@ -188,7 +188,7 @@ class OpenAIBackend(Backend):
         if source.is_adapter:
             return await self._load_adapter(source)
         self.probe_before = None
-        if source.probe is not None and not self.probe_note:  # what the server answers with the old weights
+        if source.probe is not None:  # what the server answers with the old weights
             before = await self.probe_logprobs(list(source.probe[0]))
             self.probe_before = (tuple(source.probe[0]), before) if before is not None else None
         target = source.path
