@@ -87,10 +87,12 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict, wire)  # tensor copies: the torch thread
     fp = probe = None
     if adapter_config is None:
-        published = {k: v.to(wire) if wire is not None and v.is_floating_point() else v for k, v in state_dict.items()}
-        fp = await compute.run(fingerprints.of_tensors, published.items(), skip=fingerprints.tied(config_json))
-        if wants_probe(comp):
-            probe = await compute.run(probes.of_published, config_json, published)
+        def published():  # one tensor at a time in the wire dtype
+            return ((k, v.to(wire) if wire is not None and v.is_floating_point() else v) for k, v in state_dict.items())
+
+        fp = await compute.run(fingerprints.of_tensors, published(), skip=fingerprints.tied(config_json))
+        if wants_probe(comp):  # the whole model in the wire dtype, for one forward
+            probe = await compute.run(lambda: probes.of_published(config_json, dict(published())))
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
                                adapter_config=adapter_config, fingerprint=fp, probe=probe)
 

@@ -87,18 +87,20 @@ def logprobs_of(model, ids: Sequence[int]) -> list[float]:
 def of_published(config_json: str, tensors: dict[str, Any], n: int = PROBE_LENGTH) -> tuple[list[int], list[float]]:
     """The probe and its log-probs under the published ``tensors`` (name -> tensor, in the dtype
     they are published in) of the model ``config_json`` describes. The model is built on the
-    meta device and takes the tensors as its parameters (no copy); only its buffers (rotary
-    frequencies) are computed."""
+    meta device and takes the tensors as its parameters, on their device (no copy); only its
+    buffers (rotary frequencies) are computed. A forward of ``n`` tokens: cheap beside the
+    publish itself."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = json.loads(config_json)
     cfg = AutoConfig.for_model(**cfg_dict)
-    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    first = next((t for t in tensors.values() if t.is_floating_point()), None)
+    dtype, device = (first.dtype, first.device) if first is not None else (torch.float32, torch.device("cpu"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.to_empty(device="cpu")
-    loaded = model.load_state_dict({k: v.cpu() for k, v in tensors.items()}, strict=False, assign=True)
+    model.to_empty(device=device)  # where the published tensors are: no copy of the model
+    loaded = model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False, assign=True)
     model.tie_weights()
     tied = {"lm_head.weight"} if cfg_dict.get("tie_word_embeddings") else set()
     if missing := sorted(set(loaded.missing_keys) - tied):
