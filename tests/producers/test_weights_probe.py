@@ -24,6 +24,7 @@ from helpers.vllm_checks import load_model, perturbed
 
 from rlstream.broker import Component
 from rlstream.config.producer import OpenAIProducerConfig
+from rlstream.learner.publish import BackgroundPublisher
 from rlstream.learner.publish import publish_weights as learner_publish
 from rlstream.producers.backends.openai import OpenAIBackend, parse_prompt_logprobs
 from rlstream.producers.weights import WeightsMismatch, receive_weights, report_verification, verify_loaded
@@ -211,3 +212,29 @@ async def test_a_server_without_prompt_logprobs_serves_unverified_versions_and_s
                 assert await wait_until(lambda: _eq(shown(), "unverified"), 30)
         finally:
             await backend.close()
+
+
+async def test_the_background_publisher_announces_the_probe_of_what_it_published(js, nats_server, config, tiny_model_dir):
+    """The learner's usual path: the snapshot taken at the step is what the probe runs on, not
+    the live weights that move on."""
+    cfg, _ = config(producer={"backend": "openai", "endpoint": "http://127.0.0.1:9"})
+    model = perturbed(tiny_model_dir, 3, 0.05)
+    want = probes.of_published(model.config.to_json_string(), {k: v.clone() for k, v in model.state_dict().items()})
+    seen = []
+
+    async def published(pub) -> None:
+        seen.append(pub.announcement)
+
+    async with Component(cfg, nats_server.url, "learner", "l0", handle_signals=False) as lcomp:
+        publisher = BackgroundPublisher(lcomp, cfg.learner, model.config.to_json_string(), published)
+        live = dict(model.state_dict())
+        try:
+            await publisher.submit(live, version=1, step=1)
+            with torch.no_grad():
+                for v in live.values():  # the optimizer moves on at once
+                    v.add_(1)
+            await publisher.flush()
+        finally:
+            await publisher.close()
+    assert [a.policy_version for a in seen] == [1]
+    assert (seen[0].probe_ids, seen[0].probe_logprobs) == (want[0], pytest.approx(want[1], abs=1e-6))
