@@ -32,10 +32,11 @@ ADDED = {
                           "loss_mask": [], "turn_counts": [], "turn_ends": [], "turn_rewards": [], "env_rewards": [],
                           "episode_messages": None, "version_runs": [], "run_lengths": [], "run_versions": []}),
     "scored_group": (2, {"ref_logprobs": [], "teacher_logprobs": [], "annotated_by": {}}),
-    # v2: chunked transfers; v3: LoRA adapters; v4: sparse deltas against a base version; v5: fingerprints
+    # v2: chunked transfers; v3: LoRA adapters; v4: sparse deltas against a base version; v5: fingerprints;
+    # v6: probe log-probs
     "weights": (2, {"chunk_size": 0, "chunk_sha256": [], "host": "", "kind": "full", "adapter_config": "",
                     "base_version": None, "base_sha256": None, "delta_chunk_size": None, "delta_sizes": None,
-                    "delta_sha256": None, "fingerprint": None}),
+                    "delta_sha256": None, "fingerprint": None, "probe_ids": None, "probe_logprobs": None}),
 }
 
 

@@ -55,7 +55,9 @@ class ProducerConfig(Strict):
     """After loading a version, compare the fingerprint of the weights as the engine holds them
     with the learner's (:mod:`rlstream.weights.fingerprint`). A mismatch raises
     ``alert/weights_mismatch`` and the producer exits to be restarted rather than sample from
-    weights nobody trained (a backend that cannot read its weights, e.g. ``openai``, skips it)."""
+    weights nobody trained. ``openai``, which cannot read its server's parameters, compares the
+    server's log-probs of a probe sequence the learner announces instead
+    (:mod:`rlstream.weights.probe`, ``producer.probe_tolerance``)."""
     weights_timeout_s: float = Field(300.0, gt=0, le=DAY_S)
     """The longest a producer spends receiving one version of the weights (every try, waiting
     for a shared file to appear included). Past it the transfer raises, ``alert/weight_fetch_timeouts``
@@ -184,6 +186,11 @@ class OpenAIProducerConfig(ProducerConfig):
     """Retries of a failed request (with exponential backoff)."""
     max_connections: int = Field(64, ge=1, le=65536)
     """Pooled HTTP connections (concurrent requests)."""
+    probe_tolerance: float = Field(5e-2, gt=0, le=10.0)
+    """How far the server's log-probs of the learner's probe may be from the learner's (mean
+    absolute difference) after a reload (:mod:`rlstream.weights.probe`). The default allows a
+    server running bfloat16 weights; set 1e-3 for a float32 server, which then tells closer
+    versions apart."""
 
     @property
     def remote_endpoint(self) -> str | None:

@@ -33,6 +33,7 @@ from rlstream import compute
 from rlstream.learner.snapshot import Image, Snapshots
 from rlstream.weights import Published, StagedFile, Version, object_name, transport_for
 from rlstream.weights import fingerprint as fingerprints
+from rlstream.weights import probe as probes
 from rlstream.weights.layout import write_file as to_safetensors
 
 log = logging.getLogger(__name__)
@@ -84,31 +85,48 @@ async def publish_weights(comp, lcfg, state_dict: dict[str, torch.Tensor], *, ve
     ``wire``: the dtype floating-point tensors are published in (:func:`wire_dtype`)."""
     t0 = time.perf_counter()
     data = await compute.run(snapshot, lcfg, comp.layout.run, version, state_dict, wire)  # tensor copies: the torch thread
-    fp = None
+    fp = probe = None
     if adapter_config is None:
-        published = ((k, v.to(wire) if wire is not None and v.is_floating_point() else v) for k, v in state_dict.items())
-        fp = await compute.run(fingerprints.of_tensors, published, skip=fingerprints.tied(config_json))
+        def published():  # one tensor at a time in the wire dtype
+            return ((k, v.to(wire) if wire is not None and v.is_floating_point() else v) for k, v in state_dict.items())
+
+        fp = await compute.run(fingerprints.of_tensors, published(), skip=fingerprints.tied(config_json))
+        if wants_probe(comp):  # the whole model in the wire dtype, for one forward
+            probe = await compute.run(lambda: probes.of_published(config_json, dict(published())))
     return await publish_bytes(comp, lcfg, data, version=version, step=step, config_json=config_json, started=t0,
-                               adapter_config=adapter_config, fingerprint=fp)
+                               adapter_config=adapter_config, fingerprint=fp, probe=probe)
 
 
-def _kind(adapter_config: str | None, fp: fingerprints.Fingerprint | None = None) -> dict[str, Any]:
+def wants_probe(comp) -> bool:
+    """Whether the run's producers check full versions by probe (:mod:`rlstream.weights.probe`):
+    those of the ``openai`` backend, which cannot read their server's parameters."""
+    p = comp.cfg.producer
+    return p.backend == "openai" and p.verify_weights
+
+
+def _kind(adapter_config: str | None, fp: fingerprints.Fingerprint | None = None,
+          probe: tuple[list[int], list[float]] | None = None) -> dict[str, Any]:
     """The announcement's fields saying what the bytes are: full weights (with their
-    fingerprint, when computed), or a LoRA adapter."""
+    fingerprint and probe, when computed), or a LoRA adapter."""
     if adapter_config:
         return {"kind": "lora", "adapter_config": adapter_config}
-    return {"fingerprint": list(fp)} if fp is not None else {}
+    out: dict[str, Any] = {"fingerprint": list(fp)} if fp is not None else {}
+    if probe is not None:
+        out.update(probe_ids=list(probe[0]), probe_logprobs=list(probe[1]))
+    return out
 
 
 async def publish_bytes(comp, lcfg, data: bytes | bytearray | StagedFile, *, version: int, step: int, config_json: str,
                         started: float | None = None, adapter_config: str | None = None,
-                        fingerprint: fingerprints.Fingerprint | None = None) -> Published:
+                        fingerprint: fingerprints.Fingerprint | None = None,
+                        probe: tuple[list[int], list[float]] | None = None) -> Published:
     """Hand serialised weights to ``lcfg.weights``'s transport (it puts and announces them),
     then prune old versions. ``started``: when the publish began (for ``seconds``);
-    ``fingerprint``: the weights' (:mod:`rlstream.weights.fingerprint`), announced with them."""
+    ``fingerprint``: the weights' (:mod:`rlstream.weights.fingerprint`), announced with them;
+    ``probe``: the probe's ids and log-probs under them (:mod:`rlstream.weights.probe`)."""
     t0 = time.perf_counter() if started is None else started
     transport = transport_for(lcfg.weights)
-    ann = await transport.publish(comp, data, Version(comp.layout.run, version, step, config_json, _kind(adapter_config, fingerprint)))
+    ann = await transport.publish(comp, data, Version(comp.layout.run, version, step, config_json, _kind(adapter_config, fingerprint, probe)))
     seconds = time.perf_counter() - t0
     await transport.prune(comp, version)
     return Published(ann, seconds, len(data), sum(ann.delta_sizes) if ann.is_delta else len(data))
@@ -204,12 +222,14 @@ class BackgroundPublisher:
         """One queued version out; None when it failed (counted, the next one tries again)."""
         try:
             await asyncio.to_thread(image.wait)
-            fp = None  # the sums of the bytes as published, off the step (a LoRA adapter has none)
+            fp = probe = None  # the sums of the bytes as published, off the step (a LoRA adapter has none)
             if self.adapter_config is None:
                 fp = await asyncio.to_thread(fingerprints.of_tensors, image.views.items(), skip=fingerprints.tied(self.config_json))
+                if wants_probe(self.comp):
+                    probe = await asyncio.to_thread(probes.of_published, self.config_json, dict(image.views))
             pub = await publish_bytes(self.comp, self.lcfg, image.payload(), version=version, step=step,
                                       config_json=self.config_json, started=t0, adapter_config=self.adapter_config,
-                                      fingerprint=fp)
+                                      fingerprint=fp, probe=probe)
         except Exception as exc:  # policy: producers keep the previous version; the next publish tries again
             self.failures += 1
             self.error = exc

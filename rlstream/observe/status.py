@@ -11,7 +11,9 @@
 - completion lengths: the learner's groups trained and dropped as too stale per
   mean-completion-length bucket (``lengths/trained_le64``, ``lengths/dropped_stale_le64``, ...),
   and the share of each bucket dropped: long completions finish late, so a staleness bound
-  that drops starves them first (``stale_policy: correct`` keeps them);
+  that drops starves them first (``stale_policy: correct`` keeps them), and the exact mean
+  completion length of each side (``lengths/mean_dropped_stale`` vs ``lengths/mean_trained``:
+  "dropped as stale: mean 136 tokens vs 116 trained");
 - the DLQ: messages in the dead-letter stream, total and by stage;
 - where the time goes: per stage, the mean seconds of each phase of the last loop pass over
   its live instances (from the ``time/<stage>/<phase>_s`` figures in their heartbeats), the
@@ -79,6 +81,31 @@ def length_buckets(values: dict[str, float]) -> list[dict[str, Any]]:
         if seen:
             out.append({**row, "dropped_share": row["dropped_stale"] / seen})
     return out
+
+
+def length_means(values: dict[str, float]) -> dict[str, float | None]:
+    """``{trained, dropped_stale}``: the learner's exact mean completion length (tokens) of the
+    groups it trained and of those it dropped as too stale, ``None`` for a side with no groups
+    yet (the learner writes 0 there: no group of completions averages 0 tokens); ``{}`` when
+    the row carries neither figure."""
+    out: dict[str, float | None] = {}
+    for kind in ("trained", "dropped_stale"):
+        value = values.get(f"lengths/mean_{kind}")
+        if value is not None:
+            out[kind] = float(value) if value > 0 else None
+    if out:
+        out.setdefault("trained", None)
+        out.setdefault("dropped_stale", None)
+    return out
+
+
+def format_length_means(means: dict[str, float | None]) -> str:
+    """``dropped as stale: mean 136 tokens vs 116 trained`` (``-`` for a side without groups,
+    ``dropped as stale: -`` without the figures)."""
+    if not means:
+        return "dropped as stale: -"
+    side = {k: "-" if v is None else f"{v:.0f}" for k, v in means.items()}
+    return f"dropped as stale: mean {side['dropped_stale']} tokens vs {side['trained']} trained"
 
 
 async def _stream(js, name: str, subjects_filter: str | None = None) -> dict[str, Any] | None:
@@ -156,6 +183,7 @@ async def gather(js, run: str) -> dict[str, Any]:
     if producer_versions:
         staleness["producer_lag_max"] = policy_version - int(min(producer_versions))
     lengths: list[dict[str, Any]] = []
+    means: dict[str, float | None] = {}
     for c in components:
         if c["component"] == "learner":
             values = await _last_metrics(js, layout, "learner", c["id"])
@@ -164,6 +192,7 @@ async def gather(js, run: str) -> dict[str, Any]:
                 if k in values:
                     staleness[k] = values[k]
             lengths = length_buckets(values) or lengths
+            means = length_means(values) or means
 
     stages = stage_summary(live_phases(heartbeats))
 
@@ -182,6 +211,7 @@ async def gather(js, run: str) -> dict[str, Any]:
         "pacing_admit": admit if admit >= 0 else None,
         "staleness": staleness,
         "lengths": lengths,
+        "length_means": means,
         "dlq": {"total": dlq["messages"] if dlq else 0, "by_stage": by_stage},
         "stages": stages,
     }
@@ -247,6 +277,7 @@ def render(status: dict[str, Any], console: Console) -> None:
     st = status["staleness"]
     console.print("staleness: " + ("  ".join(f"{k}={v:g}" for k, v in st.items()) if st else "-"))
     _render_lengths(status.get("lengths") or [], console)
+    console.print(format_length_means(status.get("length_means") or {}))
     dlq = status["dlq"]
     stages = ", ".join(f"{k}: {v}" for k, v in sorted(dlq["by_stage"].items()))
     colour = "red" if dlq["total"] else "green"

@@ -128,7 +128,14 @@ from rlstream.producers.batch import (
     generate_batch,
     publish_batch,
 )
-from rlstream.producers.weights import WeightsFollower, WeightsMismatch, newest_announcement, receive_or_skip, verify_loaded
+from rlstream.producers.weights import (
+    WeightsFollower,
+    WeightsMismatch,
+    newest_announcement,
+    receive_or_skip,
+    report_verification,
+    verify_loaded,
+)
 from rlstream.schemas import DEFAULT_LIMITS, Limits, Prompt, RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -291,6 +298,7 @@ class Producer:
         stats = ProducerStats()
         n_lanes = cfg.producer.pipeline_batches or backend.concurrent_batches
         _report_backend(comp, backend, n_lanes)
+        await report_verification(comp, backend)
         stats.policy_version = await sync_weights(comp, backend, stats.policy_version, stats)
         comp.reporter.set("producer/policy_version", stats.policy_version)
         env = environment(cfg)

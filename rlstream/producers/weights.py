@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ from rlstream.broker.state import BrokerUnavailable
 from rlstream.producers.backends import ProducerError, WeightsSource
 from rlstream.schemas import WeightsAnnouncement
 from rlstream.weights import fingerprint as fingerprints
+from rlstream.weights import probe as probes
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,18 @@ class WeightsMismatch(RuntimeError):
 
 
 async def verify_loaded(comp, backend, source: WeightsSource) -> bool:
-    """Compare the engine's fingerprint with the one the learner announced for ``source``
-    (``producer.verify_weights``). True when they match, False when there is nothing to compare
-    (no fingerprint announced, a backend that cannot read its weights); raises
-    :class:`WeightsMismatch` (after ``alert/weights_mismatch``) when they differ. The verified
-    version goes in the heartbeat (``verified_version``, shown by ``rlstream status``)."""
-    if source.fingerprint is None or source.is_adapter or not comp.cfg.producer.verify_weights:
+    """Compare the weights the engine holds after a load with the learner's
+    (``producer.verify_weights``): the fingerprint of its parameters where the backend can read
+    them, else the server's log-probs of the learner's probe (:func:`verify_by_probe`). True
+    when they match, False when there is nothing to compare (no fingerprint announced, a backend
+    that cannot read its weights); raises :class:`WeightsMismatch` (after
+    ``alert/weights_mismatch``) when they differ. The verified version goes in the heartbeat
+    (``verified_version``, shown by ``rlstream status``)."""
+    if source.is_adapter or not comp.cfg.producer.verify_weights:
+        return False
+    if getattr(backend, "probe_logprobs", None) is not None:  # a server whose parameters cannot be read
+        return await verify_by_probe(comp, backend, source)
+    if source.fingerprint is None:
         return False
     read = getattr(backend, "fingerprint", None)  # a backend of its own making may not say
     held = await read() if read is not None else None
@@ -64,13 +72,69 @@ async def verify_loaded(comp, backend, source: WeightsSource) -> bool:
     published = comp.cfg.producer.weights_dtype or "float32"
     rel = fingerprints.SAME_DTYPE_REL if dtype == published else fingerprints.CONVERTED_REL
     if not fingerprints.matches(got, source.fingerprint, rel):
-        comp.reporter.inc("alert/weights_mismatch")
-        comp.reporter.info["weights_mismatch"] = source.version
+        _mismatch(comp, source.version)
         raise WeightsMismatch(f"weights v{source.version} as loaded on the engine ({fingerprints.shown(got)}, {dtype}) are "
                               f"not the learner's ({fingerprints.shown(source.fingerprint)}, {published}; within {rel:g})")
-    comp.reporter.info["verified_version"] = source.version
-    comp.reporter.update({"producer/verified_version": source.version})
+    _verified(comp, source.version)
     return True
+
+
+async def verify_by_probe(comp, backend, source: WeightsSource) -> bool:
+    """The server's log-probs of the announced probe against the learner's
+    (:mod:`rlstream.weights.probe`), within ``producer.probe_tolerance``. A version that cannot be checked (no probe announced,
+    a server without prompt log-probs, or one whose probe the server's previous weights would
+    answer alike) is loaded and marked ``weights_verified=unverified`` with why."""
+    if source.probe is None:
+        return _unverified(comp, source.version, "the learner announced no probe for it")
+    ids, want = source.probe
+    served = await backend.probe_logprobs(list(ids))
+    if served is None:
+        return _unverified(comp, source.version, backend.probe_note)
+    tol = getattr(comp.cfg.producer, "probe_tolerance", probes.DEFAULT_TOLERANCE)
+    before = backend.probe_before[1] if backend.probe_before and backend.probe_before[0] == tuple(ids) else None
+    verdict = probes.verdict(served, want, before, tol)
+    gap = probes.mean_abs_diff(served, want)
+    comp.reporter.update({"producer/probe_gap": gap if math.isfinite(gap) else -1.0})
+    if verdict == "mismatch":
+        _mismatch(comp, source.version)
+        raise WeightsMismatch(f"weights v{source.version}: the server's log-probs of the probe are {gap:.3g} (mean |difference|) "
+                              f"from the learner's, over {tol:g} (producer.probe_tolerance)")
+    if verdict == "indistinguishable":
+        return _unverified(comp, source.version, f"its probe is within 2 x {tol:g} of what the server answered before the "
+                                                 "reload, so a match cannot tell the versions apart")
+    comp.reporter.info["weights_verified"] = "probe"
+    comp.reporter.info.pop("weights_verify_note", None)
+    _verified(comp, source.version)
+    return True
+
+
+def _verified(comp, version: int) -> None:
+    comp.reporter.info["verified_version"] = version
+    comp.reporter.update({"producer/verified_version": version})
+
+
+def _mismatch(comp, version: int) -> None:
+    comp.reporter.inc("alert/weights_mismatch")
+    comp.reporter.info["weights_mismatch"] = version
+
+
+def _unverified(comp, version: int, why: str) -> bool:
+    """Mark ``version`` loaded but not verified (heartbeat ``weights_verified=unverified``,
+    ``weights_verify_note``); logs why once per reason."""
+    info = comp.reporter.info
+    if info.get("weights_verify_note") != why:
+        log.warning("producer %s: policy v%d is loaded unverified: %s", comp.component_id, version, why)
+    info.update(weights_verified="unverified", weights_verify_note=why)
+    return False
+
+
+async def report_verification(comp, backend) -> None:
+    """At start, for a backend checked by probe: whether the server returns prompt log-probs at
+    all. One log line, and ``weights_verified=unverified`` in the heartbeat, when it does not."""
+    if not comp.cfg.producer.verify_weights or getattr(backend, "probe_logprobs", None) is None:
+        return
+    if await backend.probe_logprobs(probes.probe_ids(2, 2)) is None:
+        _unverified(comp, backend.policy_version, backend.probe_note)
 
 
 def check_announcement(cfg, layout: Layout, ann: WeightsAnnouncement) -> None:
@@ -120,6 +184,8 @@ async def receive_weights(comp, announcement: WeightsAnnouncement) -> WeightsSou
             source = await asyncio.wait_for(fetch_weights(comp, announcement, deadline), left)
             if announcement.fingerprint and announcement.kind == "full":  # what the engine must hold once loaded
                 source = dataclasses.replace(source, fingerprint=(announcement.fingerprint[0], announcement.fingerprint[1]))
+            if announcement.probe_ids and announcement.kind == "full":
+                source = dataclasses.replace(source, probe=(tuple(announcement.probe_ids), tuple(announcement.probe_logprobs)))
             return source
         except asyncio.TimeoutError:
             raise WeightsTimeout(f"receiving policy v{version} from {announcement.location} took over "

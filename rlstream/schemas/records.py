@@ -512,10 +512,15 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     floating-point weight as published (:mod:`rlstream.weights.fingerprint`); a producer
     compares them with the same sums over its engine's parameters after loading (None: not
     computed, e.g. a LoRA adapter).
+    v6: + ``probe_ids`` and ``probe_logprobs``: for full weights, a short fixed token sequence
+    and the teacher-forced log-probs of its tokens after the first under the weights as
+    published (:mod:`rlstream.weights.probe`); a producer that cannot read its engine's
+    parameters (``openai``) compares them with the server's prompt log-probs after a reload
+    (None: not computed).
     """
 
     SCHEMA: ClassVar[str] = "weights"
-    VERSION: ClassVar[int] = 5
+    VERSION: ClassVar[int] = 6
 
     v: int = VERSION
     policy_version: int
@@ -535,6 +540,8 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
     delta_sizes: capped(list[int]) | None = None  # v4
     delta_sha256: capped(list[str]) | None = None  # v4
     fingerprint: capped(list[float], 2) | None = None  # v5
+    probe_ids: capped(list[int], 64) | None = None  # v6
+    probe_logprobs: capped(list[float], 64) | None = None  # v6
 
     def chunks(self) -> int:
         """How many chunks ``size`` bytes make (0 without chunking)."""
@@ -574,6 +581,14 @@ class WeightsAnnouncement(Record, tag="weights", kw_only=True):
             self._check_delta(path)
         if self.fingerprint is not None and (len(self.fingerprint) != 2 or not all(math.isfinite(x) and x >= 0 for x in self.fingerprint)):
             raise RecordError(f"{path}fingerprint", f"{self.fingerprint!r}; expected two finite sums of 0 or more")
+        if (self.probe_ids is None) != (self.probe_logprobs is None):
+            raise RecordError(f"{path}probe_logprobs", "a probe needs both its token ids and their log-probs")
+        if self.probe_ids is not None:
+            if len(self.probe_ids) < 2 or len(self.probe_logprobs) != len(self.probe_ids) - 1 or min(self.probe_ids) < 0:
+                raise RecordError(f"{path}probe_ids", f"{len(self.probe_ids)} ids (0 or more) for {len(self.probe_logprobs)} "
+                                                      "log-probs; expected 2 or more ids and one log-prob for each after the first")
+            if not all(math.isfinite(x) and x <= 0 for x in self.probe_logprobs):
+                raise RecordError(f"{path}probe_logprobs", "expected finite log-probs of 0 or less")
 
     def _check_delta(self, path: str) -> None:
         if not 0 <= self.base_version <= self.policy_version:

@@ -50,6 +50,10 @@ class WeightsSource:
     fingerprint: tuple[float, float] | None = None
     """The learner's fingerprint of these weights (:mod:`rlstream.weights.fingerprint`),
     from the announcement: what the engine must hold once they are loaded."""
+    probe: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+    """The learner's probe of these weights (:mod:`rlstream.weights.probe`): token ids and the
+    log-probs of each after the first, from the announcement: what the server must answer once
+    they are loaded."""
 
     @property
     def is_adapter(self) -> bool:

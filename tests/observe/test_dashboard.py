@@ -98,6 +98,20 @@ async def test_dashboard_backfills_then_streams_live(nats_server, run_id, tmp_pa
                 await cdp.wait_for("document.getElementById('lengths').querySelectorAll('tr').length === 3")
                 card = await cdp.eval("document.getElementById('lengths').innerText")
                 assert "le16" in card and "le512" in card and "75%" in card and "gt4096" not in card  # empty buckets left out
+                # the mean completion length of each side: absent until a row carries it, then next to the buckets
+                assert await cdp.eval("window.rlstream.lengthMeans") is None and "dropped as stale" not in card
+                await learner.emit({"lengths/trained_le512": 2.0, "lengths/dropped_stale_le512": 6.0,
+                                    "lengths/mean_trained": 116.4, "lengths/mean_dropped_stale": 0.0}, step=12)
+                await nc.flush()
+                await cdp.wait_for("document.getElementById('length-means') !== null")
+                line = await cdp.eval("document.getElementById('length-means').innerText")
+                assert line == "dropped as stale: mean - tokens vs 116 trained"  # 0: no group dropped yet
+                await learner.emit({"lengths/mean_trained": 116.4, "lengths/mean_dropped_stale": 135.6}, step=13)
+                await nc.flush()
+                await cdp.wait_for("window.rlstream.lengthMeans.dropped_stale === 135.6")
+                await cdp.wait_for("document.getElementById('length-means').innerText.includes('136')")
+                line = await cdp.eval("document.getElementById('length-means').innerText")
+                assert line == "dropped as stale: mean 136 tokens vs 116 trained"
     finally:
         if chrome is not None:
             chrome.terminate()

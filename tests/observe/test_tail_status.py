@@ -11,6 +11,7 @@ from helpers.observe import make_cfg, rollout, run_cli, scored, start_cli, wait_
 
 from rlstream.broker import Component, Publisher, RunState, dead_letter, ensure_layout
 from rlstream.broker.layout import heartbeat_key
+from rlstream.observe.status import format_length_means, length_means
 
 
 async def test_tail_json_from_seq_bad_payload_and_where(js, nats_server, run_id):
@@ -137,6 +138,9 @@ async def test_status_text_and_json(js, nats_server, run_id):
     assert "dead letters: 3" in text and "scorer: 2" in text
     assert "alive" in text and "silent" in text
     assert "producer_lag_max=2" in text
+    # no learner metrics row: no length means
+    assert status["lengths"] == [] and status["length_means"] == {}
+    assert "dropped as stale: -" in text
 
 
 async def test_status_unknown_run(nats_server, run_id):
@@ -166,7 +170,8 @@ async def test_status_shows_groups_by_completion_length_trained_and_dropped(js, 
     await ensure_layout(js, run_id)
     values = {"lengths/trained_le16": 8.0, "lengths/trained_le512": 2.0, "lengths/dropped_stale_le16": 0.0,
               "lengths/dropped_stale_le512": 6.0, "lengths/trained_gt4096": 0.0, "lengths/dropped_stale_gt4096": 0.0,
-              "buffer/dropped_stale": 6.0, "buffer/kept_stale": 0.0}
+              "buffer/dropped_stale": 6.0, "buffer/kept_stale": 0.0, "lengths/mean_trained": 116.4,
+              "lengths/mean_dropped_stale": 135.6}
     async with Component(cfg, nats_server.url, "learner", "l0", handle_signals=False) as comp:
         async def status_with_lengths():
             await comp.reporter.emit(values, step=3)
@@ -184,3 +189,14 @@ async def test_status_shows_groups_by_completion_length_trained_and_dropped(js, 
                                  {"bucket": "le512", "trained": 2, "dropped_stale": 6, "dropped_share": 0.75}]
     assert status["staleness"]["buffer/dropped_stale"] == 6.0 and status["staleness"]["buffer/kept_stale"] == 0.0
     assert "groups by mean completion length" in text and "le512" in text and "75%" in text
+    assert status["length_means"] == {"trained": 116.4, "dropped_stale": 135.6}
+    assert "dropped as stale: mean 136 tokens vs 116 trained" in text
+
+
+def test_length_means_from_a_learner_row():
+    # the learner writes 0 for a side without groups: shown as "-", not as a mean of 0 tokens
+    assert length_means({"lengths/mean_trained": 116.4, "lengths/mean_dropped_stale": 0.0}) == {"trained": 116.4, "dropped_stale": None}
+    assert length_means({"lengths/trained_le64": 3.0}) == {}  # a row without the means
+    assert format_length_means({"trained": 116.4, "dropped_stale": 135.6}) == "dropped as stale: mean 136 tokens vs 116 trained"
+    assert format_length_means({"trained": 116.4, "dropped_stale": None}) == "dropped as stale: mean - tokens vs 116 trained"
+    assert format_length_means({}) == "dropped as stale: -"

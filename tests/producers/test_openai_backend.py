@@ -21,6 +21,7 @@ from rlstream.broker import free_port
 from rlstream.producers.backends.base import SamplingSpec, WeightsSource
 from rlstream.producers.backends.openai import OpenAIBackend
 from rlstream.schemas import Prompt
+from rlstream.weights import probe as probes
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -76,6 +77,20 @@ def server(tiny_model_dir, tmp_path_factory):
 def lora_server(tiny_model_dir, tmp_path_factory):
     """Dynamic LoRA endpoints, not dev mode: no weight-reload endpoint."""
     yield from serve(tiny_model_dir, tmp_path_factory, dev_mode=False, lora=True)
+
+
+async def test_the_servers_prompt_logprobs_answer_the_learners_probe(server, tiny_model_dir):
+    """What an openai producer checks a reload with (:mod:`rlstream.weights.probe`): vLLM's
+    ``prompt_logprobs`` of the probe equal the learner's, computed from the published weights."""
+    backend = OpenAIBackend(server, retries=1)
+    try:
+        model = load_model(tiny_model_dir)
+        ids, want = probes.of_published(model.config.to_json_string(), dict(model.state_dict()))
+        served = await backend.probe_logprobs(ids)
+        assert served is not None, backend.probe_note
+        assert probes.mean_abs_diff(served, want) < probes.FLOAT32_TOLERANCE
+    finally:
+        await backend.close()
 
 
 async def test_completions_carry_raw_logprobs_and_weights_reload(server, tiny_model_dir):

@@ -18,7 +18,7 @@
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
 
   const params = new URLSearchParams(window.location.search);
-  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false, lengths: {},
+  const state = { events: 0, lastSeq: 0, points: {}, latest: {}, connected: false, lengths: {}, lengthMeans: null,
                   x: params.get("x") === "step" ? "step" : "time", xs: {}, samples: { rows: [], matched: 0 }, stages: null };
   window.rlstream = state;
 
@@ -33,7 +33,8 @@
 
   // groups by mean completion length: the learner's running totals trained and dropped as too stale
   // (lengths/trained_le64, lengths/dropped_stale_le64, ...); long completions finish late, so a
-  // staleness bound that drops starves them first
+  // staleness bound that drops starves them first; and the exact mean completion length of each side
+  // (lengths/mean_dropped_stale vs lengths/mean_trained; 0 while a side has no groups: shown as "-")
   const LENGTH_KEY = /^lengths\/(trained|dropped_stale)_((?:le|gt)\d+)$/;
   let lengthsDirty = false;
   const lengthsCard = document.createElement("div");
@@ -46,6 +47,11 @@
     const buckets = Object.keys(state.lengths).filter((b) => state.lengths[b].trained + state.lengths[b].dropped_stale > 0)
       .sort((a, b) => order(a) - order(b));
     if (!buckets.length) return;
+    const means = state.lengthMeans || {};
+    const mean = (k) => (means[k] > 0 ? String(Math.round(means[k])) : "-");
+    const meansLine = state.lengthMeans
+      ? `<div id="length-means" style="font-size:12px;margin:2px 4px">dropped as stale: mean ${mean("dropped_stale")} tokens vs ${mean("trained")} trained</div>`
+      : "";
     const most = Math.max(...buckets.map((b) => state.lengths[b].trained + state.lengths[b].dropped_stale));
     const rows = buckets.map((b) => {
       const { trained, dropped_stale: dropped } = state.lengths[b];
@@ -54,7 +60,7 @@
       return `<tr><td>${b}</td><td class="num">${trained}</td><td class="num">${dropped}</td>` +
         `<td class="num">${Math.round(share * 100)}%</td><td>${bar(trained, "#2563eb")}${bar(dropped, "#dc2626")}</td></tr>`;
     }).join("");
-    lengthsCard.innerHTML = "<h2>groups by mean completion length (tokens): trained vs dropped stale</h2>" +
+    lengthsCard.innerHTML = "<h2>groups by mean completion length (tokens): trained vs dropped stale</h2>" + meansLine +
       "<table style=\"font-size:12px;border-spacing:8px 2px\"><tr><th>length</th><th>trained</th><th>dropped stale</th>" +
       `<th>dropped share</th><th></th></tr>${rows}</table>`;
   }
@@ -93,6 +99,8 @@
     for (const k of Object.keys(ev.values)) {
       const m = LENGTH_KEY.exec(k);
       if (m && Number.isFinite(ev.values[k])) { (state.lengths[m[2]] ||= { trained: 0, dropped_stale: 0 })[m[1]] = ev.values[k]; lengthsDirty = true; }
+      const mean = /^lengths\/mean_(trained|dropped_stale)$/.exec(k);
+      if (mean && Number.isFinite(ev.values[k])) { (state.lengthMeans ||= { trained: 0, dropped_stale: 0 })[mean[1]] = ev.values[k]; lengthsDirty = true; }
     }
     for (const chart of charts) {
       const keys = chart.def.match ? Object.keys(ev.values).filter((k) => chart.def.match.test(k)).sort() : chart.def.keys;

@@ -28,6 +28,15 @@ directory first, which works when the server shares this machine's filesystem. W
 the endpoint the backend says so (``can_reload`` False, ``reload_note`` in the heartbeat),
 keeps generating, and stamps rollouts with the version it actually serves.
 
+Verification: the server's parameters cannot be read, so the weights fingerprint
+(:mod:`rlstream.weights.fingerprint`) cannot be checked. Instead, for each full version the
+learner announces the log-probs of a short fixed token sequence under the published weights
+(:mod:`rlstream.weights.probe`); just before and just after a reload the backend asks the server
+for that sequence's prompt log-probs (:meth:`OpenAIBackend.probe_logprobs`: vLLM's
+``prompt_logprobs`` extension), and the producer compares them
+(:func:`rlstream.producers.weights.verify_loaded`). A server that returns no prompt log-probs
+leaves its versions unverified, and says so once, at start (``probe_note``).
+
 LoRA (``learner.lora``): each adapter version is loaded with vLLM's dynamic LoRA endpoint
 (``POST /v1/load_lora_adapter``, a server started with ``--enable-lora`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) under the name ``policy-v<version>``, requests then
@@ -81,6 +90,10 @@ class OpenAIBackend(Backend):
         self.scratch: Path | None = None
         self.adapter_name: str | None = None
         """The LoRA adapter requests name as their model (None: the served model)."""
+        self.probe_before: tuple[tuple[int, ...], list[float]] | None = None
+        """The probe's ids and the server's log-probs of them just before the last reload."""
+        self.probe_note = ""
+        """Why the last probe got no answer."""
         if tokenizer_path:
             from transformers import AutoTokenizer
 
@@ -152,10 +165,32 @@ class OpenAIBackend(Backend):
                                   reason if reason in ("stop", "length", "abort") else "stop", c.get("text") or ""))
         return out
 
+    async def probe_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The server's log-probs of ``ids[1:]``, each given the ids before it (a completions
+        request with ``prompt_logprobs: 0`` and one sampled token); None, with
+        :attr:`probe_note` saying why, when the server does not return them."""
+        try:
+            await self._session()
+            payload = {"model": self.adapter_name or self.model_name, "prompt": [int(t) for t in ids], "n": 1,
+                       "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+            body = await self._request("POST", self.url, payload)
+        except ProducerError as exc:  # policy: a version that cannot be probed is served unverified, and says why
+            self.probe_note = f"asking {self.url} for prompt_logprobs failed ({str(exc)[:200]}): versions unverified"
+            return None
+        got = parse_prompt_logprobs(body, ids)
+        if got is None:
+            self.probe_note = (f"{self.url} returned no prompt log-probs (vLLM's prompt_logprobs extension): its weights "
+                               "versions are unverified")
+        return got
+
     async def load_weights(self, source: WeightsSource) -> bool:
         await self._session()
         if source.is_adapter:
             return await self._load_adapter(source)
+        self.probe_before = None
+        if source.probe is not None:  # what the server answers with the old weights
+            before = await self.probe_logprobs(list(source.probe[0]))
+            self.probe_before = (tuple(source.probe[0]), before) if before is not None else None
         target = source.path
         if source.data is not None:
             self.scratch = self.scratch or Path(tempfile.mkdtemp(prefix="rlstream-openai-weights-"))
@@ -206,3 +241,22 @@ class OpenAIBackend(Backend):
             self.session = None
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def parse_prompt_logprobs(body: dict[str, Any], ids: list[int]) -> list[float] | None:
+    """The log-prob of each of ``ids[1:]`` from a completions response's ``prompt_logprobs``
+    (vLLM: one entry per prompt token, the first ``null``, each a map from token id to
+    ``{"logprob": ...}`` holding at least the prompt's own token); None when it is absent or
+    does not cover the prompt."""
+    choices = body.get("choices") or []
+    entries = choices[0].get("prompt_logprobs") if choices else None
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        return None
+    out = []
+    for token, entry in zip(ids[1:], entries[1:]):
+        hit = entry.get(str(token), entry.get(token)) if isinstance(entry, dict) else None
+        value = hit.get("logprob") if isinstance(hit, dict) else hit
+        if not isinstance(value, (int, float)):
+            return None
+        out.append(float(value))
+    return out
