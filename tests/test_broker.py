@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers.broker import wait_until
+from helpers.broker import fetch_until, wait_until
 
 from rlstream.broker import Consumer, Layout, Outgoing, Publisher, RunState, connect, ensure_layout, get_object, put_object
 from rlstream.broker.layout import POLICY_VERSION
@@ -225,7 +225,7 @@ async def test_after_a_give_back_what_comes_for_a_request_given_up_on_goes_back_
     await js._nc.flush()
     await Publisher(js).publish_many([Outgoing(lay.prompts, prompt(i).encode(), f"p{i}") for i in range(2)])
     other = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
-    got = await other.fetch(2, timeout=20)  # far less than the ack wait
+    got = await fetch_until(other, 2, timeout=20)  # far less than the ack wait
     assert sorted(d.record.id for d in got) == ["p0", "p1"], "records delivered after the give-back were held"
     assert all(d.deliveries == 2 for d in got)
     assert not pull.ready and pull.given_back == 2

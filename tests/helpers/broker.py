@@ -19,6 +19,18 @@ async def wait_until(pred, timeout: float, every: float = 0.1):
         await asyncio.sleep(every)
 
 
+async def fetch_until(consumer, n: int, timeout: float) -> list:
+    """Fetch from ``consumer`` until ``n`` deliveries came or ``timeout`` seconds passed; all that
+    came. One fetch returns what is there when its request lands, so records given back one by
+    one (each nak its own message, from another connection) can come in more than one fetch."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    got: list = []
+    while len(got) < n and (left := deadline - loop.time()) > 0:
+        got += await consumer.fetch(n - len(got), timeout=left)
+    return got
+
+
 async def layout_for(js, run_id, ack_wait_s: float = 30):
     return await ensure_layout(js, run_id, NatsConfig(ack_wait_s=ack_wait_s))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers.broker import layout_for, wait_until
+from helpers.broker import fetch_until, layout_for, wait_until
 from test_producer_loop import InProcess, _eq, perturbed, publish_weights, rollout_count
 
 from rlstream.broker import Consumer, Layout
@@ -62,13 +62,15 @@ async def test_a_stop_gives_back_at_once_what_has_not_begun_generating(js, nats_
         # given back now, while the held generation still runs: another consumer of the queue
         # gets them (the drain would hold them for 600 s)
         other = await Consumer(js, lay, Layout.PRODUCERS, Prompt, stage="producer").start()
-        taken = await other.fetch(2, timeout=30)
-        assert sorted(d.record.index for d in taken) == [4, 5], "prompts that had not begun were held for the drain"
-        assert all(d.deliveries == 2 for d in taken)
-        for d in taken:
-            await d.nak()
-        await other.close()
-        hold.set()
+        try:
+            taken = await fetch_until(other, 2, timeout=30)
+            assert sorted(d.record.index for d in taken) == [4, 5], "prompts that had not begun were held for the drain"
+            assert all(d.deliveries == 2 for d in taken)
+            for d in taken:
+                await d.nak()
+            await other.close()
+        finally:
+            hold.set()  # a failure above ends the held generation too, rather than the exit's wait
     stats = prod.stats
     assert stats.ready_naks == 2 and stats.drain_naks == 0
     assert stats.groups == 4 and len(entered) == 2  # the held batch finished within the drain; the other never generated
