@@ -14,9 +14,9 @@ Against the shipped accounts on a real nats-server."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from helpers.broker import wait_until
+from nats.js.errors import NotFoundError
 from test_nats_permissions import (  # noqa: F401
     COMPONENTS,
     LEARNER_KEYS,
@@ -31,7 +31,7 @@ from test_nats_permissions import (  # noqa: F401
 )
 
 from rlstream.broker import RunState, put_object
-from rlstream.broker.layout import LEARNER_STEP, POLICY_VERSION, Layout
+from rlstream.broker.layout import LEARNER_STEP, Layout
 from rlstream.broker.weights import delete_object, list_objects
 
 
@@ -40,6 +40,18 @@ async def learner_writes(state: RunState, version: int) -> None:
     await state.set_admit(100 + version)
     await state.put_int(LEARNER_STEP, version)
     await state.heartbeat("learner", "l0")
+
+
+async def puback_in(kv, key: str) -> bool:
+    """Whether ``key``'s value now is a PubAck (JSON with ``"seq"``)."""
+    return b'"seq"' in ((await kv.get(key)).value or b"")
+
+
+async def stored_puback(js, stream: str, subject: str) -> bool:
+    try:
+        return b'"seq"' in (await js.get_last_msg(stream, subject)).data
+    except NotFoundError:
+        return False
 
 
 @pytest.mark.parametrize("role", COMPONENTS)
@@ -75,7 +87,9 @@ async def test_no_reply_subject_reaches_the_learners_state(secured, role):  # no
         for target in targets:
             await nc.publish(own, b"x", reply=target)
         await nc.flush(5)
-        await asyncio.sleep(0.5)  # a PubAck travels after the publish it answers
+        # a PubAck travels after the publish it answers, in order: once the last target's has
+        # landed, every earlier one had its turn
+        assert await wait_until(lambda: puback_in(raw, f"heartbeat.{victim}.v0"), 30), "the last PubAck never landed"
 
         # nothing of the learner's changed: the same revisions, the same objects, no bad value read
         assert {key: (await raw.get(key)).revision for key in before} == before
@@ -123,7 +137,11 @@ async def test_without_a_state_account_a_puback_is_read_as_the_last_good_value(t
             for target in (*targets, f"$O.{lay.weights_bucket}.M.bm90LWFuLW9iamVjdA=="):
                 await nc.publish(lay.rollouts, b"x", reply=target)
             await nc.flush(5)
-            assert b'"seq"' in (await (await js.key_value(lay.state_bucket)).get(POLICY_VERSION)).value  # it landed
+            raw = await js.key_value(lay.state_bucket)
+            for key in (*LEARNER_KEYS, "heartbeat.learner.l0"):  # each landed (a PubAck travels after its publish)
+                assert await wait_until(lambda key=key: puback_in(raw, key), 30), f"no PubAck landed on {key}"
+            meta = f"$O.{lay.weights_bucket}.M.bm90LWFuLW9iamVjdA=="
+            assert await wait_until(lambda: stored_puback(js, f"OBJ_{lay.weights_bucket}", meta), 30)
 
             assert await reader.policy_version() == 3 and await reader.admit(0) == 103 and await reader.learner_step() == 3
             beats = await watcher.heartbeats()
