@@ -134,13 +134,13 @@ async def test_without_a_state_account_a_puback_is_read_as_the_last_good_value(t
             assert await reader.policy_version() == 3 and await reader.admit(0) == 103 and await reader.learner_step() == 3
             assert "learner.l0" in await watcher.heartbeats()
             targets = [f"$KV.{lay.state_bucket}.{key}" for key in (*LEARNER_KEYS, "heartbeat.learner.l0")]
-            for target in (*targets, f"$O.{lay.weights_bucket}.M.bm90LWFuLW9iamVjdA=="):
+            meta = f"$O.{lay.weights_bucket}.M.bm90LWFuLW9iamVjdA=="
+            for target in (*targets, meta):
                 await nc.publish(lay.rollouts, b"x", reply=target)
             await nc.flush(5)
             raw = await js.key_value(lay.state_bucket)
             for key in (*LEARNER_KEYS, "heartbeat.learner.l0"):  # each landed (a PubAck travels after its publish)
                 assert await wait_until(lambda key=key: puback_in(raw, key), 30), f"no PubAck landed on {key}"
-            meta = f"$O.{lay.weights_bucket}.M.bm90LWFuLW9iamVjdA=="
             assert await wait_until(lambda: stored_puback(js, f"OBJ_{lay.weights_bucket}", meta), 30)
 
             assert await reader.policy_version() == 3 and await reader.admit(0) == 103 and await reader.learner_step() == 3
